@@ -1,0 +1,23 @@
+"""Test setup: run Triton kernels in the interpreter when there is no GPU.
+
+``TRITON_INTERPRET`` must be set before any module with ``@triton.jit`` is imported, so it is
+set here, at collection start.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def kernel_device() -> torch.device:
+    """Where kernel tests put their tensors: CUDA when present, else CPU (interpreter)."""
+    return torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
