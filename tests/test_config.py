@@ -1,0 +1,91 @@
+"""HiSparseConfig / EngineConfig validation (DESIGN.md section 5)."""
+
+import pytest
+
+from hisparse_triton.config import (
+    ACTIVE_TAIL_PAGES,
+    GIB,
+    MAX_DEVICE_BUFFER_SIZE,
+    EngineConfig,
+    HiSparseConfig,
+)
+
+
+def test_defaults():
+    config = HiSparseConfig(host_pool_gib=64)
+    assert config.index_topk == 2048
+    assert config.max_decode_query_len == 1
+    assert config.device_buffer_size == 2 * 2048
+    assert config.shared_host_pool is None
+    assert config.host_pool_bytes == 64 * GIB
+    assert HiSparseConfig(host_pool_gib=1, max_decode_query_len=4).device_buffer_size == 5 * 2048
+    assert HiSparseConfig(host_pool_gib=1, index_topk=32).device_buffer_size == 64
+    assert ACTIVE_TAIL_PAGES == 2 and MAX_DEVICE_BUFFER_SIZE == 32768
+
+
+def test_host_pool_bytes_rounds_down():
+    assert HiSparseConfig(host_pool_gib=0.5).host_pool_bytes == GIB // 2
+    assert HiSparseConfig(host_pool_gib=1e-9).host_pool_bytes == 1
+
+
+def test_device_buffer_size_bounds():
+    assert HiSparseConfig(host_pool_gib=1, device_buffer_size=2048).device_buffer_size == 2048
+    assert HiSparseConfig(host_pool_gib=1, device_buffer_size=32768).device_buffer_size == 32768
+    with pytest.raises(ValueError, match=r"device_buffer_size=2047 is smaller than "
+                                         r"max_decode_query_len \* index_topk = 2048"):
+        HiSparseConfig(host_pool_gib=1, device_buffer_size=2047)
+    with pytest.raises(ValueError, match=r"device_buffer_size=4096 is smaller than "
+                                         r"max_decode_query_len \* index_topk = 6144"):
+        HiSparseConfig(host_pool_gib=1, device_buffer_size=4096, max_decode_query_len=3)
+    with pytest.raises(ValueError, match="device_buffer_size=32769 exceeds the maximum of 32768"):
+        HiSparseConfig(host_pool_gib=1, device_buffer_size=32769)
+    # the default can exceed the maximum too: (15 + 1) * 4096
+    with pytest.raises(ValueError, match="exceeds the maximum"):
+        HiSparseConfig(host_pool_gib=1, index_topk=4096, max_decode_query_len=15)
+
+
+def test_host_pool_gib_required_and_positive():
+    with pytest.raises(ValueError, match="host_pool_gib is required when HiSparse is enabled"):
+        HiSparseConfig()
+    for bad in (0, -1, True, "64", float("nan")):
+        with pytest.raises(ValueError, match="host_pool_gib must be a number > 0"):
+            HiSparseConfig(host_pool_gib=bad)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("index_topk", 0), ("index_topk", 1.5), ("max_decode_query_len", 0),
+    ("device_buffer_size", 0), ("device_buffer_size", "4096"),
+])
+def test_int_fields_rejected(field, value):
+    with pytest.raises(ValueError, match=f"HiSparseConfig.{field} must be an int >= 1, "
+                                         f"got {value!r}"):
+        HiSparseConfig(host_pool_gib=1, **{field: value})
+
+
+def test_shared_host_pool_flag_type():
+    with pytest.raises(ValueError, match="shared_host_pool must be True, False or None"):
+        HiSparseConfig(host_pool_gib=1, shared_host_pool=1)
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="EngineConfig.max_model_len must be an int >= 1, got 0"):
+        EngineConfig(max_model_len=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        EngineConfig(max_model_len=10, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override must be an int >= 1"):
+        EngineConfig(max_model_len=10, num_gpu_blocks_override=0)
+    with pytest.raises(TypeError, match="must be a HiSparseConfig or None, got dict"):
+        EngineConfig(max_model_len=10, hisparse={"host_pool_gib": 1})
+
+
+@pytest.mark.parametrize("flag, tp, expected", [
+    (None, 1, False), (None, 2, True), (None, 8, True),
+    (True, 1, True), (False, 8, False),
+])
+def test_shared_host_pool_auto(flag, tp, expected):
+    hisparse = HiSparseConfig(host_pool_gib=1, shared_host_pool=flag)
+    assert EngineConfig(10, hisparse, tensor_parallel_size=tp).shared_host_pool is expected
+
+
+def test_shared_host_pool_off_without_hisparse():
+    assert EngineConfig(10, tensor_parallel_size=8).shared_host_pool is False
