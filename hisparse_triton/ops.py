@@ -1,0 +1,244 @@
+"""Public ops (``resolve``, ``copy_rows``, ``copy_pages``) and their backend dispatch.
+
+Each op has the signature of its contract in ``hisparse_triton.reference`` plus a keyword
+``backend``:
+
+- ``"auto"``: the Triton kernels when the op's tensors are on CUDA, the torch reference
+  otherwise;
+- ``"triton"``: the Triton kernels; on CPU tensors only under ``TRITON_INTERPRET=1`` (the
+  interpreter, for tests), else ``BackendUnavailableError`` (never a silent fallback);
+- ``"torch"``: the reference (``reference.py``) on whatever device the tensors are;
+- ``None``: ``$HISPARSE_TRITON_BACKEND`` (read at every call), default ``"auto"``.
+
+The op's device is the device of its index tensors (``topk``; ``src_rows`` / ``src_blocks``):
+the device the kernels run on. Pools may be elsewhere (a pinned CPU host pool on CUDA).
+
+The ops are also registered as ``torch.library`` custom ops under the ``hisparse_triton``
+namespace (``torch.ops.hisparse_triton.{resolve,copy_rows,copy_pages}``): CPU kernel = the
+reference, CUDA kernel = Triton, fake kernels for ``torch.compile`` (fixed output shapes; the
+copy ops declare the destination pool mutated, ``resolve`` declares ``slot_host_rows`` and
+``lru`` mutated). Custom ops take tensors and scalars only, so a ``RowTable`` travels flattened
+as ``(pool, layer_offsets, row_bytes, block_size, block_stride, num_rows)``. ``auto`` (and
+``torch`` on CPU, ``triton`` on CUDA) go through the registered op; ``torch`` on CUDA calls
+the reference directly and ``triton`` on CPU calls the kernel launcher directly.
+
+``validate_table`` checks a table once (layers inside the pool, alignment, pinning for a CUDA
+kernel); the kernels do it on first use otherwise. Call it before capturing a CUDA graph: the
+first check reads the offset table on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from hisparse_triton import reference
+from hisparse_triton.reference import ResolveResult
+from hisparse_triton.row_table import RowTable
+
+__all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "copy_pages", "copy_rows",
+           "resolve", "select_backend", "validate_table"]
+
+#: Accepted ``backend`` values.
+BACKENDS = ("auto", "triton", "torch")
+#: Environment variable read when ``backend`` is None.
+ENV_VAR = "HISPARSE_TRITON_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """The Triton backend was asked for where it cannot run (CPU tensors, no interpreter)."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_backend(backend: Optional[str], device: torch.device) -> str:
+    """``"triton"`` or ``"torch"``: what ``backend`` (or ``$HISPARSE_TRITON_BACKEND``) means
+    for tensors on ``device``; raises ``ValueError`` for an unknown name and
+    ``BackendUnavailableError`` for ``"triton"`` on CPU without ``TRITON_INTERPRET=1``."""
+    name = backend if backend is not None else os.environ.get(ENV_VAR) or "auto"
+    if name not in BACKENDS:
+        source = "backend" if backend is not None else f"${ENV_VAR}"
+        raise ValueError(f"{source}={name!r} is not a backend; expected one of "
+                         f"{', '.join(BACKENDS)}.")
+    if name == "torch":
+        return "torch"
+    if device.type == "cuda":
+        return "triton"
+    if name == "auto":
+        return "torch"
+    if _interpreting():
+        return "triton"
+    raise BackendUnavailableError(
+        f"backend 'triton' needs CUDA tensors (got tensors on {device}) or TRITON_INTERPRET=1 "
+        f"(the Triton interpreter); use backend='torch' or 'auto' on this machine.")
+
+
+def validate_table(table: RowTable, device: Optional[torch.device | str] = None) -> int:
+    """Check ``table`` once: every layer inside its pool and, for a kernel on a CUDA
+    ``device``, a CPU pool pinned. Returns the power-of-two alignment (<= 16 B) of its layer
+    offsets. Raises ``ValueError`` on a bad table. Cached: later calls (and the ops) are free."""
+    alignment = reference.table_alignment(table)
+    if device is not None and torch.device(device).type == "cuda":
+        from hisparse_triton.kernels.gather import validate_pool
+
+        validate_pool(table.pool, torch.device(device))
+    return alignment
+
+
+# ------------------------------------------------------------------ copy_rows / copy_pages
+
+
+def _flat(table: RowTable) -> tuple[Tensor, Tensor, int, int, int, int]:
+    return (table.pool, table.layer_offsets, table.row_bytes, table.block_size,
+            table.block_stride, table.num_rows)
+
+
+def _copy_launcher(pages: bool, dst: RowTable, src: RowTable):
+    """The typed Triton launcher of this direction: device -> host (into a CPU pool from a
+    device pool) is ``backup``/``spill``, anything else ``gather``/``restore``."""
+    if dst.pool.device.type == "cpu" and src.pool.device.type != "cpu":
+        from hisparse_triton.kernels import backup
+
+        return backup.spill_pages if pages else backup.backup_rows
+    from hisparse_triton.kernels import gather
+
+    return gather.restore_pages if pages else gather.gather_rows
+
+
+def _define_copy_op(name: str, pages: bool):
+    """Register ``hisparse_triton::<name>`` (CPU: reference, CUDA: Triton, fake: no-op)."""
+    reference_fn = reference.copy_pages if pages else reference.copy_rows
+
+    @torch.library.custom_op(f"hisparse_triton::{name}", mutates_args=("dst_pool",),
+                             device_types="cpu")
+    def op(dst_pool: Tensor, dst_layer_offsets: Tensor, dst_row_bytes: int,
+           dst_block_size: int, dst_block_stride: int, dst_num_rows: int,
+           src_pool: Tensor, src_layer_offsets: Tensor, src_row_bytes: int,
+           src_block_size: int, src_block_stride: int, src_num_rows: int,
+           src_ids: Tensor, dst_ids: Tensor, counts: Optional[Tensor]) -> None:
+        dst = RowTable(dst_pool, dst_layer_offsets, dst_row_bytes, dst_block_size,
+                       dst_block_stride, dst_num_rows)
+        src = RowTable(src_pool, src_layer_offsets, src_row_bytes, src_block_size,
+                       src_block_stride, src_num_rows)
+        reference_fn(dst, src, src_ids, dst_ids, counts)
+
+    @op.register_kernel("cuda")
+    def _cuda(dst_pool, dst_layer_offsets, dst_row_bytes, dst_block_size, dst_block_stride,
+              dst_num_rows, src_pool, src_layer_offsets, src_row_bytes, src_block_size,
+              src_block_stride, src_num_rows, src_ids, dst_ids, counts):
+        dst = RowTable(dst_pool, dst_layer_offsets, dst_row_bytes, dst_block_size,
+                       dst_block_stride, dst_num_rows)
+        src = RowTable(src_pool, src_layer_offsets, src_row_bytes, src_block_size,
+                       src_block_stride, src_num_rows)
+        _copy_launcher(pages, dst, src)(dst, src, src_ids, dst_ids, counts)
+
+    @op.register_fake
+    def _fake(*args) -> None:
+        return None
+
+    return op
+
+
+copy_rows_op = _define_copy_op("copy_rows", pages=False)
+copy_pages_op = _define_copy_op("copy_pages", pages=True)
+
+
+def _copy(op, pages: bool, dst: RowTable, src: RowTable, src_ids: Tensor, dst_ids: Tensor,
+          counts: Optional[Tensor], backend: Optional[str]) -> None:
+    choice = select_backend(backend, src_ids.device)
+    if choice == "torch" and src_ids.device.type != "cpu":
+        (reference.copy_pages if pages else reference.copy_rows)(dst, src, src_ids, dst_ids,
+                                                                 counts)
+    elif choice == "triton" and src_ids.device.type == "cpu":  # the interpreter
+        _copy_launcher(pages, dst, src)(dst, src, src_ids, dst_ids, counts)
+    else:
+        op(*_flat(dst), *_flat(src), src_ids, dst_ids, counts)
+
+
+def copy_rows(dst: RowTable, src: RowTable, src_rows: Tensor, dst_rows: Tensor,
+              counts: Optional[Tensor] = None, *, backend: Optional[str] = None) -> None:
+    """Copy rows of every layer from ``src`` to ``dst`` (gather H2D, write-through D2H).
+
+    ``src_rows``/``dst_rows``: ``[R, K]`` or ``[L, R, K] int32``; ``counts``: ``[R] int32`` or
+    None (all columns). A source row out of range copies zeros, a destination row out of
+    range is skipped (``reference.copy_rows``). One launch for all layers on Triton.
+    """
+    _copy(copy_rows_op, False, dst, src, src_rows, dst_rows, counts, backend)
+
+
+def copy_pages(dst: RowTable, src: RowTable, src_blocks: Tensor, dst_blocks: Tensor,
+               counts: Optional[Tensor] = None, *, backend: Optional[str] = None) -> None:
+    """Copy whole blocks of every layer (restore H2D, spill D2H): ``reference.copy_pages``.
+
+    ``src_blocks``/``dst_blocks``: ``[R, K]`` or ``[L, R, K] int32`` block ids; ``counts``:
+    ``[R] int32`` or None.
+    """
+    _copy(copy_pages_op, True, dst, src, src_blocks, dst_blocks, counts, backend)
+
+
+# ------------------------------------------------------------------------------ resolve
+
+
+def _resolve_kernel():
+    from hisparse_triton.kernels.resolve import resolve as kernel
+
+    return kernel
+
+
+@torch.library.custom_op("hisparse_triton::resolve", mutates_args=("slot_host_rows", "lru"),
+                         device_types="cpu")
+def resolve_op(topk: Tensor, state_rows: Tensor, seq_lens: Tensor, resident_blocks: Tensor,
+               host_blocks: Tensor, hot_blocks: Tensor, slot_host_rows: Tensor, lru: Tensor,
+               block_size: int, num_device_blocks: int,
+               num_host_blocks: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(reference.resolve(
+        topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
+        lru, block_size=block_size, num_device_blocks=num_device_blocks,
+        num_host_blocks=num_host_blocks))
+
+
+@resolve_op.register_kernel("cuda")
+def _resolve_cuda(topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
+                  slot_host_rows, lru, block_size, num_device_blocks, num_host_blocks):
+    return tuple(_resolve_kernel()(
+        topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
+        lru, block_size=block_size, num_device_blocks=num_device_blocks,
+        num_host_blocks=num_host_blocks))
+
+
+@resolve_op.register_fake
+def _resolve_fake(topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
+                  slot_host_rows, lru, block_size, num_device_blocks, num_host_blocks):
+    rows, cols = topk.shape
+    return (topk.new_empty((rows, cols), dtype=torch.int32),
+            topk.new_empty((rows, cols), dtype=torch.int32),
+            topk.new_empty((rows, cols), dtype=torch.int32),
+            topk.new_empty((rows,), dtype=torch.int32),
+            topk.new_empty((rows, 3), dtype=torch.int32))
+
+
+def resolve(topk: Tensor, state_rows: Tensor, seq_lens: Tensor, resident_blocks: Tensor,
+            host_blocks: Tensor, hot_blocks: Tensor, slot_host_rows: Tensor, lru: Tensor, *,
+            block_size: int, num_device_blocks: int, num_host_blocks: int,
+            backend: Optional[str] = None) -> ResolveResult:
+    """Resolve top-k positions into device rows and a miss plan; update the hot state in place.
+
+    Shapes and semantics: ``reference.resolve`` (``topk [R, K] int32``, state ``[S, ...]``
+    int32; returns ``ResolveResult``: ``rows``/``miss_src``/``miss_dst`` ``[R, K] int32``,
+    ``miss_count [R] int32``, ``stats [R, 3] int32``). No host sync on the Triton backend.
+    """
+    args = (topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
+            slot_host_rows, lru)
+    sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
+                 num_host_blocks=num_host_blocks)
+    choice = select_backend(backend, topk.device)
+    if choice == "torch" and topk.device.type != "cpu":
+        return reference.resolve(*args, **sizes)
+    if choice == "triton" and topk.device.type == "cpu":  # the interpreter
+        return ResolveResult(*_resolve_kernel()(*args, **sizes))
+    return ResolveResult(*resolve_op(*args, **sizes))

@@ -1,0 +1,265 @@
+"""Host -> device row gather and whole-page restore; the row/page copy kernel they share.
+
+``copy_rows_kernel`` moves *spans* (a row of ``row_bytes``, or a whole page of
+``block_size * row_bytes``) of every layer of one ``RowTable`` into another, following a plan
+of span ids (``[R, K]`` shared by all layers, or ``[L, R, K]`` per layer) and a device-side
+count per plan row. It is direction-agnostic: ``gather_rows`` / ``restore_pages`` here (host
+-> device) and ``backup_rows`` / ``spill_pages`` in ``backup.py`` (device -> host) are typed
+launchers over it with their own default launch configs (``hisparse_triton.tuning``).
+
+Launch shape (``C`` = ``rows_per_program``, ``LP`` = ``layers_per_program``):
+- a *work item* is ``C`` consecutive plan columns of one plan row: ``R * cdiv(K, C)`` items,
+  numbered column-chunk-major (item ``i`` = chunk ``i // R`` of row ``i % R``), so the items
+  holding misses (the first columns of every row) are spread over all programs;
+- grid = ``(min(items, grid_programs // layer_groups), layer_groups)`` with ``layer_groups =
+  cdiv(L, LP)``; a program walks items grid-stride, skips an item whose first column is past
+  ``counts[r]`` after one scalar load, and otherwise copies its ``C`` spans for each of its
+  ``LP`` layers, ``chunk`` bytes of every span per step as a ``[C, chunk / word]`` tile.
+The grid never depends on the batch size beyond being capped, never on the counts (which stay
+on the device), and a launch has a fixed shape for a fixed plan shape (CUDA-graph friendly).
+
+Accesses: the pools are passed reinterpreted as ``word``-byte words (``int32``, or ``int16`` /
+``uint8`` when rows are only 2- or 1-byte aligned) and each thread moves ``VEC`` contiguous
+words: 16-byte accesses when the span size, the block strides, every layer offset and both
+pools' base addresses are multiples of 16, narrower otherwise (chosen on the host from the
+table geometry; the layer offsets are read once per table, see
+``hisparse_triton.reference.table_alignment``). Addresses are int64.
+
+Safety: a span id outside ``[0, num_spans)`` of the source loads zeros (the destination is
+zero-filled, never given stale or foreign bytes); outside ``[0, num_spans)`` of the
+destination nothing is stored; columns at or past ``counts[r]`` are not touched; a table
+whose layers do not fit its pool is refused before launch. So whatever the ids say, no byte
+outside the addressed pools' rows is read or written.
+
+Pools may live on different devices: on CUDA the host pool is pinned CPU memory (checked once
+per pool), which the kernel dereferences directly (unified addressing); plans, counts and
+both tables' ``layer_offsets`` live on the CUDA device. Under ``TRITON_INTERPRET=1``
+everything is on the CPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse_triton.reference import check_copy_args, table_alignment
+from hisparse_triton.row_table import RowTable
+from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
+
+__all__ = ["LaunchShape", "copy_rows_kernel", "gather_rows", "launch_copy", "launch_shape",
+           "restore_pages", "validate_pool"]
+
+_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@triton.jit
+def copy_rows_kernel(
+    dst_ptr, src_ptr,                      # pools as words (int32 / int16 / uint8)
+    dst_layers_ptr, src_layers_ptr,        # [L] int64 byte offset of each layer's span 0
+    src_ids_ptr, dst_ids_ptr, counts_ptr,  # plan [L?, R, K] int32, counts [R] int32
+    src_stride_l, src_stride_r, src_stride_k,
+    dst_stride_l, dst_stride_r, dst_stride_k,
+    counts_stride,
+    num_plan_rows, num_cols, num_layers, num_items,
+    src_per_block, src_block_stride, src_num_spans,  # spans per block, bytes, valid ids
+    dst_per_block, dst_block_stride, dst_num_spans,
+    span_vecs,                             # span size in VEC-word vectors
+    HAS_COUNTS: tl.constexpr,
+    COLS: tl.constexpr,                    # plan columns per work item
+    LAYERS: tl.constexpr,                  # layers per program
+    CHUNK_VECS: tl.constexpr,              # vectors of a span moved per step
+    VEC: tl.constexpr,                     # words per access
+    WORD_BYTES: tl.constexpr,
+):
+    """Copy span ``src_ids[l, r, j]`` of layer ``l`` to span ``dst_ids[l, r, j]`` for every
+    ``j < counts[r]``; see the module docstring for the launch shape and the bounds rules."""
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    layer_begin = tl.program_id(1) * LAYERS
+    layer_end = tl.minimum(layer_begin + LAYERS, num_layers)
+    col_offs = tl.arange(0, COLS)
+    word_offs = tl.arange(0, CHUNK_VECS * VEC)
+    span_words = span_vecs * VEC
+    span_bytes = tl.cast(span_words, tl.int64) * WORD_BYTES
+    for item in range(pid, num_items, num_progs):
+        row = tl.cast(item % num_plan_rows, tl.int64)
+        col0 = (item // num_plan_rows) * COLS
+        if HAS_COUNTS:
+            count = tl.minimum(tl.load(counts_ptr + row * counts_stride), num_cols)
+        else:
+            count = num_cols
+        if col0 < count:
+            cols = col0 + col_offs
+            active = cols < count
+            src_plan = src_ids_ptr + row * src_stride_r + cols.to(tl.int64) * src_stride_k
+            dst_plan = dst_ids_ptr + row * dst_stride_r + cols.to(tl.int64) * dst_stride_k
+            for layer in range(layer_begin, layer_end):
+                lyr = tl.cast(layer, tl.int64)
+                src_id = tl.load(src_plan + lyr * src_stride_l, mask=active, other=-1)
+                dst_id = tl.load(dst_plan + lyr * dst_stride_l, mask=active, other=-1)
+                src_ok = active & (src_id >= 0) & (src_id < src_num_spans)
+                dst_ok = active & (dst_id >= 0) & (dst_id < dst_num_spans)
+                s = tl.where(src_ok, src_id, 0).to(tl.int64)
+                d = tl.where(dst_ok, dst_id, 0).to(tl.int64)
+                src_byte = tl.load(src_layers_ptr + lyr) + (s // src_per_block) * src_block_stride \
+                    + (s % src_per_block) * span_bytes
+                dst_byte = tl.load(dst_layers_ptr + lyr) + (d // dst_per_block) * dst_block_stride \
+                    + (d % dst_per_block) * span_bytes
+                src_word = tl.multiple_of(src_byte // WORD_BYTES, VEC)
+                dst_word = tl.multiple_of(dst_byte // WORD_BYTES, VEC)
+                load_ok = (src_ok & dst_ok)[:, None]
+                store_ok = dst_ok[:, None]
+                for w0 in range(0, span_words, CHUNK_VECS * VEC):
+                    words = w0 + word_offs
+                    in_span = (words < span_words)[None, :]
+                    vals = tl.load(src_ptr + src_word[:, None] + words[None, :],
+                                   mask=load_ok & in_span, other=0)
+                    tl.store(dst_ptr + dst_word[:, None] + words[None, :], vals,
+                             mask=store_ok & in_span)
+
+
+#: ``validate_pool`` results by ``id(pool)``: (weak ref, device it was checked for).
+_POOL_CHECKS: dict[int, tuple[weakref.ref, torch.device]] = {}
+
+
+def validate_pool(pool: torch.Tensor, device: torch.device) -> None:
+    """Check once that a kernel running on ``device`` can dereference ``pool``.
+
+    A pool on ``device`` is fine; a CPU pool used by a CUDA kernel must be pinned (page-locked,
+    e.g. ``cudaHostRegister``-ed): Triton then passes its host address, which CUDA's unified
+    addressing maps for the device. Raises ``ValueError`` otherwise. Cached per pool tensor.
+    """
+    key = id(pool)
+    entry = _POOL_CHECKS.get(key)
+    if entry is not None and entry[0]() is pool and entry[1] == device:
+        return
+    if pool.device != device:
+        if not (device.type == "cuda" and pool.device.type == "cpu"):
+            raise ValueError(f"a kernel on {device} cannot address a pool on {pool.device}.")
+        if not pool.is_pinned():
+            raise ValueError(f"the CPU pool of {pool.numel()} B at 0x{pool.data_ptr():x} is not "
+                             f"pinned; a CUDA kernel can only read pinned host memory (pin it "
+                             f"with cudaHostRegister, or use the torch backend).")
+    _POOL_CHECKS[key] = (weakref.ref(pool, lambda _ref, k=key: _POOL_CHECKS.pop(k, None)), device)
+
+
+def _kernel_device(dst: RowTable, src: RowTable, src_ids: torch.Tensor) -> torch.device:
+    device = src_ids.device
+    for name, tensor in (("dst.layer_offsets", dst.layer_offsets),
+                         ("src.layer_offsets", src.layer_offsets)):
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but the plan is on {device}; the "
+                             f"offset tables live on the device the kernel runs on.")
+    validate_pool(dst.pool, device)
+    validate_pool(src.pool, device)
+    return device
+
+
+def _word_view(pool: torch.Tensor, word: int) -> torch.Tensor:
+    """``pool`` reinterpreted as ``word``-byte words (the tail shorter than a word dropped)."""
+    return pool[: pool.numel() // word * word].view(_WORD_DTYPES[word])
+
+
+class LaunchShape(NamedTuple):
+    """How ``launch_copy`` launches ``copy_rows_kernel`` (all host-side ints)."""
+
+    config: CopyConfig
+    span_bytes: int    # bytes one plan entry moves (a row, or a page)
+    access_bytes: int  # bytes per thread access: the alignment of every address, <= config's
+    word_bytes: int    # element size the pools are viewed as (min(access, 4))
+    chunk_vecs: int    # accesses per span per inner step
+    num_items: int     # work items: R * cdiv(K, rows_per_program)
+    grid: tuple[int, int]
+
+
+def launch_shape(dst: RowTable, src: RowTable, rows: int, cols: int, *, pages: bool,
+                 kernel: str, config: Optional[CopyConfig] = None) -> LaunchShape:
+    """The launch of a ``[rows, cols]`` plan between ``src`` and ``dst`` (no tensor reads
+    beyond the once-per-table offset validation)."""
+    span = dst.row_bytes * (dst.block_size if pages else 1)
+    if config is None:
+        config = default_config(kernel, span, dst.num_layers)
+    access = pow2_alignment(span, src.block_stride, dst.block_stride, table_alignment(src),
+                            table_alignment(dst), src.pool.data_ptr(), dst.pool.data_ptr(),
+                            cap=config.access_bytes)
+    chunk_vecs = max(1, min(config.chunk_bytes, next_pow2(span)) // access)
+    num_items = rows * triton.cdiv(cols, config.rows_per_program)
+    layer_groups = triton.cdiv(dst.num_layers, config.layers_per_program)
+    grid = (max(1, min(num_items, config.grid_programs // layer_groups)), layer_groups)
+    return LaunchShape(config, span, access, min(access, 4), chunk_vecs, num_items, grid)
+
+
+def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                counts: Optional[torch.Tensor], *, pages: bool, kernel: str,
+                config: Optional[CopyConfig] = None) -> None:
+    """Check the arguments and launch ``copy_rows_kernel`` once for all layers.
+
+    ``pages=False``: rows (``copy_rows`` semantics); ``pages=True``: whole blocks
+    (``copy_pages`` semantics). ``kernel`` names the default config (``tuning.default_config``)
+    used when ``config`` is None. Reads no tensor values on the host (the tables' offsets are
+    validated once per table), so it does not synchronise with the device.
+    """
+    check_copy_args(dst, src, src_ids, dst_ids, counts, pages=pages)
+    device = _kernel_device(dst, src, src_ids)
+    num_layers = dst.num_layers
+    rows, cols = src_ids.shape[-2:]
+    if rows == 0 or cols == 0:
+        return
+    shape = launch_shape(dst, src, rows, cols, pages=pages, kernel=kernel, config=config)
+    config = shape.config
+    word = shape.word_bytes
+
+    def plan_strides(ids: torch.Tensor) -> tuple[int, int, int]:
+        return (ids.stride(0), ids.stride(1), ids.stride(2)) if ids.dim() == 3 \
+            else (0, ids.stride(0), ids.stride(1))
+
+    has_counts = counts is not None
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        copy_rows_kernel[shape.grid](
+            _word_view(dst.pool, word), _word_view(src.pool, word),
+            dst.layer_offsets, src.layer_offsets,
+            src_ids, dst_ids, counts if has_counts else src_ids,
+            *plan_strides(src_ids), *plan_strides(dst_ids),
+            counts.stride(0) if has_counts else 0,
+            rows, cols, num_layers, shape.num_items,
+            1 if pages else src.block_size, src.block_stride,
+            src.num_blocks if pages else src.num_rows,
+            1 if pages else dst.block_size, dst.block_stride,
+            dst.num_blocks if pages else dst.num_rows,
+            shape.span_bytes // shape.access_bytes,
+            HAS_COUNTS=has_counts, COLS=config.rows_per_program,
+            LAYERS=config.layers_per_program, CHUNK_VECS=shape.chunk_vecs,
+            VEC=shape.access_bytes // word, WORD_BYTES=word,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+
+def gather_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+                counts: Optional[torch.Tensor] = None,
+                config: Optional[CopyConfig] = None) -> None:
+    """Host -> device row gather: ``reference.copy_rows`` semantics, one launch for all layers.
+
+    ``src`` is the host pool's table (pinned CPU memory on CUDA), ``dst`` the device pool's;
+    ``src_rows``/``dst_rows``: ``[R, K]`` or ``[L, R, K] int32`` (e.g. resolve's miss plan),
+    ``counts``: ``[R] int32`` or None, all on the kernel's device. ``config`` defaults to
+    ``default_config("gather", row_bytes, num_layers)``.
+    """
+    launch_copy(dst, src, src_rows, dst_rows, counts, pages=False, kernel="gather",
+                config=config)
+
+
+def restore_pages(dst: RowTable, src: RowTable, src_blocks: torch.Tensor,
+                  dst_blocks: torch.Tensor, counts: Optional[torch.Tensor] = None,
+                  config: Optional[CopyConfig] = None) -> None:
+    """Host -> device whole-page copy: ``reference.copy_pages`` semantics, one launch.
+
+    Block-id plans ``[R, K]`` / ``[L, R, K] int32``; ``config`` defaults to
+    ``default_config("restore", block_size * row_bytes, num_layers)``.
+    """
+    launch_copy(dst, src, src_blocks, dst_blocks, counts, pages=True, kernel="restore",
+                config=config)

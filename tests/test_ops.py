@@ -1,0 +1,201 @@
+"""hisparse_triton.ops: backend selection, dispatch, custom-op registration (opcheck, compile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse_triton import ops
+from hisparse_triton import reference as ref
+from hisparse_triton.kernels import backup, gather
+from test_copy_reference import make_table, random_plan, run_copy, run_reference, with_pool
+
+HAS_CUDA = torch.cuda.is_available()
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_env(monkeypatch):
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts calls of the Triton copy launchers (the real ones still run)."""
+    calls: list[str] = []
+    for module, name in ((gather, "gather_rows"), (gather, "restore_pages"),
+                         (backup, "backup_rows"), (backup, "spill_pages")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _case(pages: bool = False, mode: str = "per_layer", device=CPU):
+    src = make_table(2, 132, 5, layout="host", seed=1, device=device)
+    dst = make_table(2, 132, 4, layout="device", seed=2, device=device)
+    lim_s, lim_d = (src.num_blocks, dst.num_blocks) if pages else (src.num_rows, dst.num_rows)
+    s, d, c = random_plan(2, 2, 3, lim_s, lim_d, mode=mode, seed=3, device=device)
+    return dst, src, s, d, c
+
+
+# ---------------------------------------------------------------------- backend selection
+
+
+@pytest.mark.parametrize("backend,device,interp,want", [
+    ("auto", CPU, "1", "torch"), ("auto", CUDA, "0", "triton"), ("torch", CPU, "1", "torch"),
+    ("torch", CUDA, "0", "torch"), ("triton", CPU, "1", "triton"), ("triton", CUDA, "0", "triton"),
+    (None, CPU, "0", "torch"), (None, CUDA, "0", "triton"),
+])
+def test_select_backend(monkeypatch, backend, device, interp, want):
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    assert ops.select_backend(backend, device) == want
+
+
+def test_env_var_picks_the_backend(monkeypatch):
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    assert ops.select_backend(None, CUDA) == "torch"
+    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ops.select_backend(None, CPU) == "triton"
+    assert ops.select_backend("auto", CPU) == "torch"  # an explicit argument wins
+    monkeypatch.setenv(ops.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=r"\$HISPARSE_TRITON_BACKEND='cuda'"):
+        ops.select_backend(None, CPU)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="'fast' is not a backend"):
+        ops.select_backend("fast", CPU)
+
+
+def test_triton_without_cuda_or_interpreter_raises_and_copies_nothing(monkeypatch, launches):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dst, src, s, d, c = _case()
+    before = dst.pool.clone()
+    with pytest.raises(ops.BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        ops.copy_rows(dst, src, s, d, c, backend="triton")
+    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    with pytest.raises(ops.BackendUnavailableError):
+        ops.copy_pages(dst, src, s, d, c)
+    assert torch.equal(dst.pool, before) and launches == []
+
+
+# ---------------------------------------------------------------------- dispatch
+
+
+@pytest.mark.parametrize("pages", (False, True))
+@pytest.mark.parametrize("backend", ("auto", "torch", "triton", None))
+def test_copy_ops_match_reference_on_every_backend(kernel_device, launches, pages, backend):
+    dst, src, s, d, c = _case(pages, device=kernel_device)
+    out = run_copy(ops.copy_pages if pages else ops.copy_rows, dst, src, s, d, c,
+                   backend=backend)
+    assert torch.equal(out, run_reference(dst, src, s, d, c, pages=pages))
+    ran_triton = kernel_device.type == "cuda" and backend != "torch" or backend == "triton"
+    assert launches == ([("restore_pages" if pages else "gather_rows")] if ran_triton else [])
+
+
+def test_env_var_routes_to_the_interpreted_kernel(monkeypatch, launches):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    dst, src, s, d, c = _case()
+    out = run_copy(ops.copy_rows, dst, src, s, d, c)
+    assert torch.equal(out, run_reference(dst, src, s, d, c, pages=False))
+    assert launches == ["gather_rows"]
+
+
+def test_validate_table_reports_alignment_and_refuses_a_bad_table():
+    table = make_table(2, 132, 3, lead=4, gap=16)
+    assert ops.validate_table(table) == 4
+    bad = ref.RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
+    with pytest.raises(ValueError, match="layer 1"):
+        ops.validate_table(bad)
+
+
+# ---------------------------------------------------------------------- custom ops
+
+
+@pytest.mark.parametrize("pages", (False, True))
+@pytest.mark.parametrize("mode,with_counts", [("shared", True), ("per_layer", False)])
+def test_copy_ops_pass_opcheck(pages, mode, with_counts):
+    dst, src, s, d, c = _case(pages, mode)
+    op = torch.ops.hisparse_triton.copy_pages if pages else torch.ops.hisparse_triton.copy_rows
+    args = (*ops._flat(dst), *ops._flat(src), s, d, c if with_counts else None)
+    torch.library.opcheck(op.default, args)
+
+
+def test_copy_rows_compiles_without_graph_breaks():
+    dst, src, s, d, c = _case()
+
+    def step(pool, s, d, c):
+        ops.copy_rows(with_pool(dst, pool), src, s, d, c)
+        return pool
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    out = compiled(dst.pool.clone(), s, d, c)
+    assert torch.equal(out, run_reference(dst, src, s, d, c, pages=False))
+
+
+def _resolve_case():
+    from test_resolve_reference import make_state, make_topk
+
+    state = make_state(num_states=3, pages=4, hot_slots=8, block_size=4, seed=5)
+    state_rows = [2, -1, 0]
+    topk = make_topk(state, state_rows, 5, seed=6)
+    return topk, torch.tensor(state_rows, dtype=torch.int32), state
+
+
+def test_resolve_op_passes_opcheck():
+    topk, state_rows, state = _resolve_case()
+    torch.library.opcheck(torch.ops.hisparse_triton.resolve.default,
+                          (topk, state_rows, *state.args()), state.kwargs())
+
+
+@pytest.mark.parametrize("backend", ("auto", "torch", "triton"))
+def test_resolve_matches_reference_on_every_backend(kernel_device, monkeypatch, backend):
+    topk, state_rows, state = _resolve_case()
+    want_state = state.clone()
+    want = ref.resolve(topk, state_rows, *want_state.args(), **want_state.kwargs())
+    import hisparse_triton.kernels.resolve as kres
+
+    calls = []
+    real = kres.resolve
+    monkeypatch.setattr(kres, "resolve", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dev_state = state.to(kernel_device)
+    got = ops.resolve(topk.to(kernel_device), state_rows.to(kernel_device), *dev_state.args(),
+                      **dev_state.kwargs(), backend=backend)
+    assert isinstance(got, ref.ResolveResult)
+    for name, g, w in zip(got._fields, got, want):
+        assert torch.equal(g.cpu(), w), name
+    assert torch.equal(dev_state.slot_host_rows.cpu(), want_state.slot_host_rows)
+    assert torch.equal(dev_state.lru.cpu(), want_state.lru)
+    ran_triton = backend == "triton" or (backend == "auto" and kernel_device.type == "cuda")
+    assert calls == ([1] if ran_triton else [])
+
+
+# ---------------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pages", (False, True))
+def test_cuda_op_picks_the_direction(launches, pages):
+    """Pinned host pool + CUDA device pool: H2D runs gather/restore, D2H backup/spill."""
+    host = make_table(2, 656, 6, layout="host", seed=7, offsets_device="cuda")
+    host = with_pool(host, host.pool.pin_memory())
+    dev = make_table(2, 656, 5, layout="device", seed=8, device="cuda")
+    for src, dst, name in ((host, dev, "restore_pages" if pages else "gather_rows"),
+                           (dev, host, "spill_pages" if pages else "backup_rows")):
+        lim_s = src.num_blocks if pages else src.num_rows
+        lim_d = dst.num_blocks if pages else dst.num_rows
+        s, d, c = random_plan(2, 2, 3, lim_s, lim_d, seed=9, device="cuda")
+        expected = run_reference(dst, src, s, d, c, pages=pages)
+        out = dst.pool.clone()
+        out = out.pin_memory() if out.device.type == "cpu" else out
+        launches.clear()
+        (ops.copy_pages if pages else ops.copy_rows)(with_pool(dst, out), src, s, d, c)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected) and launches == [name]
