@@ -20,6 +20,12 @@ _LAZY = {
     "CapacityError": "hisparse_triton.errors",
     "UnknownRequestError": "hisparse_triton.errors",
     "HiSparseError": "hisparse_triton.errors",
+    "DuplicateRequestError": "hisparse_triton.errors",
+    "ReservationExceededError": "hisparse_triton.errors",
+    "RuntimeClosedError": "hisparse_triton.errors",
+    "HostMemoryError": "hisparse_triton.errors",
+    "BlockPoolError": "hisparse_triton.errors",
+    "BackendUnavailableError": "hisparse_triton.ops",
     "RowTable": "hisparse_triton.row_table",
     "get_hisparse_kv_cache_groups": "hisparse_triton.layout",
     "create_hisparse_layout": "hisparse_triton.layout",
@@ -32,6 +38,8 @@ __all__ = ["EngineConfig", "HiSparseConfig", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ops":
+        return importlib.import_module("hisparse_triton.ops")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hisparse_triton' has no attribute {name!r}")

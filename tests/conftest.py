@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Small CPU ops are dominated by OpenMP start-up on a 2-core machine; one thread keeps the
+# interpreter-driven tests fast and their timing stable.
+torch.set_num_threads(1)
+
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

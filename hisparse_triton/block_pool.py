@@ -1,0 +1,117 @@
+"""``BlockPool``: a block allocator with a null block, a free queue and reference counts.
+
+Used for both pools of the runtime: the host pool (source-layer pages) and the shared device
+pool (indexer, resident, hot and regular groups all draw from one id space). Block 0 is the
+null block: it means "no page" in every block table and is never handed out.
+
+All operations are pure CPU bookkeeping (no tensors) and all-or-nothing: a call that raises
+changes no reference count and no queue entry.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Hashable, Iterable, Optional
+
+from hisparse_triton.errors import BlockPoolError, CapacityError
+
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    """``num_blocks`` blocks, ids ``[0, num_blocks)``; ids ``1..num_blocks-1`` are allocatable.
+
+    Freed blocks go to the back of the free queue and are reused last (FIFO), which keeps a
+    just-freed block's bytes untouched for as long as possible.
+    """
+
+    def __init__(self, num_blocks: int, name: str = "pool") -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"{name} BlockPool needs num_blocks >= 1 (block 0 is the null "
+                             f"block), got {num_blocks!r}.")
+        self.name = name
+        self.num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Allocatable blocks (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of allocatable blocks in use (0.0 for a pool with only the null block)."""
+        return self.num_used / self.capacity if self.capacity else 0.0
+
+    def ref_count(self, block: int) -> int:
+        self._check_id(block)
+        return self._ref[block]
+
+    # -- mutations -----------------------------------------------------------------------
+    def allocate(self, n: int, *, request_id: Optional[Hashable] = None) -> list[int]:
+        """Take ``n`` free blocks (reference count 1 each); ``CapacityError`` if fewer are free."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n!r} blocks.")
+        if n > len(self._free):
+            who = f" for request {request_id!r}" if request_id is not None else ""
+            raise CapacityError(
+                f"{self.name} pool cannot allocate {n} blocks{who}: {len(self._free)} of "
+                f"{self.capacity} are free.", resource=f"{self.name} blocks", needed=n,
+                available=len(self._free), request_id=request_id)
+        blocks = [self._free.popleft() for _ in range(n)]
+        for block in blocks:
+            self._ref[block] = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each (allocated) block, e.g. to share a page."""
+        blocks = list(blocks)
+        for block in blocks:
+            self._check_id(block)
+            if self._ref[block] == 0:
+                raise BlockPoolError(f"{self.name}: cannot touch block {block}: it is free.")
+        for block in blocks:
+            self._ref[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference per occurrence; a block whose count reaches 0 becomes free.
+
+        ``BlockPoolError`` (nothing changed) on the null block, an id outside the pool, or a
+        block released more times than it is referenced (double free).
+        """
+        counts = Counter(blocks)
+        for block, times in counts.items():
+            self._check_id(block)
+            if self._ref[block] < times:
+                raise BlockPoolError(
+                    f"{self.name}: double free of block {block} (reference count "
+                    f"{self._ref[block]}, released {times} time(s)).")
+        # Release in the caller's order so the free queue order is deterministic.
+        for block in counts:
+            self._ref[block] -= counts[block]
+            if self._ref[block] == 0:
+                self._free.append(block)
+
+    def _check_id(self, block: int) -> None:
+        if not isinstance(block, int) or isinstance(block, bool):
+            raise BlockPoolError(f"{self.name}: block id must be an int, got {block!r}.")
+        if block == NULL_BLOCK:
+            raise BlockPoolError(f"{self.name}: block 0 is the null block; it is never "
+                                 f"allocated, touched or freed.")
+        if not 0 < block < self.num_blocks:
+            raise BlockPoolError(f"{self.name}: block {block} is outside the pool "
+                                 f"[1, {self.num_blocks}).")
+
+    def __repr__(self) -> str:
+        return (f"BlockPool(name={self.name!r}, num_blocks={self.num_blocks}, "
+                f"free={self.num_free})")

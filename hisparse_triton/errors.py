@@ -1,0 +1,73 @@
+"""Exception types of the HiSparse runtime.
+
+Every error the runtime raises for a caller's mistake or a full pool is a ``HiSparseError``,
+so a serving loop can catch them all in one place; each also derives from the builtin class
+a Python programmer would expect (``ValueError``, ``LookupError``, ``MemoryError``,
+``RuntimeError``). Messages name the request and the numbers involved. A call that raises
+leaves the runtime exactly as it was before the call.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+
+class HiSparseError(Exception):
+    """Base class of every error raised by hisparse-triton's runtime."""
+
+
+class CapacityError(HiSparseError, MemoryError):
+    """A pool (host blocks, device blocks, request state rows, host RAM) cannot hold a request.
+
+    Attributes: ``resource`` (what ran out), ``needed`` and ``available`` (in that resource's
+    unit), ``request_id`` (``None`` when not about one request).
+    """
+
+    def __init__(self, message: str, *, resource: str = "", needed: int = 0,
+                 available: int = 0, request_id: Optional[Hashable] = None) -> None:
+        super().__init__(message)
+        self.resource = resource
+        self.needed = needed
+        self.available = available
+        self.request_id = request_id
+
+
+class HostMemoryError(CapacityError):
+    """The machine has too little available RAM for the requested host pool."""
+
+
+class UnknownRequestError(HiSparseError, LookupError):
+    """A call named a request id that was never added or was already freed."""
+
+    def __init__(self, request_id: Hashable, what: str = "") -> None:
+        suffix = f" ({what})" if what else ""
+        super().__init__(f"unknown request {request_id!r}{suffix}: it was never added with "
+                         f"add_request() or it was already freed.")
+        self.request_id = request_id
+
+    def __str__(self) -> str:  # LookupError subclasses would otherwise repr() the message
+        return str(self.args[0])
+
+
+class DuplicateRequestError(HiSparseError, ValueError):
+    """``add_request`` with an id that is live, or one id twice in one batch."""
+
+    def __init__(self, message: str, request_id: Hashable) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class ReservationExceededError(HiSparseError, ValueError):
+    """``append_slots`` past the ``prompt_len + max_new_tokens`` reserved at admission."""
+
+    def __init__(self, message: str, request_id: Hashable) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class BlockPoolError(HiSparseError, ValueError):
+    """A block allocator misuse: double free, the null block, an id outside the pool."""
+
+
+class RuntimeClosedError(HiSparseError, RuntimeError):
+    """A call on a ``HiSparseRuntime`` (or pool) after ``close()``."""

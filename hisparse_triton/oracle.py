@@ -1,0 +1,157 @@
+"""A dense oracle for the runtime: every (request, layer, position) row kept on the side.
+
+``DenseOracle`` writes random KV bytes through the runtime (at the rows ``append_slots``
+returns, as a model would), keeps a dense CPU copy of every row, and checks that
+
+- every row id ``resolve`` returns points at bytes equal to the dense copy for that
+  (request, layer, position), for the leader and every follower of the index group, and is
+  -1 exactly where the position is invalid (negative or ``>= seq_len``);
+- the device layers that keep the full history (indexer, regular) and the resident pages
+  of sparse layers still hold the dense bytes (no two groups share a block).
+
+It is the exactness check of ``hisparse-triton simulate --verify`` and of the tests. Checks
+read device memory (a device sync on CUDA): a verification tool, not a serving path.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional, Sequence
+
+import torch
+
+from hisparse_triton.layout import underlying_layer_name
+
+
+class OracleMismatch(AssertionError):
+    """A row the runtime points at differs from the dense copy."""
+
+
+class DenseOracle:
+    """Dense copies of every device layer's rows (``runtime``: a ``HiSparseRuntime``).
+
+    Per layer one CPU tensor ``[max_num_seqs, max_model_len, row_bytes] uint8`` indexed by
+    the request's state row, so a whole batch is checked with one gather per layer.
+    """
+
+    def __init__(self, runtime, seed: int = 0) -> None:
+        self.runtime = runtime
+        self._gen = torch.Generator().manual_seed(seed)
+        self._layers = list(runtime.device_layers)
+        self._row_bytes = {layer: runtime.device_cache(layer).shape[-1] for layer in self._layers}
+        shape = (runtime.max_num_seqs, runtime.max_model_len)
+        self._dense = {layer: torch.zeros(*shape, self._row_bytes[layer], dtype=torch.uint8)
+                       for layer in self._layers}
+        self._row: dict[Hashable, int] = {}
+        self._len: dict[Hashable, int] = {}
+        self.rows_checked = 0
+
+    def add(self, request_id: Hashable) -> None:
+        """Start a dense copy for a request just added to the runtime."""
+        row = self.runtime.state_row(request_id)
+        for dense in self._dense.values():
+            dense[row].zero_()
+        self._row[request_id] = row
+        self._len[request_id] = 0
+
+    def free(self, request_id: Hashable) -> None:
+        self._row.pop(request_id, None)
+        self._len.pop(request_id, None)
+
+    def dense_rows(self, request_id: Hashable, layer: str) -> torch.Tensor:
+        """``[seq_len, row_bytes] uint8``: what the request's layer holds, position by position."""
+        return self._dense[layer][self._row[request_id], :self._len[request_id]]
+
+    def write(self, request_id: Hashable, rows: dict[str, torch.Tensor]) -> None:
+        """Write random bytes for the tokens ``append_slots`` just returned ``rows`` for."""
+        row = self._row[request_id]
+        start = self._len[request_id]
+        n = next(iter(rows.values())).numel()
+        for layer in self._layers:
+            data = torch.randint(0, 256, (n, self._row_bytes[layer]), dtype=torch.uint8,
+                                 generator=self._gen)
+            self._dense[layer][row, start:start + n] = data
+            cache = self.runtime.device_cache(layer)
+            block_size = cache.shape[1]
+            r = rows[layer]
+            cache[r // block_size, r % block_size] = data.to(cache.device)
+        self._len[request_id] = start + n
+
+    def check_resolve(self, leader: str, request_ids: Sequence[Optional[Hashable]],
+                      topk: torch.Tensor, rows: torch.Tensor) -> None:
+        """``OracleMismatch`` unless ``rows`` (from ``resolve``) matches the dense copies."""
+        topk = topk.detach().to("cpu", torch.int64)
+        rows = rows.detach().to("cpu", torch.int64)
+        if rows.shape != topk.shape:
+            raise OracleMismatch(f"resolve returned shape {tuple(rows.shape)} for top-k "
+                                 f"{tuple(topk.shape)}.")
+        lengths = torch.tensor([self._len[r] if r is not None else 0 for r in request_ids],
+                               dtype=torch.int64)
+        state = torch.tensor([self._row[r] if r is not None else 0 for r in request_ids],
+                             dtype=torch.int64)
+        valid = (topk >= 0) & (topk < lengths[:, None])
+        wrong = (rows < 0) != ~valid
+        wrong |= ~valid & (rows != -1)
+        if bool(wrong.any()):
+            r, c = (int(v) for v in torch.nonzero(wrong)[0])
+            raise OracleMismatch(
+                f"request {request_ids[r]!r} (seq_len {int(lengths[r])}), leader {leader}: "
+                f"column {c} position {int(topk[r, c])} resolved to row {int(rows[r, c])}.")
+        if not bool(valid.any()):
+            return
+        batch, col = torch.nonzero(valid, as_tuple=True)
+        vrows, vpos = rows[batch, col], topk[batch, col]
+        layers = self.runtime.index_group(leader)
+        for layer in layers:
+            cache = self.runtime.device_cache(layer)
+            block_size = cache.shape[1]
+            num_rows = cache.shape[0] * block_size
+            if bool((vrows >= num_rows).any()):
+                raise OracleMismatch(f"leader {leader}: row {int(vrows.max())} is outside the "
+                                     f"device pool ({num_rows} rows).")
+            actual = cache[(vrows // block_size).to(cache.device),
+                           (vrows % block_size).to(cache.device)].cpu()
+            expected = self._dense[layer][state[batch], vpos]
+            if not torch.equal(actual, expected):
+                i = int((actual != expected).any(dim=1).nonzero()[0])
+                raise OracleMismatch(
+                    f"request {request_ids[int(batch[i])]!r}, layer {layer} (leader {leader}): "
+                    f"position {int(vpos[i])} -> row {int(vrows[i])} holds other bytes than "
+                    f"the dense copy.")
+        self.rows_checked += int(vrows.numel()) * len(layers)
+
+    def check_pages(self, request_id: Hashable) -> None:
+        """``OracleMismatch`` unless every page the request holds on the GPU matches."""
+        length = self._len[request_id]
+        for layer in self._layers:
+            cache = self.runtime.device_cache(layer)
+            block_size = cache.shape[1]
+            blocks = torch.tensor(self.runtime.block_table(request_id, layer), dtype=torch.int64)
+            if blocks.numel() == 0:
+                continue
+            pos = torch.arange(min(length, blocks.numel() * block_size))
+            page_blocks = blocks[pos // block_size]
+            held = page_blocks > 0
+            if not bool(held.any()):
+                continue
+            b, o = page_blocks[held], (pos % block_size)[held]
+            actual = cache[b.to(cache.device), o.to(cache.device)].cpu()
+            expected = self.dense_rows(request_id, layer)[pos[held]]
+            if not torch.equal(actual, expected):
+                raise OracleMismatch(f"request {request_id!r}, layer "
+                                     f"{underlying_layer_name(layer)}: a page on the GPU holds "
+                                     f"other bytes than the dense copy.")
+
+    def check_host(self, request_id: Hashable, committed_tokens: int) -> None:
+        """``OracleMismatch`` unless the host pool holds the first ``committed_tokens`` rows of
+        every source layer (syncs the device first on CUDA)."""
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+        blocks = torch.tensor(self.runtime.host_block_table(request_id), dtype=torch.int64)
+        pos = torch.arange(committed_tokens)
+        for layer in self.runtime.source_layers:
+            host = self.runtime.host_cache(layer)
+            block_size = host.shape[1]
+            actual = host[blocks[pos // block_size], pos % block_size]
+            if not torch.equal(actual, self.dense_rows(request_id, layer)[:committed_tokens]):
+                raise OracleMismatch(f"request {request_id!r}, layer {layer}: the host pool "
+                                     f"does not hold the committed rows.")
