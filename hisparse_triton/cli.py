@@ -23,6 +23,9 @@ PROG = "hisparse-triton"
 #: Subcommand modules, in ``--help`` order. Adding a command is one line here.
 COMMAND_MODULES: tuple[str, ...] = (
     "hisparse_triton.commands.plan",
+    "hisparse_triton.commands.simulate",
+    "hisparse_triton.commands.bench",
+    "hisparse_triton.commands.tune",
 )
 
 

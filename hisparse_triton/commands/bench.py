@@ -1,0 +1,237 @@
+"""``hisparse-triton bench``: measure gather / backup / page-copy GB/s and resolve latency.
+
+On a CUDA device: the Triton kernels, the torch backend and the two baselines (torch eager,
+contiguous pinned copy) over a sweep of row sizes, rows moved, layers per launch and miss
+ratios; on a CPU: the torch paths only, on tiny defaults (kernel timings need a GPU).
+Prints a table; ``--json PATH|-`` writes the full result, ``--plot PATH`` a PNG (matplotlib).
+See ``hisparse_triton.benchmarking`` for what is measured and how, and docs/benchmarking.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+OPS = ("gather", "backup", "restore", "spill", "resolve")
+METHODS = ("triton", "torch", "eager", "contiguous")
+
+
+# ----------------------------------------------------------------- argument types (no torch)
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"512,4k,256k"`` -> ``(512, 4096, 262144)``; ``k`` = 1024; every value >= 1."""
+    values = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        scale = 1
+        if part[-1] in "kK":
+            scale, part = 1024, part[:-1]
+        try:
+            value = int(part) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected integers like 512,4k, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def positive_int(text: str) -> int:
+    values = int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+    return values[0]
+
+
+def ratio_list(text: str) -> tuple[float, ...]:
+    """``"1,0.3,0.067"`` -> ratios in ``(0, 1]``."""
+    try:
+        values = tuple(float(p) for p in text.replace(" ", "").split(",") if p)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,0.3, got {text!r}") from None
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"ratios must lie in (0, 1], got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A type for comma-separated names out of ``choices`` (``all`` = every one)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = [p for p in text.replace(" ", "").split(",") if p]
+        if names == ["all"]:
+            return choices
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(choices)}")
+        return tuple(dict.fromkeys(names))
+
+    return parse
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH|-", default=None,
+                        help="write the full result as JSON to PATH ('-' = stdout, the table "
+                             "then goes to stderr)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on stderr")
+
+
+# ----------------------------------------------------------------- the command
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` and its flags."""
+    parser = subparsers.add_parser(
+        "bench", help="measure gather/backup/page-copy GB/s and resolve latency",
+        description="Measure, on the current device, the transfer kernels (GB/s) and resolve "
+                    "(latency) against the torch-eager and contiguous-copy baselines. Without "
+                    "CUDA only the torch paths run, on tiny defaults: kernel timings need a GPU.")
+    sweep = parser.add_argument_group(
+        "sweep", "defaults: the full sweep on CUDA, a tiny one on CPU (docs/benchmarking.md)")
+    sweep.add_argument("--row-bytes", type=int_list, default=None, metavar="LIST",
+                       help="row sizes in bytes (GPU default 132,656,1152)")
+    sweep.add_argument("--rows", type=int_list, default=None, metavar="LIST",
+                       help="rows moved per launch per layer, e.g. 512,4k,256k "
+                            "(GPU default 512,2k,8k,32k,128k,256k)")
+    sweep.add_argument("--layers", type=int_list, default=None, metavar="LIST",
+                       help="layers per launch (GPU default 1,4)")
+    sweep.add_argument("--miss-ratios", type=ratio_list, default=None, metavar="LIST",
+                       help="valid fraction of each [R, top_k] plan row, also the target "
+                            "miss ratio of resolve (GPU default 1,0.3,0.067)")
+    sweep.add_argument("--batch", type=int_list, default=None, metavar="LIST",
+                       help="resolve batch sizes (GPU default 1,4,16,64,256)")
+    sweep.add_argument("--top-k", type=positive_int, default=None, metavar="N",
+                       help="top-k columns per plan row / resolve row (default 2048)")
+    sweep.add_argument("--hot-slots", type=positive_int, default=None, metavar="N",
+                       help="hot-buffer slots per request for resolve (default 4096)")
+    sweep.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
+                       help="tokens per request for resolve (default 32768)")
+    sweep.add_argument("--ops", type=choice_list(OPS), default=None, metavar="LIST",
+                       help=f"what to measure: {','.join(OPS)} (default all)")
+    sweep.add_argument("--methods", type=choice_list(METHODS), default=None, metavar="LIST",
+                       help=f"methods: {','.join(METHODS)} (default all; triton needs CUDA)")
+    sweep.add_argument("--quick", action="store_true",
+                       help="a small sweep (GPU: 656 B rows, 4k and 64k rows, batch 64)")
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where to run (default: cuda when available)")
+    timing.add_argument("--warmup-ms", type=positive_float, default=None,
+                        help="warm-up per figure in ms")
+    timing.add_argument("--rep-ms", type=positive_float, default=None,
+                        help="measurement time per figure in ms (the median is reported)")
+    timing.add_argument("--no-verify", action="store_true",
+                        help="skip checking the moved rows against the source rows")
+    timing.add_argument("--seed", type=int, default=0, help="random seed of the workloads")
+    out = parser.add_argument_group("output")
+    add_output_flags(out)
+    out.add_argument("--plot", metavar="PATH", default=None,
+                     help="write a PNG of GB/s vs rows moved, one line per method "
+                          "(needs matplotlib: the 'bench' extra)")
+    return parser
+
+
+def _check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed; "
+                         "pip install 'hisparse-triton[bench]' (or pip install matplotlib)."
+                         ) from None
+
+
+def write_json(result: dict[str, Any], target: str) -> None:
+    """Write ``result`` to ``target`` (a path, or ``-`` for stdout)."""
+    text = json.dumps(result, indent=2, allow_nan=True) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        with open(target, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+def settings_from_args(args: argparse.Namespace, device: Any) -> Any:
+    """``BenchSettings`` of ``device``'s defaults with the flags applied."""
+    from hisparse_triton.benchmarking import BenchSettings, override
+
+    base = BenchSettings.for_device(device, quick=args.quick)
+    settings = override(base, row_bytes=args.row_bytes, rows=args.rows, layers=args.layers,
+                        miss_ratios=args.miss_ratios, batch=args.batch, top_k=args.top_k,
+                        hot_slots=args.hot_slots, seq_len=args.seq_len, ops=args.ops,
+                        methods=args.methods, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                        seed=args.seed)
+    if args.no_verify:
+        settings = override(settings, verify=False)
+    if args.top_k is not None and args.hot_slots is None and settings.hot_slots < args.top_k:
+        settings = override(settings, hot_slots=2 * args.top_k)
+    if args.top_k is not None and args.seq_len is None and settings.seq_len < args.top_k:
+        settings = override(settings, seq_len=16 * args.top_k)
+    settings.validate()
+    return settings
+
+
+def resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() "
+                         "is False).")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep, print the table, write ``--json`` / ``--plot``."""
+    if args.plot:
+        _check_plot_available()
+    from hisparse_triton import benchmarking as bm
+
+    device = resolve_device(args.device)
+    settings = settings_from_args(args, device)
+    if args.plot and not any(op in bm.TRANSFER_OPS for op in settings.ops):
+        raise ValueError("--plot draws transfer throughput; add a transfer op to --ops "
+                         f"(one of {', '.join(bm.TRANSFER_OPS)}).")
+    if device.type != "cuda" and set(settings.methods) == {"triton"}:
+        raise ValueError("--methods triton needs a CUDA device (kernel timings need a GPU); "
+                         "on this machine choose from torch, eager, contiguous.")
+    if device.type != "cuda" and "triton" in settings.methods:
+        print(f"hisparse-triton bench: {bm.KERNELS_NEED_GPU}.", file=sys.stderr)
+    progress = bm.Progress(bm.count_steps(settings, device), "bench",
+                           enabled=not args.no_progress)
+    result = bm.run_bench(settings, device, progress=progress)
+    table = bm.format_table(result)
+    print(table, file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        bm.write_plot(result, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if result["interrupted"]:
+        print("hisparse-triton bench: interrupted; the figures measured so far were written.",
+              file=sys.stderr)
+        return 130
+    failed = [f for f in bm.iter_figures(result) if f.get("error")]
+    if failed:
+        first = failed[0]
+        print(f"hisparse-triton bench: {len(failed)} figure(s) failed; first: {first['op']} "
+              f"{first['method']}: {first['error']}", file=sys.stderr)
+        return 1
+    return 0

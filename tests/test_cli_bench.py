@@ -1,0 +1,354 @@
+"""``hisparse-triton bench`` on CPU (torch paths only) and the measurement library's workloads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+from hisparse_triton import benchmarking as bm
+from hisparse_triton.cli import main
+
+TINY = ["bench", "--rows", "128,256", "--row-bytes", "16,132", "--layers", "1,2",
+        "--batch", "1,2", "--top-k", "64", "--hot-slots", "128", "--seq-len", "1024",
+        "--miss-ratios", "1,0.5", "--warmup-ms", "0.5", "--rep-ms", "1", "--device", "cpu",
+        "--no-progress"]
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny CPU sweep through the CLI, with --json (and --plot when matplotlib, the
+    ``bench`` extra, is installed)."""
+    out = tmp_path_factory.mktemp("bench")
+    flags = ["--json", str(out / "r.json")]
+    if _has_matplotlib():
+        flags += ["--plot", str(out / "r.png")]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(TINY + flags)
+    return rc, stdout.getvalue(), stderr.getvalue(), out
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="--plot needs matplotlib (the bench extra)")
+def test_tiny_sweep_writes_a_png(tiny_run):
+    rc, _, stderr, out = tiny_run
+    assert rc == 0, stderr
+    png = (out / "r.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
+def test_tiny_sweep_writes_json_and_table(tiny_run):
+    rc, stdout, stderr, out = tiny_run
+    assert rc == 0, stderr
+    result = json.loads((out / "r.json").read_text())
+    assert result["schema"] == bm.SCHEMA and result["version"] == bm.VERSION
+    assert result["device"] == "cpu" and result["kernel_timings"] is False
+    assert any("kernel timings need a GPU" in n for n in result["notes"])
+    assert "kernel timings need a GPU" in stdout  # the table says it too
+    env = result["environment"]
+    assert env["torch"] == torch.__version__ and env["triton"] and env["gpu"] is None
+
+    transfers = result["transfers"]
+    ops = {f["op"] for f in transfers}
+    assert ops == {"gather", "backup", "restore", "spill"}
+    assert {f["method"] for f in transfers} == {"torch", "eager", "contiguous"}
+    for f in transfers:
+        assert f["time_us"] > 0 and f["gbps"] > 0, f
+        assert f["vs_eager"] > 0 and f["vs_contiguous"] > 0, f
+        assert f["bytes"] == f["rows"] * f["layers"] * f["row_bytes"]
+        if f["method"] == "eager":
+            assert f["vs_eager"] == 1.0
+        if f["method"] == "contiguous":
+            assert f["vs_contiguous"] == 1.0
+        if f["method"] in ("torch", "eager"):
+            assert f["verified"] is True, f
+    # Kernel methods at every miss ratio; baselines once per (op, size).
+    gather_torch = [f for f in transfers if f["op"] == "gather" and f["method"] == "torch"]
+    assert len(gather_torch) == 2 * 2 * 2 * 2  # rows x row_bytes x layers x miss ratios
+    assert {f["miss_ratio"] for f in gather_torch} == {1.0, 0.5}
+    half = next(f for f in gather_torch if f["miss_ratio"] == 0.5 and f["rows"] == 256)
+    assert half["plan"] == [8, 64]  # 256 rows as rows of 32 valid columns of 64
+    eager = [f for f in transfers if f["method"] == "eager" and f["op"] == "gather"]
+    assert len(eager) == 2 * 2 * 2 and all(f["miss_ratio"] is None for f in eager)
+    restore = [f for f in transfers if f["op"] == "restore" and f["method"] == "torch"]
+    assert {f["pages"] for f in restore} == {2, 4}
+
+    res = result["resolve"]
+    assert {(f["batch"], f["method"]) for f in res} == {(1, "torch"), (2, "torch")}
+    for f in res:
+        assert f["time_us"] > 0 and 0 <= f["measured_miss_ratio"] <= 1
+        assert (f["top_k"], f["hot_slots"]) == (64, 128)
+    # Lower target miss ratio -> fewer measured misses.
+    by_ratio = {f["miss_ratio"]: f["measured_miss_ratio"] for f in res if f["batch"] == 2}
+    assert by_ratio[0.5] < by_ratio[1.0]
+
+    assert all(t["status"] == "not measured" for t in result["targets"])
+
+
+def test_json_to_stdout_is_pure_json(capsys):
+    rc = main(["bench", "--rows", "64", "--row-bytes", "32", "--layers", "1", "--ops", "gather",
+               "--methods", "torch,eager", "--top-k", "16", "--warmup-ms", "0.5",
+               "--rep-ms", "1", "--device", "cpu", "--no-progress", "--json", "-"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    result = json.loads(captured.out)
+    assert [f["method"] for f in result["transfers"]] == ["torch", "eager"]
+    assert "vs_contiguous" not in result["transfers"][0]  # no contiguous baseline measured
+    assert "Transfers" in captured.err  # the table went to stderr
+
+
+def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    rc = main(["bench", "--quick", "--device", "cpu", "--plot", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1
+    assert len(err.splitlines()) == 1 and "matplotlib" in err and "bench" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rows", "0"], "--rows"),
+    (["--rows", "abc"], "--rows"),
+    (["--ops", "gather,bogus"], "bogus"),
+    (["--miss-ratios", "1.5"], "(0, 1]"),
+])
+def test_bad_flags_exit_2_with_one_line(flags, message, capsys):
+    rc = main(["bench", *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and message in err
+
+
+def test_inconsistent_settings_exit_1(capsys):
+    rc = main(["bench", "--device", "cpu", "--top-k", "64", "--hot-slots", "32"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "--hot-slots=32" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
+def test_cuda_or_triton_only_requests_refused_without_gpu(capsys):
+    assert main(["bench", "--device", "cuda"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--methods", "triton"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def _tiny_settings(**kw):
+    base = dict(row_bytes=(48,), rows=(128,), layers=(2,), miss_ratios=(1.0,), top_k=32,
+                batch=(1,), hot_slots=64, seq_len=512, ops=("gather", "backup"),
+                methods=("torch", "eager"), warmup_ms=0.2, rep_ms=0.5, rotate_bytes=1 << 16)
+    base.update(kw)
+    return bm.BenchSettings(**base)
+
+
+def test_a_wrong_copy_is_reported_not_timed_as_good(monkeypatch):
+    from hisparse_triton import ops
+
+    monkeypatch.setattr(ops, "copy_rows", lambda *a, **k: None)  # moves nothing
+    result = bm.run_bench(_tiny_settings(), torch.device("cpu"))
+    bad = [f for f in result["transfers"] if f["method"] == "torch"]
+    assert bad and all(f["verified"] is False for f in bad)
+    assert all("differ" in f["error"] for f in bad)
+    assert all(f.get("verified") is True for f in result["transfers"] if f["method"] == "eager")
+
+
+def test_a_failing_method_is_recorded_and_the_cli_fails(monkeypatch, capsys):
+    from hisparse_triton import ops
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("kaput")
+
+    monkeypatch.setattr(ops, "copy_pages", boom)
+    rc = main(["bench", "--rows", "128", "--row-bytes", "32", "--layers", "1", "--ops",
+               "restore,gather", "--methods", "torch,eager", "--top-k", "16", "--device",
+               "cpu", "--warmup-ms", "0.5", "--rep-ms", "1", "--no-progress", "--json", "-"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "kaput" in captured.err
+    result = json.loads(captured.out)
+    failed = [f for f in result["transfers"] if f.get("error")]
+    assert [(f["op"], f["method"]) for f in failed] == [("restore", "torch")]
+    assert any(f["op"] == "gather" and f["gbps"] for f in result["transfers"])
+
+
+def test_flat_row_indices_address_the_row_table_rows():
+    pools = bm.make_pools(row_bytes=24, layers=3, num_rows=200, device=torch.device("cpu"))
+    assert pools.num_rows == 256  # rounded up to whole blocks
+    rows = torch.tensor([[0, 63, 64, 130, 255]])
+    h = bm.host_flat_rows(rows, 3, pools.num_rows)[0]
+    d = bm.device_flat_rows(rows, 3)[0]
+    pools.device.pool.copy_(torch.randint(0, 256, pools.device.pool.shape, dtype=torch.uint8))
+    for layer in range(3):
+        host_view = pools.host.row_view(layer).reshape(-1, 24)
+        dev_view = pools.device.row_view(layer).reshape(-1, 24)
+        for j, r in enumerate(rows[0].tolist()):
+            assert torch.equal(pools.host_flat[h[layer * 5 + j]], host_view[r])
+            assert torch.equal(pools.device_flat[d[layer * 5 + j]], dev_view[r])
+
+
+def test_row_plans_are_distinct_and_shaped_like_decode():
+    num, width, counts = bm.plan_geometry(1000, 256, 0.3)
+    assert width == 256 and sum(counts) == 1000 and max(counts) == round(0.3 * 256)
+    assert num == len(counts) == -(-1000 // 77)
+    plans = bm.make_row_plans(1000, 256, 0.3, 5000, 4000, torch.device("cpu"), variants=3,
+                              seed=1)
+    assert plans.src.shape == (3, num, 256) and plans.counts.shape == (3, num)
+    for v in range(3):
+        valid = torch.arange(256)[None, :] < plans.counts[v][:, None]
+        assert torch.equal(plans.src[v][valid].long(), plans.src_valid[v])
+        assert torch.equal(plans.dst[v][valid].long(), plans.dst_valid[v])
+        assert (plans.src[v][~valid] == -1).all()
+    assert plans.src_valid.unique().numel() == 3000  # disjoint across the rotation
+    assert plans.dst_valid.unique().numel() == 3000
+
+
+def test_evaluate_targets():
+    def gather(gbps, contig, eager, rows=8192):
+        return {"op": "gather", "method": "triton", "row_bytes": 656, "rows": rows,
+                "gbps": gbps, "vs_contiguous": contig, "vs_eager": eager}
+
+    result = {
+        "transfers": [gather(50.0, 0.9, 12.0), gather(46.0, 0.85, 11.0),
+                      gather(5.0, 0.1, 1.0, rows=512),  # below 4k rows: not a target case
+                      {"op": "backup", "method": "triton", "row_bytes": 656, "rows": 4096,
+                       "gbps": 30.0, "vs_contiguous": 0.6, "vs_eager": 9.0}],
+        "resolve": [{"method": "triton", "batch": 64, "top_k": 2048, "hot_slots": 4096,
+                     "time_us": 12.0, "vs_torch": 40.0}],
+    }
+    targets = {t["target"].split(",")[0]: t for t in bm.evaluate_targets(result)}
+    assert targets["gather GB/s"]["status"] == "met"
+    assert targets["gather GB/s"]["worst"] == 46.0 and targets["gather GB/s"]["cases"] == 2
+    assert targets["backup GB/s"]["status"] == "missed"
+    assert targets["backup GB/s"]["ratio"] == pytest.approx(30 / 45, rel=1e-3)
+    assert targets["resolve latency"]["status"] == "met"
+    assert targets["resolve latency"]["ratio"] == pytest.approx(15 / 12, rel=1e-3)
+    assert targets["gather and backup vs torch eager"]["status"] == "missed"  # backup 9x
+    empty = bm.evaluate_targets({"transfers": [], "resolve": []})
+    assert {t["status"] for t in empty} == {"not measured"}
+
+
+def test_quick_cpu_defaults_are_small():
+    s = bm.BenchSettings.for_device(torch.device("cpu"), quick=True)
+    s.validate()
+    assert bm.count_steps(s, torch.device("cpu")) <= 16
+    full = bm.BenchSettings.for_device(torch.device("cpu"))
+    assert "triton" in full.methods  # skipped on CPU, but listed
+    assert bm.count_steps(full, torch.device("cpu")) < bm.count_steps(
+        bm.override(full, layers=(1, 4)), torch.device("cpu"))
+
+
+def _gpu_check_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_dry_run_writes_one_json(tmp_path, capsys):
+    """``bench/gpu_check.py --dry-run``: the GPU-check flow on the CPU, reduced (bench and
+    tune in subprocesses; the pytest step is covered by the summary parser test)."""
+    gpu_check = _gpu_check_module()
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--dry-run", "--out", str(out), "--skip", "tests"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    (result_file,) = out.glob("cpu-*.json")
+    report = json.loads(result_file.read_text())
+    assert report["schema"] == "hisparse-triton/gpu-check" and report["dry_run"] is True
+    env = report["environment"]
+    for key in ("gpu", "driver", "torch", "triton", "python"):
+        assert key in env
+    steps = report["steps"]
+    assert set(steps) == {"bench-656", "tune"}
+    assert all(s["rc"] == 0 and not s["timed_out"] for s in steps.values())
+    assert report["bench"]["schema"] == bm.SCHEMA and report["bench"]["transfers"]
+    assert steps["tune"]["result"]["dry_run"] is True
+    assert {t["status"] for t in report["targets"]} == {"not measured"}
+    assert (out / "logs.txt").exists()
+    assert (out / "bench.png").exists() == _has_matplotlib()
+    assert "bench-656=ok" in printed
+
+
+def test_gpu_check_pytest_summary_and_merge():
+    gpu_check = _gpu_check_module()
+    text = "....\n=== 1 failed, 40 passed, 3 skipped, 2 warnings in 12.3s ===\n"
+    assert gpu_check._pytest_summary(text) == {"failed": 1, "passed": 40, "skipped": 3,
+                                               "warning": 2}
+    assert gpu_check._pytest_summary("no summary") == {}
+    a = {"transfers": [{"op": "gather", "method": "triton", "row_bytes": 656, "rows": 8192,
+                        "gbps": 50.0, "vs_contiguous": 0.9, "vs_eager": 20.0}],
+         "resolve": [], "settings": {"x": 1}, "wall_s": 2}
+    b = {"transfers": [], "resolve": [{"method": "triton", "batch": 64, "top_k": 2048,
+                                       "hot_slots": 4096, "time_us": 20.0}], "wall_s": 3}
+    merged = gpu_check.merge_bench([a, None, b])
+    assert len(merged["transfers"]) == 1 and len(merged["resolve"]) == 1
+    targets = {t["target"].split(",")[0]: t["status"] for t in merged["targets"]}
+    assert targets["gather GB/s"] == "met" and targets["resolve latency"] == "missed"
+    assert gpu_check.merge_bench([None]) is None
+
+
+def test_interrupted_sweep_keeps_its_figures(monkeypatch, capsys):
+    def stop(self, batch, ratio):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bm._Bench, "resolve_case", stop)
+    rc = main(["bench", "--rows", "64", "--row-bytes", "32", "--layers", "1", "--ops",
+               "gather,resolve", "--methods", "torch,eager", "--top-k", "16", "--device", "cpu",
+               "--warmup-ms", "0.5", "--rep-ms", "1", "--no-progress", "--json", "-"])
+    captured = capsys.readouterr()
+    assert rc == 130 and "interrupted" in captured.err
+    result = json.loads(captured.out)
+    assert result["interrupted"] is True and result["resolve"] == []
+    assert len(result["transfers"]) == 2  # gather torch + eager, measured before the stop
+
+
+@pytest.mark.parametrize("op", ["gather", "backup", "restore", "spill"])
+def test_triton_method_plumbing_under_the_interpreter(op, kernel_device):
+    """The bench's plans and tables drive the real kernels (interpreter on CPU, CUDA on a
+    GPU), and its check catches nothing wrong with them."""
+    import os
+
+    if kernel_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without CUDA)")
+    settings = _tiny_settings(row_bytes=(16,), rows=(128,), top_k=32, rotate_bytes=1 << 12,
+                              methods=("triton",), rep_ms=0.1, warmup_ms=0.1)
+    bench = bm._Bench(settings, kernel_device, None)
+    pools = bm.make_pools(16, 2, 256, kernel_device)
+    if op in bm.PAGE_OPS:
+        plans = bm.make_page_plans(2, 4, 4, kernel_device, variants=2, seed=0)
+    else:
+        plans = bm.make_row_plans(64, 32, 0.5, pools.num_rows, pools.num_rows, kernel_device,
+                                  variants=2, seed=0)
+    dst, src = (pools.device, pools.host) if bm.DIRECTION[op] == "h2d" else \
+        (pools.host, pools.device)
+    ms, ok = bench._kernel(op, "triton", plans, pools, dst, src)
+    assert ok is True and ms > 0
+
+
+def test_resolve_triton_plumbing_under_the_interpreter(kernel_device):
+    import os
+
+    if kernel_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without CUDA)")
+    settings = _tiny_settings(top_k=8, hot_slots=16, seq_len=256, rep_ms=0.1, warmup_ms=0.1)
+    bench = bm._Bench(settings, kernel_device, None)
+    work = bm.ResolveWorkload(2, 8, 16, 256, 0.5, kernel_device, steps=2)
+    ms, measured = bench._resolve(work, "triton")
+    work.reset()
+    ms_ref, measured_ref = bench._resolve(work, "torch")
+    assert ms > 0 and ms_ref > 0
+    assert measured == measured_ref  # same trace, bit-exact kernels: same hits and misses
