@@ -28,7 +28,6 @@ from hisparse_triton.specs import (
     HiSparseResidentSpec,
     KVCacheConfig,
     KVCacheGroupRole,
-    KVCacheGroupSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     SparseCacheRole,

@@ -12,78 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from typing import Any
+
+from hisparse_triton.commands.argtypes import (
+    choice_list,
+    int_list,
+    positive_float,
+    positive_int,
+    ratio_list,
+)
 
 OPS = ("gather", "backup", "restore", "spill", "resolve")
 METHODS = ("triton", "torch", "eager", "contiguous")
 
-
-# ----------------------------------------------------------------- argument types (no torch)
-
-def int_list(text: str) -> tuple[int, ...]:
-    """``"512,4k,256k"`` -> ``(512, 4096, 262144)``; ``k`` = 1024; every value >= 1."""
-    values = []
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        scale = 1
-        if part[-1] in "kK":
-            scale, part = 1024, part[:-1]
-        try:
-            value = int(part) * scale
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected integers like 512,4k, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
-        values.append(value)
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return tuple(dict.fromkeys(values))
-
-
-def positive_int(text: str) -> int:
-    values = int_list(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
-    return values[0]
-
-
-def ratio_list(text: str) -> tuple[float, ...]:
-    """``"1,0.3,0.067"`` -> ratios in ``(0, 1]``."""
-    try:
-        values = tuple(float(p) for p in text.replace(" ", "").split(",") if p)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,0.3, got {text!r}") from None
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"ratios must lie in (0, 1], got {text!r}")
-    return tuple(dict.fromkeys(values))
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """A type for comma-separated names out of ``choices`` (``all`` = every one)."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = [p for p in text.replace(" ", "").split(",") if p]
-        if names == ["all"]:
-            return choices
-        bad = [n for n in names if n not in choices]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(choices)}")
-        return tuple(dict.fromkeys(names))
-
-    return parse
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import argparse
 import json
 from typing import Any, Optional
 
+from hisparse_triton.commands.argtypes import positive_float, positive_int
 from hisparse_triton.config import GIB, EngineConfig, HiSparseConfig
 from hisparse_triton.layout import (
     get_all_gpu_baseline_concurrency,
@@ -27,24 +28,6 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_HOST_POOL_GIB = 256.0
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,17 +38,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "device pool sizes, and how many max-length requests fit.")
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=list_presets(),
                         help=f"model geometry (default {DEFAULT_PRESET})")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="tokens per request (default: the preset's max context)")
-    parser.add_argument("--gpu-memory-gib", type=_positive_float,
+    parser.add_argument("--gpu-memory-gib", type=positive_float,
                         default=DEFAULT_GPU_MEMORY_GIB,
                         help=f"GPU memory for the KV cache in GiB "
                              f"(default {DEFAULT_GPU_MEMORY_GIB:g})")
-    parser.add_argument("--host-pool-gib", type=_positive_float, default=DEFAULT_HOST_POOL_GIB,
+    parser.add_argument("--host-pool-gib", type=positive_float, default=DEFAULT_HOST_POOL_GIB,
                         help=f"pinned host pool in GiB (default {DEFAULT_HOST_POOL_GIB:g})")
-    parser.add_argument("--device-buffer-size", type=_positive_int, default=None,
+    parser.add_argument("--device-buffer-size", type=positive_int, default=None,
                         help="hot-buffer rows per request (default 2 x index_topk)")
-    parser.add_argument("--tp", type=_positive_int, default=1,
+    parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor-parallel ranks per node (default 1)")
     parser.add_argument("--shared-host-pool", action=argparse.BooleanOptionalAction,
                         default=None,

@@ -25,6 +25,12 @@ import time
 from collections import deque
 from typing import Any, Optional
 
+from hisparse_triton.commands.argtypes import (
+    fraction,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from hisparse_triton.presets import build_kv_cache_spec, get_preset, list_presets
 
 DEFAULT_PRESET = "tiny"
@@ -32,44 +38,8 @@ DEFAULT_PRESET = "tiny"
 VERIFY_AUTO_MAX_BYTES = 256 << 20
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -82,31 +52,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "checks every resolved row against a dense copy.")
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=list_presets(),
                         help=f"model geometry (default {DEFAULT_PRESET})")
-    parser.add_argument("--layers", type=_positive_int, default=None,
+    parser.add_argument("--layers", type=positive_int, default=None,
                         help="sparse layers to simulate (default: the preset's)")
-    parser.add_argument("--requests", type=_positive_int, default=8,
+    parser.add_argument("--requests", type=positive_int, default=8,
                         help="requests in the workload (default 8)")
-    parser.add_argument("--max-running", type=_positive_int, default=4,
+    parser.add_argument("--max-running", type=positive_int, default=4,
                         help="requests decoded together (default 4)")
-    parser.add_argument("--prompt-len", type=_positive_int, default=768,
+    parser.add_argument("--prompt-len", type=positive_int, default=768,
                         help="prompt tokens per request (default 768)")
-    parser.add_argument("--output-len", type=_positive_int, default=64,
+    parser.add_argument("--output-len", type=positive_int, default=64,
                         help="generated tokens per request (default 64)")
-    parser.add_argument("--topk", type=_positive_int, default=None,
+    parser.add_argument("--topk", type=positive_int, default=None,
                         help="positions selected per step (default: the preset's index_topk)")
-    parser.add_argument("--device-buffer-size", type=_positive_int, default=None,
+    parser.add_argument("--device-buffer-size", type=positive_int, default=None,
                         help="hot-buffer rows per request (default 2 x topk)")
-    parser.add_argument("--locality", type=_fraction, default=0.8,
+    parser.add_argument("--locality", type=fraction, default=0.8,
                         help="fraction of each step's top-k repeated from the previous step "
                              "(default 0.8)")
-    parser.add_argument("--offload-threshold-pages", type=_positive_int, default=None,
+    parser.add_argument("--offload-threshold-pages", type=positive_int, default=None,
                         help="offload a request's history once this many pages are sealed "
                              "outside the active tail (default: the hot region's blocks)")
-    parser.add_argument("--host-blocks", type=_positive_int, default=None,
+    parser.add_argument("--host-blocks", type=positive_int, default=None,
                         help="host pool blocks (default: every request's reservation)")
-    parser.add_argument("--device-blocks", type=_positive_int, default=None,
+    parser.add_argument("--device-blocks", type=positive_int, default=None,
                         help="device pool blocks (default: sized for --max-running requests)")
-    parser.add_argument("--seed", type=_nonnegative_int, default=0, help="trace seed")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="trace seed")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default), cuda, cuda:N or auto (cuda when available)")
     parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
@@ -114,10 +84,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                         help="check every resolved row against a dense copy (default: on "
                              "when the dense copy is under 256 MiB)")
-    parser.add_argument("--link-gbps", type=_positive_float, default=50.0,
+    parser.add_argument("--link-gbps", type=positive_float, default=50.0,
                         help="host<->device bandwidth for the transfer-time estimate, GB/s "
                              "(default 50)")
-    parser.add_argument("--threads", type=_positive_int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="CPU threads for torch (default 1: the ops are small)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal)")
@@ -301,7 +271,7 @@ def simulate(*, preset: str = DEFAULT_PRESET, layers: Optional[int] = None, requ
             "host_pool_bytes": runtime.kv_cache_config.hisparse_host_num_blocks
             * host_block_bytes,
             "gpu_bytes_saved": all_gpu_peak - device_peak,
-            "gpu_saved_fraction": (all_gpu_peak - device_peak) / all_gpu_peak
+            "gpu_savedfraction": (all_gpu_peak - device_peak) / all_gpu_peak
             if all_gpu_peak else 0.0,
             "deferred_offloads": stats.deferred_offloads,
             "verified": bool(verify),
@@ -350,7 +320,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"GPU memory (decode working set, peak): all layers on GPU "
         f"{_bytes(r['all_gpu_peak_bytes'])}, HiSparse {_bytes(r['device_peak_bytes'])} "
         f"+ host {_bytes(r['host_peak_bytes'])} -> {_bytes(r['gpu_bytes_saved'])} of GPU "
-        f"memory saved ({100 * r['gpu_saved_fraction']:.0f}%); peak with one-chunk prefills "
+        f"memory saved ({100 * r['gpu_savedfraction']:.0f}%); peak with one-chunk prefills "
         f"{_bytes(r['device_peak_bytes_with_prefill'])}",
     ]
     if r["verified"]:

@@ -28,14 +28,8 @@ import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
-from hisparse_triton.commands.bench import (
-    add_output_flags,
-    choice_list,
-    int_list,
-    positive_float,
-    positive_int,
-    write_json,
-)
+from hisparse_triton.commands.argtypes import choice_list, int_list, positive_float, positive_int
+from hisparse_triton.commands.bench import add_output_flags, write_json
 
 KERNELS = ("gather", "backup", "restore", "spill")
 PAGE_KERNELS = ("restore", "spill")

@@ -1,0 +1,94 @@
+"""argparse value types shared by the subcommands (no torch import).
+
+Each raises ``argparse.ArgumentTypeError`` with a message naming the bad text, which the CLI
+prints as one line. Integers accept a ``k`` suffix (``4k`` = 4096).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def _integer(text: str) -> int:
+    part = text.strip()
+    scale = 1
+    if part[-1:] in ("k", "K"):
+        scale, part = 1024, part[:-1]
+    try:
+        return int(part) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _number(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in ``[0, 1]``."""
+    value = _number(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"512,4k,256k"`` -> ``(512, 4096, 262144)``: distinct integers >= 1, in order."""
+    parts = [p for p in text.replace(" ", "").split(",") if p]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return tuple(dict.fromkeys(positive_int(p) for p in parts))
+
+
+def ratio_list(text: str) -> tuple[float, ...]:
+    """``"1,0.3,0.067"`` -> distinct ratios in ``(0, 1]``, in order."""
+    parts = [p for p in text.replace(" ", "").split(",") if p]
+    values = tuple(_number(p) for p in parts)
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"ratios must lie in (0, 1], got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A type for comma-separated names out of ``choices`` (``all`` = every one)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = [p for p in text.replace(" ", "").split(",") if p]
+        if names == ["all"]:
+            return choices
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(choices)}")
+        return tuple(dict.fromkeys(names))
+
+    return parse
