@@ -8,12 +8,14 @@ pinned in place with ``cudaHostRegister`` rather than allocated with ``pin_memor
 torch's caching pinned allocator may round a huge request up (to the next power of two) and
 keeps the block cached after release, while registering an exact-size, 4 KiB-aligned buffer
 costs exactly the bytes asked for and is unpinned deliberately in ``close()``. Without CUDA
-it is plain CPU memory. Before allocating, it checks the machine's available RAM and refuses
-with ``HostMemoryError`` instead of letting the OS kill the process later.
+it is plain CPU memory. Before allocating, it checks the available RAM (``MemAvailable``,
+capped by a container's cgroup memory limit) and refuses with ``HostMemoryError`` instead of
+letting the OS kill the process later.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Optional
 
@@ -25,19 +27,20 @@ from hisparse_triton.errors import CapacityError, HostMemoryError, RuntimeClosed
 HOST_ALIGNMENT = 4096
 
 #: ``cudaHostRegisterPortable | cudaHostRegisterMapped``: pinned for every CUDA context and
-#: mapped into the device address space (with unified addressing the device pointer equals
-#: the host pointer, which is what the transfer kernels dereference).
+#: mapped into the device address space, so the transfer kernels can dereference it (Triton's
+#: launcher translates the host pointer with ``cuPointerGetAttribute``; with unified
+#: addressing both are equal).
 _REGISTER_FLAGS = 1 | 2
 
 
-def available_ram_bytes() -> int:
+def _meminfo_available() -> int:
     """``MemAvailable`` from ``/proc/meminfo`` (bytes); falls back to free physical pages."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -45,51 +48,165 @@ def available_ram_bytes() -> int:
         return 1 << 62
 
 
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path, encoding="ascii") as file:
+            text = file.read().strip()
+        return int(text) if text != "max" else None
+    except (OSError, ValueError):
+        return None
+
+
+def _stat_field(path: str, key: str) -> int:
+    try:
+        with open(path, encoding="ascii") as file:
+            for line in file:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+#: Per cgroup version: the memory controller's folder under the mount, then the files holding
+#: the limit, the usage and (in ``memory.stat``) the reclaimable inactive page cache.
+_CGROUP_FILES = {
+    2: ("", "memory.max", "memory.current", "inactive_file"),
+    1: ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+
+
+def cgroup_available_bytes(proc_cgroup: str = "/proc/self/cgroup",
+                           root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes this process may still use under its cgroup memory limits (v1 or v2), or
+    ``None`` when no limit applies.
+
+    A container's memory limit is invisible in ``/proc/meminfo`` (which shows the whole
+    machine) but is what the OOM killer enforces. For the process's cgroup and each ancestor
+    with a limit: ``limit - usage + inactive page cache`` (reclaimable); the smallest wins.
+    """
+    try:
+        with open(proc_cgroup, encoding="ascii") as file:
+            entries = [line.strip().split(":", 2) for line in file if line.strip()]
+    except OSError:
+        return None
+    best: Optional[int] = None
+    for entry in entries:
+        if len(entry) != 3:
+            continue
+        _, controllers, path = entry
+        if controllers == "":
+            version = 2
+        elif "memory" in controllers.split(","):
+            version = 1
+        else:
+            continue
+        folder, limit_file, usage_file, inactive_key = _CGROUP_FILES[version]
+        base = os.path.join(root, folder) if folder else root
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):  # the cgroup, then its ancestors
+            directory = os.path.join(base, *parts[:depth])
+            limit = _read_int(os.path.join(directory, limit_file))
+            if limit is None or limit >= 1 << 60:   # "max" / v1's "unlimited"
+                continue
+            usage = _read_int(os.path.join(directory, usage_file)) or 0
+            inactive = _stat_field(os.path.join(directory, "memory.stat"), inactive_key)
+            available = max(0, limit - usage + inactive)
+            best = available if best is None else min(best, available)
+    return best
+
+
+def available_ram_bytes() -> int:
+    """RAM this process can still get (bytes): ``MemAvailable`` from ``/proc/meminfo``,
+    capped by the cgroup (container) memory limit when there is one."""
+    available = _meminfo_available()
+    limited = cgroup_available_bytes()
+    return available if limited is None else min(available, limited)
+
+
+def _clear_cuda_last_error() -> None:
+    """Best effort: reset the CUDA runtime's per-thread "last error" after a failed
+    ``cudaHostRegister``; otherwise torch's next kernel-launch check (``cudaGetLastError``)
+    would report that stale error against an unrelated kernel. ``torch.cuda.cudart()`` does
+    not bind ``cudaGetLastError``, so this calls the ``libcudart`` torch already loaded."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception:  # noqa: BLE001 - only a nicer error later; never fail here
+        pass
+
+
 class HostPool:
     """One host allocation of ``size_bytes`` (rounded up to 4 KiB), 4 KiB aligned.
 
-    - ``pin``: register the buffer with CUDA (default: when CUDA is available).
-    - ``max_ram_fraction``: refuse (``HostMemoryError``) if the pool needs more than this
-      fraction of the currently available RAM.
+    - ``pin``: register the buffer with CUDA (default: when CUDA is available):
+      ``cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped)``
+      through ``torch.cuda.cudart()``, which returns the ``cudaError_t`` (0 = success).
+    - ``max_ram_fraction``: in ``(0, 1]``; refuse (``HostMemoryError``) if the pool needs
+      more than this fraction of the currently available RAM (``MemAvailable``).
+    - ``device``: the CUDA device whose work ``close()`` waits for before unpinning
+      (default: the current device).
 
-    ``tensor`` is the ``[size_bytes] uint8`` buffer; ``close()`` waits for the device,
-    unregisters the buffer and drops it; it is idempotent, and ``with HostPool(...)`` closes.
+    ``tensor`` is the ``[size_bytes] uint8`` buffer (its contents start undefined);
+    ``close()`` waits for the device, unregisters the buffer and only then drops it; it is
+    idempotent, and ``with HostPool(...)`` closes.
     """
 
     def __init__(self, size_bytes: int, *, pin: Optional[bool] = None,
-                 max_ram_fraction: float = 0.9) -> None:
+                 max_ram_fraction: float = 0.9,
+                 device: Optional[torch.device | str | int] = None) -> None:
+        self._tensor: Optional[torch.Tensor] = None
+        self._base: Optional[torch.Tensor] = None
+        self.pinned = False
         if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0:
             raise ValueError(f"HostPool size must be a positive number of bytes, "
                              f"got {size_bytes!r}.")
+        if (isinstance(max_ram_fraction, bool) or not isinstance(max_ram_fraction, (int, float))
+                or not 0 < max_ram_fraction <= 1):
+            raise ValueError(f"max_ram_fraction must be in (0, 1], got {max_ram_fraction!r}.")
         size = -(-size_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
         available = available_ram_bytes()
         if size > max_ram_fraction * available:
             raise HostMemoryError(
                 f"host pool of {size} B ({size / (1 << 30):.2f} GiB) exceeds "
                 f"{max_ram_fraction:.0%} of the available RAM ({available} B, "
-                f"{available / (1 << 30):.2f} GiB); lower host_pool_gib.",
+                f"{available / (1 << 30):.2f} GiB: MemAvailable, capped by the cgroup memory "
+                f"limit); lower host_pool_gib.",
                 resource="host RAM bytes", needed=size, available=available)
         if pin is None:
             pin = torch.cuda.is_available()
         if pin and not torch.cuda.is_available():
             raise RuntimeError("HostPool(pin=True) needs CUDA; this machine has none.")
+        self.device: Optional[torch.device] = None
+        if pin and device is not None:
+            self.device = (torch.device("cuda", device) if isinstance(device, int)
+                           else torch.device(device))
         # Over-allocate by one alignment unit and slice the aligned window out of it.
-        self._base: Optional[torch.Tensor] = torch.empty(size + HOST_ALIGNMENT,
-                                                         dtype=torch.uint8)
-        shift = (-self._base.data_ptr()) % HOST_ALIGNMENT
-        self._tensor: Optional[torch.Tensor] = self._base[shift:shift + size]
+        base = torch.empty(size + HOST_ALIGNMENT, dtype=torch.uint8)
+        shift = (-base.data_ptr()) % HOST_ALIGNMENT
+        tensor = base[shift:shift + size]
         self.size_bytes = size
-        self.pinned = False
         if pin:
-            err = int(torch.cuda.cudart().cudaHostRegister(self._tensor.data_ptr(), size,
-                                                           _REGISTER_FLAGS))
+            cudart = torch.cuda.cudart()
+            result = cudart.cudaHostRegister(tensor.data_ptr(), size, _REGISTER_FLAGS)
+            err = int(result)
             if err != 0:
-                self._base = self._tensor = None
+                _clear_cuda_last_error()
+                try:
+                    reason = f" ({cudart.cudaGetErrorString(result)})"
+                except Exception:  # noqa: BLE001 - the number alone still says it
+                    reason = ""
                 raise HostMemoryError(
-                    f"cudaHostRegister of the {size} B host pool failed with cudaError "
-                    f"{err}; the OS may limit locked memory (ulimit -l).",
-                    resource="pinned host bytes", needed=size, available=available)
+                    f"cudaHostRegister of the {size} B ({size / (1 << 30):.2f} GiB) host pool "
+                    f"failed with cudaError {err}{reason}; the OS may limit locked memory "
+                    f"(ulimit -l) or the machine has too little RAM to pin it: lower "
+                    f"host_pool_gib.", resource="pinned host bytes", needed=size,
+                    available=available)
             self.pinned = True
+        self._base, self._tensor = base, tensor
 
     @property
     def closed(self) -> bool:
@@ -112,14 +229,18 @@ class HostPool:
                              block_stride)
 
     def close(self) -> None:
-        """Unpin (after the device finished using the buffer) and release; idempotent."""
-        if self._tensor is None:
+        """Unpin (after the device finished using the buffer) and release; idempotent.
+
+        Views taken earlier keep the (now unpinned) memory alive until they are dropped.
+        """
+        if getattr(self, "_tensor", None) is None:
             return
         if self.pinned:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             err = int(torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr()))
             self.pinned = False
             if err != 0:  # pragma: no cover - driver failure
+                _clear_cuda_last_error()
                 self._tensor = self._base = None
                 raise RuntimeError(f"cudaHostUnregister of the host pool failed with "
                                    f"cudaError {err}.")

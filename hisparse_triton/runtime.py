@@ -27,6 +27,18 @@ the device block pool. A released block is only written again by work enqueued l
 stream runs after the mirror has read it, so no event or host sync is needed. This holds as
 long as the caller writes KV and calls the runtime on one stream; a caller using several
 streams must make them wait on the current stream after ``commit()``.
+
+Host syncs: ``add_request``, ``append_slots``, ``commit``, ``free_request``, ``resolve`` and
+``resolve_rows`` never wait for the device on CUDA (table updates are staged through pinned
+memory and copied with ``non_blocking=True``; counters accumulate on the device; with the
+``torch`` backend on CUDA the reference ops do sync). ``stats()`` reads the device counters
+(one sync); ``host_cache`` read on the CPU needs a ``torch.cuda.synchronize()`` first.
+
+Row lifetime: the rows ``resolve`` returns stay valid until the next ``commit()`` or
+``free_request()`` (which may hand their blocks to other requests) and, for hot rows, the
+next ``resolve`` of the same index group for the same request (which may evict them). So a
+step is: ``append_slots`` -> write KV -> ``resolve`` per index group -> attention ->
+``commit()``.
 """
 
 from __future__ import annotations
@@ -233,15 +245,18 @@ class HiSparseRuntime:
                              f"page), the plan has {self.num_host_blocks}.")
         self.bytes_per_block = kv_cache_config.bytes_per_block
         host_bytes = max(t.offset + t.size for t in self._host_tensors.values())
-        self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
-                                   max_ram_fraction=host_ram_fraction)
-        self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
-                                       self.device)
-        self.device_block_pool = BlockPool(self.num_device_blocks, "device")
-        self.host_block_pool = BlockPool(self.num_host_blocks, "host")
-
-        self._build_tables()
         self._requests: dict[Hashable, _Request] = {}
+        self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
+                                   max_ram_fraction=host_ram_fraction, device=self.device)
+        try:  # a failure below must not leave the (pinned) host pool to the GC
+            self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
+                                           self.device)
+            self.device_block_pool = BlockPool(self.num_device_blocks, "device")
+            self.host_block_pool = BlockPool(self.num_host_blocks, "host")
+            self._build_tables()
+        except BaseException:
+            self.close()
+            raise
         self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))  # pop() -> lowest row
         # [hits, misses, masked, h2d_bytes] accumulated on the device by resolve().
         self._counters = torch.zeros(4, dtype=torch.int64, device=self.device)
@@ -420,11 +435,28 @@ class HiSparseRuntime:
             raise UnknownRequestError(request_id, what) from None
 
     def _to_device(self, values: np.ndarray | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A small CPU array on the runtime's device without a host sync (pinned, non-blocking)."""
+        """A small CPU array on the runtime's device without a host sync.
+
+        On CUDA the values are first copied into a pinned staging buffer (torch's caching
+        host allocator, which keeps the buffer until the copy has run), so the
+        ``non_blocking`` copy is truly asynchronous: a copy from pageable memory would make
+        the CPU wait for the stream.
+        """
         cpu = torch.as_tensor(np.asarray(values), dtype=dtype)
         if self.device.type == "cpu":
             return cpu
         return cpu.pin_memory().to(self.device, non_blocking=True)
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the runtime's device; a CPU tensor bound for CUDA is staged through
+        pinned memory (no host sync; a tensor the caller pinned is copied as is, so the
+        caller must not modify it before the stream has run the copy)."""
+        if tensor.device == self.device:
+            return tensor
+        if tensor.device.type == "cpu" and self.device.type == "cuda":
+            staged = tensor if tensor.is_pinned() else tensor.pin_memory()
+            return staged.to(self.device, non_blocking=True)
+        return tensor.to(self.device)
 
     def _track_peaks(self) -> None:
         self._peak_device = max(self._peak_device, self.device_block_pool.num_used)
@@ -667,6 +699,9 @@ class HiSparseRuntime:
            it, the request keeps its pages resident (still exact) and tries again at the
            next commit (``stats().deferred_offloads`` counts this).
         3. Sliding-window groups release pages that left every future query's window.
+
+        Call it once per step, after the step's attention has read the rows ``resolve``
+        returned: released blocks are handed to other requests from here on.
         """
         self._check_open()
         pending = [req for req in self._requests.values() if req.seq_len > req.committed_len]
@@ -788,9 +823,13 @@ class HiSparseRuntime:
           device_buffer_size``; any value is allowed: negative, ``>= seq_len`` or huge
           positions resolve to -1.
         Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for the leader and
-        every follower (-1 = masked). Misses are gathered host -> device into the hot rows of
-        all of the index group's layers in one launch. Counters accumulate on the device;
-        nothing here waits for the device.
+        every follower (-1 = masked), until the next ``commit()``/``free_request()`` or the
+        next resolve of this index group for the same request. Misses are gathered host ->
+        device into the hot rows of all of the index group's layers in one launch. Counters
+        accumulate on the device; nothing here waits for the device (a CPU ``topk`` is staged
+        through pinned memory; narrow integer dtypes convert losslessly, 64-bit ones
+        saturate). ``DuplicateRequestError`` for one id twice, ``UnknownRequestError``,
+        ``ValueError`` for a bad leader or ``topk``; nothing changes on error.
         """
         self._check_open()
         self._index_group(leader_layer)
@@ -831,10 +870,13 @@ class HiSparseRuntime:
                              f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
         if R == 0:
             return torch.empty(0, K, dtype=torch.int32, device=self.device)
-        state_rows = state_rows.to(self.device)
-        topk = topk.to(self.device)
+        state_rows = self._on_device(state_rows)
+        topk = self._on_device(topk)
         if topk.dtype != torch.int32:
-            topk = topk.clamp(-1, _INT32_MAX).to(torch.int32)
+            if topk.dtype.itemsize < 4:
+                topk = topk.to(torch.int32)           # lossless
+            else:  # int64 / uint32 / uint64: saturate, so huge positions mask, never wrap
+                topk = topk.to(torch.int64).clamp(-1, _INT32_MAX).to(torch.int32)
         topk = topk.contiguous()
         ops = self._ops
         result = ops.resolve(
@@ -872,6 +914,29 @@ class HiSparseRuntime:
         self._deferred_offloads = 0
         self._peak_device = self.device_block_pool.num_used
         self._peak_host = self.host_block_pool.num_used
+
+    def _debug_snapshot(self) -> dict:
+        """Every piece of mutable state, as comparable CPU values (tests: "a failed call
+        changes nothing"). Copies every device table (a device sync on CUDA)."""
+        tensors = {"seq_lens": self._seq_lens, "host_table": self._host_table,
+                   "counters": self._counters}
+        for group in self._groups:
+            tensors[f"group{group.index}.table"] = group.table
+        for leader, index_group in self._index_groups.items():
+            tensors[f"{leader}.slot_host_rows"] = index_group.slot_host_rows
+            tensors[f"{leader}.lru"] = index_group.lru
+        state: dict = {name: t.detach().cpu().tolist() for name, t in tensors.items()}
+        for request_id, req in self._requests.items():
+            state[("request", request_id)] = (
+                req.row, req.prompt_len, req.max_new_tokens, list(req.host_blocks),
+                {k: v.tolist() for k, v in req.pages.items()}, req.seq_len, req.committed_len,
+                req.released_pages, dict(req.window_freed),
+                None if req.hot is None else {k: list(v) for k, v in req.hot.items()})
+        for pool in (self.device_block_pool, self.host_block_pool):
+            state[("pool", pool.name)] = (list(pool._free), list(pool._ref))
+        state["misc"] = (list(self._free_rows), dict(self._in_use), self._d2h_bytes,
+                         self._peak_device, self._peak_host, self._deferred_offloads)
+        return state
 
     @property
     def closed(self) -> bool:

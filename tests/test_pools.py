@@ -104,3 +104,122 @@ def test_device_pool_views_share_bytes():
 def test_device_pool_bad_sizes(args):
     with pytest.raises(ValueError):
         DevicePool(*args)
+
+
+class _CudaError:
+    """Stands in for the pybind ``cudaError`` enum ``torch.cuda.cudart()`` returns."""
+
+    def __init__(self, code):
+        self.code = code
+
+    def __int__(self):
+        return self.code
+
+
+class _FakeCudart:
+    """Records the calls ``HostPool`` makes through ``torch.cuda.cudart()``."""
+
+    def __init__(self, log, fail=0):
+        self.log, self.fail, self.registered = log, fail, {}
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - the CUDA name
+        self.log.append(("register", ptr, size, flags))
+        if self.fail:
+            return _CudaError(self.fail)
+        self.registered[ptr] = size
+        return _CudaError(0)
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.log.append(("unregister", ptr))
+        return _CudaError(0 if self.registered.pop(ptr, None) else 713)
+
+    def cudaGetErrorString(self, err):  # noqa: N802
+        return f"error {int(err)}"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA runtime that records calls (the pinning logic without a GPU)."""
+    log = []
+    state = {"cudart": _FakeCudart(log)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: state["cudart"])
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: log.append(("synchronize", device)))
+    return log, state
+
+
+def test_host_pool_registers_exact_aligned_bytes_and_unpins_before_release(fake_cuda):
+    log, state = fake_cuda
+    pool = HostPool(10_000, device="cuda:1")
+    ptr = pool.data_ptr
+    assert pool.pinned and ptr % HOST_ALIGNMENT == 0
+    # cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped)
+    assert log == [("register", ptr, 12_288, 3)]
+    pool.close()
+    assert log[1:] == [("synchronize", torch.device("cuda", 1)), ("unregister", ptr)]
+    assert pool.closed and not pool.pinned and not state["cudart"].registered
+    pool.close()
+    del pool
+    assert len(log) == 3                           # idempotent: nothing unregistered twice
+
+
+def test_host_pool_register_failure_is_a_clear_error(fake_cuda):
+    log, state = fake_cuda
+    state["cudart"] = _FakeCudart(log, fail=2)
+    with pytest.raises(HostMemoryError, match=r"cudaHostRegister of the 8192 B .* failed with "
+                                              r"cudaError 2 \(error 2\); .*ulimit -l") as info:
+        HostPool(8192)
+    assert info.value.needed == 8192 and isinstance(info.value, CapacityError)
+    assert [call[0] for call in log] == ["register"]   # nothing to unregister, nothing leaked
+
+
+def test_host_pool_unpinned_pool_never_calls_cuda(fake_cuda):
+    log, _ = fake_cuda
+    with HostPool(4096, pin=False) as pool:
+        assert not pool.pinned
+    assert log == []
+
+
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.5, True, "0.5"])
+def test_host_pool_bad_ram_fraction(fraction):
+    with pytest.raises(ValueError, match="max_ram_fraction"):
+        HostPool(4096, pin=False, max_ram_fraction=fraction)
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_limit_caps_available_ram(tmp_path):
+    _write(tmp_path / "proc", "0::/kubepods/pod1/ctr\n")
+    root = tmp_path / "cg"
+    _write(root / "kubepods/pod1/ctr/memory.max", "max\n")          # no limit of its own
+    _write(root / "kubepods/pod1/memory.max", "1000000\n")          # the pod's limit
+    _write(root / "kubepods/pod1/memory.current", "600000\n")
+    _write(root / "kubepods/pod1/memory.stat", "anon 500000\ninactive_file 100000\n")
+    _write(root / "kubepods/memory.max", "5000000\n")
+    _write(root / "kubepods/memory.current", "4500000\n")           # 500000 left up here
+    assert pools.cgroup_available_bytes(str(tmp_path / "proc"), str(root)) == 500_000
+
+
+def test_cgroup_v1_limit_and_unlimited(tmp_path):
+    _write(tmp_path / "proc", "12:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n")
+    root = tmp_path / "cg"
+    _write(root / "memory/docker/abc/memory.limit_in_bytes", "2000000\n")
+    _write(root / "memory/docker/abc/memory.usage_in_bytes", "1500000\n")
+    _write(root / "memory/docker/abc/memory.stat", "cache 1\ntotal_inactive_file 250000\n")
+    _write(root / "memory/memory.limit_in_bytes", "9223372036854771712\n")   # unlimited
+    assert pools.cgroup_available_bytes(str(tmp_path / "proc"), str(root)) == 750_000
+    _write(root / "memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n")
+    assert pools.cgroup_available_bytes(str(tmp_path / "proc"), str(root)) is None
+    assert pools.cgroup_available_bytes(str(tmp_path / "missing"), str(root)) is None
+
+
+def test_available_ram_is_the_smaller_of_meminfo_and_cgroup(monkeypatch):
+    monkeypatch.setattr(pools, "_meminfo_available", lambda: 10 << 30)
+    monkeypatch.setattr(pools, "cgroup_available_bytes", lambda: 3 << 30)
+    assert pools.available_ram_bytes() == 3 << 30
+    monkeypatch.setattr(pools, "cgroup_available_bytes", lambda: None)
+    assert pools.available_ram_bytes() == 10 << 30

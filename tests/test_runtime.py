@@ -36,7 +36,8 @@ def _one_thread():
 
 
 def make_runtime(*, max_num_seqs=3, max_model_len=96, host_blocks=None, device_blocks=None,
-                 threshold=1, backend="torch", regular=True, **kwargs) -> HiSparseRuntime:
+                 threshold=1, backend="torch", regular=True, device="cpu",
+                 **kwargs) -> HiSparseRuntime:
     spec = dict(build_kv_cache_spec("tiny", num_layers=4, block_size=B))
     if regular:
         spec[FULL] = FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=8, dtype="uint8")
@@ -46,7 +47,7 @@ def make_runtime(*, max_num_seqs=3, max_model_len=96, host_blocks=None, device_b
                              topk=TOPK, device_buffer_size=BUFFER, host_blocks=host_blocks,
                              device_blocks=device_blocks)
     return HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=max_num_seqs,
-                           device="cpu", backend=backend, offload_threshold_pages=threshold,
+                           device=device, backend=backend, offload_threshold_pages=threshold,
                            **kwargs)
 
 
@@ -490,3 +491,161 @@ def test_resolve_rows_by_state_row(decoding):
     assert rt.resolve_rows(L0, stale, topk[:1]).eq(-1).all()
     with pytest.raises(ValueError, match=r"state_rows must be an int32 tensor \[2\]"):
         rt.resolve_rows(L0, state.long(), topk)
+
+
+# ----------------------------------------------------------------------------- exactness corners
+def test_small_integer_topk_dtypes(decoding):
+    """Any integer dtype works: narrow ones convert losslessly, wide ones saturate."""
+    rt, oracle = decoding
+    base = torch.tensor([[0, 1, 2, 3, 20, 21, 30, 36], [-1, 6, 7, 8, 9, 10, 11, 127]])
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        topk = base.clamp(min=0).to(dtype) if dtype == torch.uint8 else base.to(dtype)
+        rows = rt.resolve(L0, ["a", "b"], topk)
+        oracle.check_resolve(L0, ["a", "b"], topk, rows)
+    assert rows[1, 7] == -1 and rows[1, 0] == -1
+
+
+def test_reused_state_row_and_host_blocks_start_with_an_empty_hot_buffer():
+    """A freed request's hot slots name host rows; the next request in its state row gets
+    the same host blocks. Its hot state must start empty, or it would "hit" on the old
+    request's bytes."""
+    pages = cdiv(48, B)
+    with make_runtime(max_num_seqs=1, max_model_len=48, host_blocks=pages + 2,
+                      device_blocks=60, regular=False) as rt:
+        oracle = DenseOracle(rt, seed=5)
+        topk = torch.arange(TOPK, dtype=torch.int32).view(1, -1)   # offloaded pages 0-1
+        host_blocks = []
+        for rid in ("a", "b"):
+            rt.add_request(rid, 40, 8)
+            oracle.add(rid)
+            assert rt.state_row(rid) == 0
+            host_blocks.append(rt.host_block_table(rid))
+            write_random(rt, oracle, rid, 40)
+            rt.commit()
+            for leader in rt.leaders:
+                oracle.check_resolve(leader, [rid], topk, rt.resolve(leader, [rid], topk))
+            rt.free_request(rid)
+            oracle.free(rid)
+        # b reuses a's host blocks for the same positions (the case a stale slot would hit).
+        assert host_blocks[1][1:3] == host_blocks[0][0:2]
+        assert rt.stats().misses == 2 * 2 * TOPK    # b missed everything, like a did
+
+
+def test_positions_appended_after_offload_are_served_from_resident_pages():
+    """Rows written after the history left the GPU reach the host only at the next commit;
+    until then resolve must serve them from their resident pages (never from stale host
+    bytes), including a multi-page append."""
+    with make_runtime(threshold=1) as rt:
+        oracle = DenseOracle(rt, seed=7)
+        rt.add_request("a", 40, 40)
+        oracle.add("a")
+        write_random(rt, oracle, "a", 40)
+        rt.commit()                                    # pages 0-7 offloaded, 8-9 resident
+        assert rt.stats().hot_blocks > 0
+        rows = rt.append_slots("a", 13)                 # positions 40-52: 4 new pages
+        oracle.write("a", rows)
+        pos = torch.arange(40, 53)
+        host_blocks = torch.tensor(rt.host_block_table("a"))
+        for layer in rt.source_layers:                  # not on the host yet
+            host = rt.host_cache(layer)[host_blocks[pos // B], pos % B]
+            assert not torch.equal(host, oracle.dense_rows("a", layer)[40:53])
+        topk = torch.tensor([[0, 5, 33, 39, 40, 44, 51, 52]], dtype=torch.int32)
+        for leader in rt.leaders:
+            out = rt.resolve(leader, ["a"], topk)
+            oracle.check_resolve(leader, ["a"], topk, out)
+            assert out[0, 4:].tolist() == rows[leader][[0, 4, 11, 12]].tolist()
+        rt.commit()                                     # mirrored; pages up to 10 leave
+        oracle.check_host("a", 53)
+        assert rt.block_table("a", L0)[:cdiv(53, B) - ACTIVE_TAIL_PAGES] == \
+            [0] * (cdiv(53, B) - ACTIVE_TAIL_PAGES)
+        for leader in rt.leaders:
+            out = rt.resolve(leader, ["a"], topk)
+            oracle.check_resolve(leader, ["a"], topk, out)
+        assert rt.stats().misses > 0
+
+
+def test_views_match_the_kv_cache_config_tensors():
+    """Every layer view is exactly the bytes its KVCacheTensor names (offset, strides)."""
+    with make_runtime() as rt:
+        kvc = rt.kv_cache_config
+        host_end = max(t.offset + t.size for t in kvc.kv_cache_tensors if t.host_resident)
+        assert rt._host_pool.size_bytes == cdiv(host_end, 4096) * 4096
+        for tensor in kvc.kv_cache_tensors:
+            for name in tensor.layers:
+                if tensor.host_resident:
+                    view, pool = rt.host_cache(name), rt._host_pool.tensor
+                    assert view.shape[0] * tensor.block_stride == tensor.size
+                else:
+                    view, pool = rt.device_cache(name), rt._device_pool.tensor
+                    assert view.shape[0] == kvc.num_blocks
+                row_bytes = view.shape[2]
+                assert view.data_ptr() - pool.data_ptr() == tensor.offset
+                assert view.stride() == (tensor.block_stride, row_bytes, 1)
+                block, slot = view.shape[0] - 1, B - 1
+                view[block, slot] = torch.arange(row_bytes, dtype=torch.uint8)
+                start = tensor.offset + block * tensor.block_stride + slot * row_bytes
+                assert torch.equal(pool[start:start + row_bytes],
+                                   torch.arange(row_bytes, dtype=torch.uint8))
+                view[block, slot] = 0
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_released_pages_are_reused_only_after_the_mirror_read_them(device):
+    """commit() releases sealed pages right after enqueuing their mirror; the next request
+    gets those blocks and overwrites them. On CUDA the stream is kept busy so the mirror
+    runs late: stream order alone must keep the host copy exact (no host sync needed)."""
+    layers = (L0, L1, L2, L3)
+    with make_runtime(max_num_seqs=2, device_blocks=31, regular=False, device=device,
+                      backend="auto") as rt:
+        rt.add_request("a", 40, 0)
+        rt.add_request("b", 8, 0)
+        rows = rt.append_slots("a", 40)                 # the whole pool: 10 + 2 x 10 blocks
+        assert rt.device_block_pool.num_free == 0
+        data = {layer: torch.randint(0, 256, (40, ROW), dtype=torch.uint8, device=device)
+                for layer in layers}
+        for layer in layers:
+            rows_t = rows[layer]
+            rt.device_cache(layer)[rows_t // B, rows_t % B] = data[layer]
+        resident = {layer: rt.block_table("a", layer) for layer in (L0, L2)}
+        overwrite = torch.full((8, ROW), 0xFF, dtype=torch.uint8, device=device)
+        if device == "cuda":
+            torch.cuda._sleep(100_000_000)              # the mirror below waits behind this
+        rt.commit()                                     # mirror enqueued, 16 blocks released
+        rows_b = rt.append_slots("b", 8)                # reuses released resident blocks
+        reused = {b for layer in (L0, L2) for b in rt.block_table("b", layer)}
+        released = {b for layer in (L0, L2) for b in resident[layer][:8]}
+        assert reused & released
+        for layer in rt.device_layers:
+            r = rows_b[layer]
+            cache = rt.device_cache(layer)
+            cache[r // B, r % B] = overwrite[:, :cache.shape[2]]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        host_blocks = torch.tensor(rt.host_block_table("a"))
+        pos = torch.arange(40)
+        for layer in layers:
+            host = rt.host_cache(layer)[host_blocks[pos // B], pos % B]
+            assert torch.equal(host, data[layer].cpu()), layer
+
+
+def test_failed_construction_releases_the_host_pool(monkeypatch):
+    import hisparse_triton.runtime as runtime_module
+
+    made = []
+
+    class RecordingHostPool(runtime_module.HostPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    def no_device_pool(*args, **kwargs):
+        raise CapacityError("device pool does not fit", resource="device bytes")
+
+    monkeypatch.setattr(runtime_module, "HostPool", RecordingHostPool)
+    monkeypatch.setattr(runtime_module, "DevicePool", no_device_pool)
+    with pytest.raises(CapacityError, match="device pool does not fit"):
+        make_runtime()
+    assert len(made) == 1 and made[0].closed

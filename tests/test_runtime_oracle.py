@@ -14,12 +14,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hisparse_triton import CapacityError, HiSparseRuntime, UnknownRequestError
 from hisparse_triton.errors import DuplicateRequestError, ReservationExceededError
 from hisparse_triton.oracle import DenseOracle, OracleMismatch
 from hisparse_triton.presets import build_kv_cache_spec
-from hisparse_triton.specs import FullAttentionSpec
+from hisparse_triton.specs import FullAttentionSpec, cdiv
 from hisparse_triton.workload import TopkTrace, plan_for_workload
 
 B, TOPK, BUFFER = 4, 8, 16
@@ -38,12 +39,13 @@ def _one_thread():
 
 
 def make_runtime(backend, *, max_num_seqs, max_model_len=64, device_blocks=None,
-                 threshold=1) -> HiSparseRuntime:
+                 host_blocks=None, threshold=1) -> HiSparseRuntime:
     spec = dict(build_kv_cache_spec("tiny", num_layers=4, block_size=B))
     spec["model.layers.4.full_attn"] = FullAttentionSpec(block_size=B, num_kv_heads=1,
                                                          head_size=8, dtype="uint8")
     plan = plan_for_workload(spec, max_model_len=max_model_len, num_requests=max_num_seqs,
-                             topk=TOPK, device_buffer_size=BUFFER, device_blocks=device_blocks)
+                             topk=TOPK, device_buffer_size=BUFFER, device_blocks=device_blocks,
+                             host_blocks=host_blocks)
     device = TRITON_DEVICE if backend == "triton" else "cpu"
     return HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=max_num_seqs,
                            device=device, backend=backend, offload_threshold_pages=threshold)
@@ -63,6 +65,7 @@ class Harness:
         self.next_id = 0
         self.resolves = 0
         self.errors = 0
+        self.capacity_errors = 0
 
     @property
     def rt(self):
@@ -75,21 +78,33 @@ class Harness:
         return [(rt.device_block_pool.num_free, rt.host_block_pool.num_free)
                 for rt in self.runtimes]
 
-    def expect_error(self, exc, call):
-        before = self.counts()
+    def snapshots(self):
+        return [rt._debug_snapshot() for rt in self.runtimes]
+
+    def expect_error(self, exc, call, match=None):
+        """``call`` raises ``exc`` on every runtime and changes nothing: not the Python
+        bookkeeping, not the allocators, not one entry of any device table."""
+        before = self.snapshots()
         for rt in self.runtimes:
-            with pytest.raises(exc):
+            with pytest.raises(exc, match=match):
                 call(rt)
-        assert self.counts() == before
+        assert self.snapshots() == before, f"a failed call ({exc.__name__}) changed state"
         self.errors += 1
 
     # -- operations ----------------------------------------------------------------------
     def add(self):
         rid = f"r{self.next_id}"
         self.next_id += 1
-        prompt, new = self.rng.randint(1, 40), self.rng.randint(0, 20)
+        limit = self.rt.max_model_len
+        prompt = self.rng.randint(1, min(40, limit))
+        new = self.rng.randint(0, min(20, limit - prompt))
         if len(self.reserved) >= self.rt.max_num_seqs:
-            self.expect_error(CapacityError, lambda rt: rt.add_request(rid, prompt, new))
+            self.expect_error(CapacityError, lambda rt: rt.add_request(rid, prompt, new),
+                              match="state rows")
+            return
+        if cdiv(prompt + new, B) > self.rt.host_block_pool.num_free:
+            self.expect_error(CapacityError, lambda rt: rt.add_request(rid, prompt, new),
+                              match=f"'{rid}': it needs .* host blocks")
             return
         self.all("add_request", rid, prompt, new)
         for oracle in self.oracles:
@@ -104,12 +119,13 @@ class Harness:
         if self.rt.seq_len(rid) + n > self.reserved[rid]:
             self.expect_error(ReservationExceededError, lambda rt: rt.append_slots(rid, n))
             return
+        before = self.snapshots()
         try:
             rows = self.all("append_slots", rid, n)
         except CapacityError:   # only with a tight device pool; nothing changed
-            assert all(rt.seq_len(rid) == self.runtimes[0].seq_len(rid)
-                       for rt in self.runtimes)
+            assert self.snapshots() == before, "a failed append_slots changed state"
             self.errors += 1
+            self.capacity_errors += 1
             return
         for oracle, r in zip(self.oracles, rows):
             oracle.write(rid, r)
@@ -156,15 +172,36 @@ class Harness:
         del self.reserved[rid]
 
     def bad(self):
+        """One call that must fail, of every public entry point, and change nothing."""
         live = sorted(self.reserved)
-        choice = self.rng.randrange(3)
-        if choice == 0 and live:
-            self.expect_error(DuplicateRequestError, lambda rt: rt.add_request(live[0], 2, 2))
-        elif choice == 1:
-            self.expect_error(UnknownRequestError, lambda rt: rt.free_request("ghost"))
-        elif live:
-            topk = torch.zeros(1, TOPK, dtype=torch.int32)
-            self.expect_error(ValueError, lambda rt: rt.resolve(L1, live[:1], topk))
+        leader = self.rt.leaders[0]
+        topk = torch.zeros(1, TOPK, dtype=torch.int32)
+        calls = [
+            (UnknownRequestError, lambda rt: rt.free_request("ghost")),
+            (UnknownRequestError, lambda rt: rt.append_slots("ghost", 1)),
+            (ValueError, lambda rt: rt.add_request("new", 0, 4)),
+            (ValueError, lambda rt: rt.add_request("new", rt.max_model_len, 1)),
+        ]
+        if live:
+            rid = self.rng.choice(live)
+            two = torch.zeros(2, TOPK, dtype=torch.int32)
+            calls += [
+                (DuplicateRequestError, lambda rt: rt.add_request(rid, 2, 2)),
+                (ValueError, lambda rt: rt.append_slots(rid, -1)),
+                (ReservationExceededError,
+                 lambda rt: rt.append_slots(rid, self.reserved[rid] - rt.seq_len(rid) + 1)),
+                (ValueError, lambda rt: rt.resolve(L1, [rid], topk)),     # a follower
+                (DuplicateRequestError, lambda rt: rt.resolve(leader, [rid, rid], two)),
+                (UnknownRequestError, lambda rt: rt.resolve(leader, [rid, "ghost"], two)),
+                (ValueError, lambda rt: rt.resolve(leader, [rid], topk.float())),
+                (ValueError, lambda rt: rt.resolve(leader, [rid], two)),
+                (ValueError, lambda rt: rt.resolve(
+                    leader, [rid], torch.zeros(1, BUFFER + 1, dtype=torch.int32))),
+                (ValueError, lambda rt: rt.resolve_rows(
+                    leader, torch.zeros(1, dtype=torch.int64), topk)),
+            ]
+        exc, call = self.rng.choice(calls)
+        self.expect_error(exc, call)
 
     def run(self, steps, max_resolves=None):
         ops = [self.add, self.append, self.append, self.append, self.commit, self.resolve,
@@ -198,6 +235,14 @@ class Harness:
         for rt in self.runtimes:
             stats = rt.stats()
             assert (stats.device_blocks, stats.host_blocks, stats.num_requests) == (0, 0, 0)
+            for pool in (rt.device_block_pool, rt.host_block_pool):
+                assert sorted(pool._free) == list(range(1, pool.num_blocks))
+                assert not any(pool._ref)
+            # Every state row is empty again: no stale table entry or hot slot survives.
+            assert not rt._seq_lens.any() and not rt._host_table.any()
+            assert not any(group.table.any() for group in rt._groups)
+            for index_group in rt._index_groups.values():
+                assert index_group.slot_host_rows.eq(-1).all()
 
     def free_rid(self, rid):
         self.all("free_request", rid)
@@ -207,8 +252,9 @@ class Harness:
 @pytest.mark.parametrize("seed,kwargs", [
     (0, {}),
     (1, {"threshold": None}),
-    (2, {"device_blocks": 60}),            # tight pool: capacity errors, deferred offloads
+    (2, {"device_blocks": 45}),            # tight pool: capacity errors, deferred offloads
     (3, {"max_num_seqs": 2}),
+    (4, {"host_blocks": 2 * cdiv(64, B) + 2}),  # tight host pool: host blocks reused early
 ])
 def test_random_interleavings_torch(seed, kwargs):
     kwargs.setdefault("max_num_seqs", 4)
@@ -217,7 +263,25 @@ def test_random_interleavings_torch(seed, kwargs):
     stats = harness.rt.stats()
     assert stats.misses > 0 and stats.hits > 0 and stats.masked > 0
     if seed == 2:
-        assert harness.errors > 0
+        assert harness.capacity_errors > 0 and stats.deferred_offloads > 0
+    harness.finish()
+
+
+OPS = ("add", "append", "commit", "resolve", "free", "bad")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=20, max_size=60),
+       seed=st.integers(0, 2**16), device_blocks=st.sampled_from([None, 40]),
+       threshold=st.sampled_from([1, 3, None]))
+def test_hypothesis_interleavings(ops, seed, device_blocks, threshold):
+    """Shrinkable op sequences (sizes and ids from ``seed``): exact resolves, failed calls
+    that change nothing, no leak; ``max_num_seqs=2`` reuses state rows and blocks often."""
+    harness = Harness(["torch"], seed, max_num_seqs=2, max_model_len=48,
+                      device_blocks=device_blocks, threshold=threshold)
+    for op in ops:
+        getattr(harness, op)()
     harness.finish()
 
 
