@@ -18,9 +18,16 @@ namespace (``torch.ops.hisparse_triton.{resolve,copy_rows,copy_pages}``): CPU ke
 reference, CUDA kernel = Triton, fake kernels for ``torch.compile`` (fixed output shapes; the
 copy ops declare the destination pool mutated, ``resolve`` declares ``slot_host_rows`` and
 ``lru`` mutated). Custom ops take tensors and scalars only, so a ``RowTable`` travels flattened
-as ``(pool, layer_offsets, row_bytes, block_size, block_stride, num_rows)``. ``auto`` (and
-``torch`` on CPU, ``triton`` on CUDA) go through the registered op; ``torch`` on CUDA calls
-the reference directly and ``triton`` on CPU calls the kernel launcher directly.
+as ``(pool, layer_offsets, row_bytes, block_size, block_stride, num_rows)``.
+
+Eager calls (plain tensors, no ``torch.compile`` / export tracing, no dispatch mode) skip the
+``torch.library`` dispatch and call the chosen implementation directly: the custom-op layer
+costs tens of microseconds of host time per call (argument defaults, autograd and
+ADInplaceOrView wrappers), more than a Triton launch. Traced calls go through the registered
+op so that ``torch.compile`` sees one opaque node. There, ``torch`` runs the registered op only
+when every tensor is on the CPU (the op's CUDA kernel is Triton: a CPU plan over a CUDA pool
+would reach it) and calls the reference directly otherwise; ``triton`` on CPU (the
+interpreter) calls the kernel launcher directly.
 
 ``validate_table`` checks a table once (layers inside the pool, alignment, pinning for a CUDA
 kernel); the kernels do it on first use otherwise. Call it before capturing a CUDA graph: the
@@ -148,15 +155,41 @@ copy_rows_op = _define_copy_op("copy_rows", pages=False)
 copy_pages_op = _define_copy_op("copy_pages", pages=True)
 
 
+def _eager(tensors: tuple[Optional[Tensor], ...]) -> bool:
+    """True when a call may skip the ``torch.library`` dispatch: not being traced by
+    ``torch.compile`` / export, only plain tensors (no fake / functional subclasses) and no
+    ``TorchDispatchMode`` active."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not Tensor:
+            return False
+    return _current_dispatch_mode() is None
+
+
+def _current_dispatch_mode():
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    return _get_current_dispatch_mode()
+
+
+def _all_cpu(tensors: tuple[Optional[Tensor], ...]) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
 def _copy(op, pages: bool, dst: RowTable, src: RowTable, src_ids: Tensor, dst_ids: Tensor,
           counts: Optional[Tensor], backend: Optional[str]) -> None:
     choice = select_backend(backend, src_ids.device)
-    if choice == "torch" and src_ids.device.type != "cpu":
+    tensors = (dst.pool, dst.layer_offsets, src.pool, src.layer_offsets, src_ids, dst_ids,
+               counts)
+    if choice == "torch" and (_eager(tensors) or not _all_cpu(tensors)):
         (reference.copy_pages if pages else reference.copy_rows)(dst, src, src_ids, dst_ids,
                                                                  counts)
-    elif choice == "triton" and src_ids.device.type == "cpu":  # the interpreter
+    elif choice == "triton" and (_eager(tensors) or src_ids.device.type == "cpu"):
         _copy_launcher(pages, dst, src)(dst, src, src_ids, dst_ids, counts)
-    else:
+    else:  # traced: the registered op (CPU: reference, CUDA: Triton)
         op(*_flat(dst), *_flat(src), src_ids, dst_ids, counts)
 
 
@@ -237,8 +270,9 @@ def resolve(topk: Tensor, state_rows: Tensor, seq_lens: Tensor, resident_blocks:
     sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
                  num_host_blocks=num_host_blocks)
     choice = select_backend(backend, topk.device)
-    if choice == "torch" and topk.device.type != "cpu":
+    eager = _eager(args)
+    if choice == "torch" and (eager or topk.device.type != "cpu"):
         return reference.resolve(*args, **sizes)
-    if choice == "triton" and topk.device.type == "cpu":  # the interpreter
-        return ResolveResult(*_resolve_kernel()(*args, **sizes))
-    return ResolveResult(*resolve_op(*args, **sizes))
+    if choice == "triton" and (eager or topk.device.type == "cpu"):
+        return _resolve_kernel()(*args, **sizes)
+    return ResolveResult(*resolve_op(*args, **sizes))  # traced: the registered op

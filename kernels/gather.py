@@ -188,8 +188,9 @@ def launch_shape(dst: RowTable, src: RowTable, rows: int, cols: int, *, pages: b
                             table_alignment(dst), src.pool.data_ptr(), dst.pool.data_ptr(),
                             cap=config.access_bytes)
     chunk_vecs = max(1, min(config.chunk_bytes, next_pow2(span)) // access)
-    num_items = rows * triton.cdiv(cols, config.rows_per_program)
-    layer_groups = triton.cdiv(dst.num_layers, config.layers_per_program)
+    # (plain ints: triton.cdiv is a jit function, slow to call from the host)
+    num_items = rows * -(-cols // config.rows_per_program)
+    layer_groups = -(-dst.num_layers // config.layers_per_program)
     grid = (max(1, min(num_items, config.grid_programs // layer_groups)), layer_groups)
     return LaunchShape(config, span, access, min(access, 4), chunk_vecs, num_items, grid)
 

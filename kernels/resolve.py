@@ -42,9 +42,16 @@ Launches (``R`` batch rows, ``NC = cdiv(H, BLOCK_H)`` LRU chunks):
 5. ``_resolve_finalize_kernel``, grid ``(R,)``: miss columns read their slot's device row from
    ``miss_dst``, the plan tails are set to -1, stats and ``miss_count`` are written.
 Every phase but the per-row sort and the two per-row column walks is LRU-chunk parallel, so the
-grid grows with ``H`` and not only with the batch. Program order inside phase 3's column walk
-is enforced with ``tl.debug_barrier`` (a CTA barrier: global stores become visible to the
-block).
+grid grows with ``H`` and not only with the batch.
+
+Ordering on a GPU: no program reads what another program of the same launch writes; every
+hand-over between programs crosses a launch boundary. The one hand-over between threads of one
+program through global memory (phase 3's column-order numbering in ``colbuf``) is fenced with
+``tl.debug_barrier()`` = ``bar.sync``, which orders the global stores of all threads of the CTA
+before the loads after it (CUDA's ``__syncthreads`` guarantee; writer and reader share an SM,
+so cached or vectorised loads see the stores). Triton emits loads as side-effecting inline
+PTX ``ld.global`` (never ``ld.global.nc``), so neither LLVM nor ptxas hoists them across it.
+The launcher makes the tensors' device the current CUDA device (Triton launches there).
 
 Costs (reasoned, not yet measured on a GPU) at 64 rows x K 2048 x H 4096: the sort is the only
 super-linear step (a bitonic sort of 2048 int64 keys per row, 66 compare-exchange stages, 8
@@ -62,7 +69,9 @@ scratch have shapes fixed by the inputs' shapes).
 
 from __future__ import annotations
 
+import math
 import os
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -341,6 +350,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _carve_int32(device: torch.device, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Contiguous int32 tensors of ``shapes`` as views of one allocation, each starting at a
+    multiple of 16 elements (64 B: Triton specialises pointers on 16-byte alignment)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    padded = [-(-n // 16) * 16 for n in sizes]
+    buf = torch.empty(sum(padded), dtype=torch.int32, device=device)
+    out, start = [], 0
+    for shape, n, step in zip(shapes, sizes, padded):
+        out.append(buf[start:start + n].view(shape))
+        start += step
+    return out
+
+
 def _check_backend(device: torch.device) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -388,9 +410,12 @@ def _resolve(
     num_device_blocks: int,
     num_host_blocks: int,
     block_h: Optional[int] = None,
+    num_warps_k: Optional[int] = None,
 ) -> ResolveResult:
     """``resolve`` with a tunable LRU chunk width ``block_h`` (a power of two; tests use small
-    ones to exercise several chunks per row)."""
+    ones to exercise several chunks per row) and warp count ``num_warps_k`` of the three
+    per-row ``BLOCK_K``-wide launches (sort, classify, finalize; default 8 for top-k > 1024,
+    else 4): knobs for a GPU benchmark sweep."""
     R, K, S, P, _, H = _check_resolve_args(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
         lru, block_size, num_device_blocks, num_host_blocks)
@@ -420,62 +445,64 @@ def _resolve(
         if block_h < 16 or block_h & (block_h - 1):
             raise ValueError(f"resolve: block_h must be a power of two >= 16, got {block_h}")
         BLOCK_H = block_h
-    NC = triton.cdiv(H, BLOCK_H)
+    NC = -(-H // BLOCK_H)  # (triton.cdiv is a jit function: slow to call from the host)
     BLOCK_NC = max(2, _next_pow2(NC))
 
-    # Scratch: fixed shapes (graph capturable), every element written before it is read.
+    # Scratch: fixed shapes (graph capturable), every element written before it is read. One
+    # int32 allocation carved into 16-element-aligned views (each allocation costs host time
+    # on every call; the five outputs stay separate tensors: a custom op's outputs must not
+    # alias each other).
     keys = torch.empty((R, BLOCK_K), dtype=torch.int64, device=dev)
-    wk = torch.empty((4, R, BLOCK_K), dtype=i32, device=dev)
-    run_pos, colbuf, colm = wk[0], wk[1], wk[2]
-    wh = torch.empty((3, R, H), dtype=i32, device=dev)
-    owner, pos_run, lru_copy = wh[0], wh[1], wh[2]
     cls = torch.empty((R, H), dtype=torch.int8, device=dev)
-    counts = torch.empty((R, NC, 2), dtype=i32, device=dev)
-    wr = torch.empty((2, R), dtype=i32, device=dev)
-    n_miss, n_fill = wr[0], wr[1]
+    (run_pos, colbuf, colm, owner, pos_run, lru_copy, counts, n_miss, n_fill) = _carve_int32(
+        dev, [(R, BLOCK_K)] * 3 + [(R, H)] * 3 + [(R, NC, 2), (R,), (R,)])
 
-    warps_k = 8 if BLOCK_K >= 2048 else 4
-    _resolve_sort_kernel[(R, 1 + NC)](
-        topk, state_rows, seq_lens, resident_blocks, host_blocks,
-        rows, keys, run_pos, owner,
-        K, S, P, H,
-        topk.stride(0), topk.stride(1), state_rows.stride(0), seq_lens.stride(0),
-        resident_blocks.stride(0), resident_blocks.stride(1),
-        host_blocks.stride(0), host_blocks.stride(1),
-        num_device_blocks, num_host_blocks,
-        BLOCK_SIZE=block_size, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, num_warps=warps_k,
-    )
-    _resolve_search_kernel[(R, NC)](
-        state_rows, slot_host_rows, lru, keys, run_pos, owner, pos_run,
-        S, H,
-        state_rows.stride(0), slot_host_rows.stride(0), slot_host_rows.stride(1),
-        lru.stride(0), lru.stride(1),
-        num_host_blocks * block_size,
-        BLOCK_K=BLOCK_K, LOG2_K=LOG2_K, BLOCK_H=BLOCK_H, num_warps=4,
-    )
-    _resolve_classify_kernel[(R, NC + 1)](
-        state_rows, lru, hot_blocks, keys, run_pos, owner, pos_run,
-        cls, lru_copy, counts, colbuf, colm, n_miss, rows, miss_src,
-        K, S, H, NC,
-        state_rows.stride(0), lru.stride(0), lru.stride(1),
-        hot_blocks.stride(0), hot_blocks.stride(1),
-        num_device_blocks,
-        BLOCK_SIZE=block_size, BLOCK_K=BLOCK_K, LOG2_K=LOG2_K, BLOCK_H=BLOCK_H,
-        num_warps=warps_k,
-    )
-    _resolve_lru_kernel[(R, NC)](
-        state_rows, lru, slot_host_rows, hot_blocks,
-        cls, lru_copy, counts, n_miss, n_fill, miss_src, miss_dst,
-        K, S, H, NC,
-        state_rows.stride(0), lru.stride(0), lru.stride(1),
-        slot_host_rows.stride(0), slot_host_rows.stride(1),
-        hot_blocks.stride(0), hot_blocks.stride(1),
-        num_device_blocks,
-        BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_NC=BLOCK_NC, num_warps=4,
-    )
-    _resolve_finalize_kernel[(R,)](
-        state_rows, rows, colm, n_fill, miss_src, miss_dst, miss_count, stats,
-        K, S, state_rows.stride(0),
-        BLOCK_K=BLOCK_K, num_warps=warps_k,
-    )
+    if num_warps_k is not None and num_warps_k not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"resolve: num_warps_k must be a power of two <= 32, got {num_warps_k}")
+    warps_k = num_warps_k or (8 if BLOCK_K >= 2048 else 4)
+    # Triton launches on the current CUDA device: make it the tensors' device.
+    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
+        _resolve_sort_kernel[(R, 1 + NC)](
+            topk, state_rows, seq_lens, resident_blocks, host_blocks,
+            rows, keys, run_pos, owner,
+            K, S, P, H,
+            topk.stride(0), topk.stride(1), state_rows.stride(0), seq_lens.stride(0),
+            resident_blocks.stride(0), resident_blocks.stride(1),
+            host_blocks.stride(0), host_blocks.stride(1),
+            num_device_blocks, num_host_blocks,
+            BLOCK_SIZE=block_size, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, num_warps=warps_k,
+        )
+        _resolve_search_kernel[(R, NC)](
+            state_rows, slot_host_rows, lru, keys, run_pos, owner, pos_run,
+            S, H,
+            state_rows.stride(0), slot_host_rows.stride(0), slot_host_rows.stride(1),
+            lru.stride(0), lru.stride(1),
+            num_host_blocks * block_size,
+            BLOCK_K=BLOCK_K, LOG2_K=LOG2_K, BLOCK_H=BLOCK_H, num_warps=4,
+        )
+        _resolve_classify_kernel[(R, NC + 1)](
+            state_rows, lru, hot_blocks, keys, run_pos, owner, pos_run,
+            cls, lru_copy, counts, colbuf, colm, n_miss, rows, miss_src,
+            K, S, H, NC,
+            state_rows.stride(0), lru.stride(0), lru.stride(1),
+            hot_blocks.stride(0), hot_blocks.stride(1),
+            num_device_blocks,
+            BLOCK_SIZE=block_size, BLOCK_K=BLOCK_K, LOG2_K=LOG2_K, BLOCK_H=BLOCK_H,
+            num_warps=warps_k,
+        )
+        _resolve_lru_kernel[(R, NC)](
+            state_rows, lru, slot_host_rows, hot_blocks,
+            cls, lru_copy, counts, n_miss, n_fill, miss_src, miss_dst,
+            K, S, H, NC,
+            state_rows.stride(0), lru.stride(0), lru.stride(1),
+            slot_host_rows.stride(0), slot_host_rows.stride(1),
+            hot_blocks.stride(0), hot_blocks.stride(1),
+            num_device_blocks,
+            BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_NC=BLOCK_NC, num_warps=4,
+        )
+        _resolve_finalize_kernel[(R,)](
+            state_rows, rows, colm, n_fill, miss_src, miss_dst, miss_count, stats,
+            K, S, state_rows.stride(0),
+            BLOCK_K=BLOCK_K, num_warps=warps_k,
+        )
     return result

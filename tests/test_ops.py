@@ -177,6 +177,75 @@ def test_resolve_matches_reference_on_every_backend(kernel_device, monkeypatch, 
     assert calls == ([1] if ran_triton else [])
 
 
+# ---------------------------------------------------------------------- host cost / graphs
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args)`` records instead of running."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(grid)
+
+
+_SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+            "cpu", "numpy")
+
+
+def test_triton_launchers_read_no_tensor_values(monkeypatch):
+    """After a table's first use, the copy launcher and the resolve launcher never read a
+    tensor value on the host (no ``.item()``, ``.tolist()``, ``bool(tensor)``, ``nonzero``,
+    ...): on CUDA they neither synchronise nor break a CUDA-graph capture."""
+    import hisparse_triton.kernels.resolve as kres
+
+    launched: list = []
+    monkeypatch.setattr(gather, "copy_rows_kernel", _Recorder(launched))
+    for name in ("_resolve_sort_kernel", "_resolve_search_kernel", "_resolve_classify_kernel",
+                 "_resolve_lru_kernel", "_resolve_finalize_kernel"):
+        monkeypatch.setattr(kres, name, _Recorder(launched))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors stand in for CUDA ones
+    dst, src, s, d, c = _case()
+    topk, state_rows, state = _resolve_case()
+    ops.copy_rows(dst, src, s, d, c, backend="triton")  # first use: validates the tables
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a launcher read a tensor value on the host")
+
+    for name in _SYNCING:
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch, "nonzero", refuse)
+    launched.clear()
+    ops.copy_rows(dst, src, s, d, c, backend="triton")
+    ops.copy_pages(dst, src, s.clamp(max=1), d.clamp(max=1), c, backend="triton")
+    ops.resolve(topk, state_rows, *state.args(), **state.kwargs(), backend="triton")
+    assert len(launched) == 1 + 1 + 5
+
+
+def test_eager_calls_skip_the_custom_op_layer(monkeypatch):
+    """Eager calls run the implementation directly (the torch.library layer costs tens of
+    microseconds of host time per call); traced calls still go through the registered op."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("eager call went through torch.library")
+
+    dst, src, s, d, c = _case()
+    expected = run_reference(dst, src, s, d, c, pages=False)
+    with monkeypatch.context() as m:
+        m.setattr(ops, "copy_rows_op", refuse)
+        m.setattr(ops, "resolve_op", refuse)
+        out = run_copy(ops.copy_rows, dst, src, s, d, c)
+        topk, state_rows, state = _resolve_case()
+        ops.resolve(topk, state_rows, *state.args(), **state.kwargs())
+    assert torch.equal(out, expected)
+    assert ops._eager((s, d, None)) and not ops._eager((s, torch.nn.Parameter(d.float())))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(s)
+        assert not ops._eager((fake, d))
+
+
 # ---------------------------------------------------------------------- CUDA only
 
 
@@ -199,3 +268,88 @@ def test_cuda_op_picks_the_direction(launches, pages):
         (ops.copy_pages if pages else ops.copy_rows)(with_pool(dst, out), src, s, d, c)
         torch.cuda.synchronize()
         assert torch.equal(out, expected) and launches == [name]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_registered_cuda_kernels_take_mixed_devices():
+    """torch.ops.hisparse_triton.* with a pinned CPU host pool, a CUDA device pool and CUDA
+    plans dispatch to the CUDA (Triton) kernels: the CUDA tensors pick the dispatch key."""
+    from test_resolve_reference import make_state, make_topk
+
+    host = make_table(2, 656, 6, layout="host", seed=11, offsets_device="cuda")
+    host = with_pool(host, host.pool.pin_memory())
+    dev = make_table(2, 656, 5, layout="device", seed=12, device="cuda")
+    s, d, c = random_plan(2, 2, 3, host.num_rows, dev.num_rows, seed=13, device="cuda")
+    expected = run_reference(dev, host, s, d, c, pages=False)
+    out = dev.pool.clone()
+    torch.ops.hisparse_triton.copy_rows(*ops._flat(with_pool(dev, out)), *ops._flat(host),
+                                        s, d, c)
+    assert torch.equal(out, expected)
+
+    state = make_state(num_states=3, pages=4, hot_slots=8, block_size=4, seed=14)
+    topk = make_topk(state, [2, -1, 0], 5, seed=15)
+    rows = torch.tensor([2, -1, 0], dtype=torch.int32)
+    want_state = state.clone()
+    want = ref.resolve(topk, rows, *want_state.args(), **want_state.kwargs())
+    got_state = state.to("cuda")
+    got = torch.ops.hisparse_triton.resolve(topk.cuda(), rows.cuda(), *got_state.args(),
+                                            *got_state.kwargs().values())
+    for name, g, w in zip(ref.ResolveResult._fields, got, want):
+        assert torch.equal(g.cpu(), w), name
+    assert torch.equal(got_state.lru.cpu(), want_state.lru)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_torch_backend_with_cpu_plans_over_a_cuda_pool(launches):
+    """backend='torch' (and 'auto' with CPU plans) runs the reference even when a pool is on
+    CUDA, where the registered op would dispatch to its CUDA (Triton) kernel."""
+    host = make_table(2, 656, 6, layout="host", seed=16)
+    dev = make_table(2, 656, 5, layout="device", seed=17, device="cuda")
+    s, d, c = random_plan(2, 2, 3, host.num_rows, dev.num_rows, seed=18)
+    expected = run_reference(dev, host, s, d, c, pages=False)
+    for backend in ("auto", "torch"):
+        out = dev.pool.clone()
+        ops.copy_rows(with_pool(dev, out), host, s, d, c, backend=backend)
+        assert torch.equal(out, expected) and launches == []
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_unpinned_host_pool_is_refused_by_the_ops():
+    host = make_table(1, 656, 4, seed=19, offsets_device="cuda")
+    dev = make_table(1, 656, 4, layout="device", seed=20, device="cuda")
+    plan = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    before = dev.pool.clone()
+    with pytest.raises(ValueError, match="not pinned"):
+        ops.copy_rows(dev, host, plan, plan)
+    with pytest.raises(ValueError, match="not pinned"):
+        ops.validate_table(host, "cuda")
+    assert torch.equal(dev.pool, before)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_copy_rows_captures_in_a_cuda_graph():
+    """After the tables' first use the Triton copy path records into a CUDA graph (no host
+    sync, fixed launch shape) and every replay copies what the plan says at replay time."""
+    host = make_table(2, 656, 6, layout="host", seed=21, offsets_device="cuda")
+    host = with_pool(host, host.pool.pin_memory())
+    dev = make_table(2, 656, 5, layout="device", seed=22, device="cuda")
+    s, d, c = random_plan(2, 2, 3, host.num_rows, dev.num_rows, seed=23, device="cuda")
+    out = dev.pool.clone()
+    table = with_pool(dev, out)
+    ops.validate_table(table, "cuda")
+    ops.validate_table(host, "cuda")
+    ops.copy_rows(table, host, s, d, c)  # warm-up: compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        ops.copy_rows(table, host, s, d, c)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (24, 25):
+        s2, d2, c2 = random_plan(2, 2, 3, host.num_rows, dev.num_rows, seed=seed,
+                                 device="cuda")
+        s.copy_(s2), d.copy_(d2), c.copy_(c2)
+        out.copy_(dev.pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run_reference(dev, host, s, d, c, pages=False))
