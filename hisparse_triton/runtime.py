@@ -151,6 +151,14 @@ class _IndexGroup:
     row_bytes: int
     slot_host_rows: torch.Tensor = field(repr=False, default=None)  # [S, H] int32
     lru: torch.Tensor = field(repr=False, default=None)             # [S, H] int32
+    # [hits, misses, masked] int64, accumulated on the device by resolve() (one sum + one
+    # add per call; bytes are derived in stats()).
+    counters: torch.Tensor = field(repr=False, default=None)
+
+    @property
+    def bytes_per_miss(self) -> int:
+        """Bytes one gathered host row moves: a row of the leader and of every follower."""
+        return self.row_bytes * len(self.layers)
 
 
 @dataclass
@@ -258,8 +266,6 @@ class HiSparseRuntime:
             self.close()
             raise
         self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))  # pop() -> lowest row
-        # [hits, misses, masked, h2d_bytes] accumulated on the device by resolve().
-        self._counters = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._d2h_bytes = 0
         self._in_use = {"indexer": 0, "resident": 0, "hot": 0, "regular": 0}
         self._peak_device = 0
@@ -401,7 +407,8 @@ class HiSparseRuntime:
                 hot=self._hot_of[resident.index], device_table=device_table,
                 host_table=host_table, row_bytes=row_bytes,
                 slot_host_rows=torch.full((S, H), -1, dtype=torch.int32, device=dev),
-                lru=self._lru_identity.repeat(S, 1))
+                lru=self._lru_identity.repeat(S, 1),
+                counters=torch.zeros(3, dtype=torch.int64, device=dev))
         self._leader_of = {layer: layers[0] for layers in self.index_groups for layer in layers}
 
         by_size: dict[int, list[str]] = {}
@@ -886,8 +893,7 @@ class HiSparseRuntime:
             backend=self.backend)
         ops.copy_rows(group.device_table, group.host_table, result.miss_src, result.miss_dst,
                       result.miss_count, backend=self.backend)
-        self._counters[:3] += result.stats.sum(dim=0)
-        self._counters[3] += result.miss_count.sum() * (group.row_bytes * len(group.layers))
+        group.counters += result.stats.sum(dim=0)
         return result.rows
 
     # ------------------------------------------------------------------ stats / close
@@ -895,7 +901,10 @@ class HiSparseRuntime:
         """Counters and occupancy. Reads the device counters: a device sync on CUDA, so call
         it between steps, not inside the decode path."""
         self._check_open()
-        hits, misses, masked, h2d = (int(v) for v in self._counters.tolist())
+        groups = list(self._index_groups.values())
+        per_group = torch.stack([g.counters for g in groups]).tolist()
+        hits, misses, masked = (sum(row[i] for row in per_group) for i in range(3))
+        h2d = sum(row[1] * g.bytes_per_miss for row, g in zip(per_group, groups))
         return HiSparseStats(
             hits=hits, misses=misses, masked=masked, h2d_bytes=h2d, d2h_bytes=self._d2h_bytes,
             resident_blocks=self._in_use["resident"], hot_blocks=self._in_use["hot"],
@@ -909,7 +918,8 @@ class HiSparseRuntime:
     def reset_stats(self) -> None:
         """Zero the hit/miss/byte counters (occupancy is not a counter)."""
         self._check_open()
-        self._counters.zero_()
+        for group in self._index_groups.values():
+            group.counters.zero_()
         self._d2h_bytes = 0
         self._deferred_offloads = 0
         self._peak_device = self.device_block_pool.num_used
@@ -918,13 +928,13 @@ class HiSparseRuntime:
     def _debug_snapshot(self) -> dict:
         """Every piece of mutable state, as comparable CPU values (tests: "a failed call
         changes nothing"). Copies every device table (a device sync on CUDA)."""
-        tensors = {"seq_lens": self._seq_lens, "host_table": self._host_table,
-                   "counters": self._counters}
+        tensors = {"seq_lens": self._seq_lens, "host_table": self._host_table}
         for group in self._groups:
             tensors[f"group{group.index}.table"] = group.table
         for leader, index_group in self._index_groups.items():
             tensors[f"{leader}.slot_host_rows"] = index_group.slot_host_rows
             tensors[f"{leader}.lru"] = index_group.lru
+            tensors[f"{leader}.counters"] = index_group.counters
         state: dict = {name: t.detach().cpu().tolist() for name, t in tensors.items()}
         for request_id, req in self._requests.items():
             state[("request", request_id)] = (
