@@ -1,11 +1,10 @@
-"""pytest-benchmark: CPU-side costs a serving stack pays every decode step, and the torch
-reference ops (the CPU backend). Run: ``pytest bench/bench_runtime.py --benchmark-only``.
+"""pytest-benchmark: CPU-side costs a serving stack pays every decode step.
+Run: ``pytest bench/bench_runtime.py --benchmark-only``.
 
-- runtime bookkeeping: ``append_slots`` + ``commit`` for a batch (block allocation, table
-  updates, the write-through mirror), ``resolve`` per index group (torch backend on the CPU:
-  the reference resolve and gather), a whole decode step over every index group;
-- reference ops at decode shapes: ``resolve`` (batch x 2048 x 4096), ``copy_rows`` (656 B
-  rows), ``copy_pages``.
+Runtime bookkeeping: ``append_slots`` + ``commit`` for a batch (block allocation, table
+updates, the write-through mirror), ``resolve`` per index group (torch backend on the CPU: the
+reference resolve and gather), a whole decode step over every index group. The reference ops
+alone are measured by ``bench_resolve.py`` and ``bench_transfer.py``.
 
 Geometry: DeepSeek-V3.2 fp8 rows (656 B, block 64, top-k 2048) cut to 4 layers so the pools
 stay small; per-layer costs scale linearly with the layer count.
@@ -13,14 +12,10 @@ stay small; per-layer costs scale linearly with the layer count.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 
-from hisparse_triton import reference
-from hisparse_triton.benchmarking import ResolveWorkload, make_pools, make_row_plans
 from hisparse_triton.presets import build_kv_cache_spec
 from hisparse_triton.runtime import HiSparseRuntime
 from hisparse_triton.workload import TopkTrace, plan_for_workload
@@ -88,37 +83,3 @@ def test_decode_step(benchmark, decoding_runtime):
             rt.resolve(leader, ids, next(steps[leader]))
 
     benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=1)
-
-
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_reference_resolve(benchmark, batch):
-    work = ResolveWorkload(batch, TOPK, BUFFER, 32768, 0.1, CPU)
-    calls = itertools.count()
-
-    def run():
-        return reference.resolve(*work.args(next(calls)), **work.kwargs)
-
-    for _ in range(work.calls_per_cycle):
-        run()
-    out = benchmark.pedantic(run, rounds=max(3, 24 // batch), iterations=1)
-    assert out.rows.shape == (batch, TOPK)
-
-
-@pytest.mark.parametrize("rows", [2048, 16384])
-def test_reference_copy_rows(benchmark, rows):
-    pools = make_pools(656, LAYERS, 2 * rows, CPU)
-    plans = make_row_plans(rows, TOPK, 1.0, pools.num_rows, pools.num_rows, CPU, variants=1,
-                           seed=0)
-    benchmark(reference.copy_rows, pools.device, pools.host, plans.src[0], plans.dst[0],
-              plans.counts[0])
-    benchmark.extra_info["bytes"] = rows * 656 * LAYERS
-
-
-def test_reference_copy_pages(benchmark):
-    pages = 64
-    pools = make_pools(656, LAYERS, 4 * pages * 64, CPU)
-    blocks = pools.num_rows // 64
-    src = torch.randperm(blocks)[:pages].to(torch.int32).view(1, pages)
-    dst = torch.randperm(blocks)[:pages].to(torch.int32).view(1, pages)
-    benchmark(reference.copy_pages, pools.device, pools.host, src, dst)
-    benchmark.extra_info["bytes"] = pages * 64 * 656 * LAYERS

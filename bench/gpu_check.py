@@ -1,40 +1,52 @@
 #!/usr/bin/env python3
-"""One prepared GPU check: the test suite on CUDA, the full ``bench`` sweep and ``tune`` for
-656 B rows, all written as ONE JSON file (plus logs) under ``$OUT``.
+"""One prepared GPU check: the DESIGN.md section 9 measurements, ``tune`` for 656 B rows and
+the test suite on CUDA, in priority order inside one time budget, written as ONE JSON file
+(plus logs) under ``$OUT``.
 
 Usage on a GPU machine, from the repository root::
 
-    OUT=/some/dir python3 bench/gpu_check.py            # at most --budget-s (540 s)
-    OUT=/some/dir python3 bench/gpu_check.py --quick    # bench --quick: a few minutes
+    OUT=/some/dir python3 bench/gpu_check.py            # about 7 minutes at most (--budget-s 400)
+    OUT=/some/dir python3 bench/gpu_check.py --quick    # a shorter rerun (--budget-s 240)
+    OUT=/some/dir python3 bench/gpu_check.py --only tests,tune   # some steps only
 
 and on any machine, to check the script itself (torch paths only, CPU)::
 
     OUT=/tmp/x python3 bench/gpu_check.py --dry-run
 
-Steps (each a subprocess with its own time limit inside the ``--budget-s`` total; at its
-limit a step gets SIGINT, and a bench stopped that way still writes the figures it has; the
-JSON is rewritten after every step, so a run stopped from outside keeps what finished):
+Steps (``STEPS``; each a subprocess with its own time limit, cut to what is left of the
+budget; at its limit a step gets SIGINT and ``bench`` / ``tune`` keep what they measured; a
+step that cannot start inside the budget is recorded as skipped):
 
-0. make ``hisparse_triton.kernels`` importable (``pip install -e . --no-deps
-   --no-build-isolation`` when the package is not installed: offline, setuptools only);
-1. ``pytest tests`` (CUDA present: the kernels run on the GPU, GPU-only tests included);
-2. ``hisparse-triton bench`` for 656 B rows, then for resolve (``BENCH_PIECES``);
-3. ``hisparse-triton tune --row-bytes 656 --kernel gather,backup --layers 1,4 --quick``
-   into ``$OUT/tuning-cache.json`` (the user's cache is not touched);
-4. ``bench`` for 132 and 1152 B rows;
-5. a short ``bench`` of gather/backup with that cache (the tuned configs' effect).
+0. make ``hisparse_triton.kernels`` importable (``pip install --no-deps --no-build-isolation
+   --no-index -e .`` when it is not: offline, setuptools only);
+1. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
+   ratios 1, 0.3, 0.067: Triton (per launch and CUDA-graph replay) vs torch eager vs the
+   contiguous pinned copy, all in one run;
+2. ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
+   replay, torch reference);
+3. ``tune``: 656 B rows, gather and backup, 1 and 4 layers (``--quick`` grid), into
+   ``$OUT/tuning-cache.json`` (the user's cache is not touched);
+4. ``tests``: ``pytest tests`` on CUDA (pytest-xdist workers when installed: the first
+   Triton compile of each kernel specialisation costs about 1-3 s, in parallel there);
+5. ``bench-tuned``: step 1's gather / backup figures again with the tuned cache;
+6. the rest of the sweep while the budget lasts: 656 B page copies, 656 B small transfers
+   (the torch backend too), resolve at other batch sizes, 132 and 1152 B rows.
 
-Output (4 files, inside the device tool's limits): ``$OUT/<gpu-slug>-<YYYY-MM-DD>.json``
-(commit it as ``bench/results/<gpu-slug>-<YYYY-MM-DD>.json``) with the environment (GPU
-name, driver, torch, triton, CUDA), every step's exit code, time and output tail, the merged
-bench result, the tune result and where each DESIGN.md section 9 target stands;
-``bench.png`` (the merged plot), ``logs.txt`` (every step's output) and
-``tuning-cache.json``.
+Output (at most 5 files, inside the device tool's limits): ``$OUT/<gpu>-<YYYY-MM-DD>.json``
+(commit it as ``bench/results/<gpu>-<YYYY-MM-DD>.json``) with the environment (GPU name,
+driver, clocks, torch, triton, CUDA), every step's exit code, time, output tail and summary,
+the merged bench result, the tune result and where each DESIGN.md section 9 target stands;
+``bench.png`` (when matplotlib is there), ``logs.txt`` (every step's full output) and
+``tuning-cache.json``. The JSON is rewritten after every step, and a running bench step
+checkpoints its own ``<step>.json`` after every case, so a run killed from outside still
+returns what it measured. The last lines printed are a compact summary of the targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib.util
 import json
 import os
 import re
@@ -42,56 +54,125 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "hisparse-triton/gpu-check"
+VERSION = 2
 #: Seconds a step may take to write its partial results after SIGINT at its time limit.
-GRACE_S = 20
+GRACE_S = 10
+#: A step is not started with less than this many seconds of budget left.
+MIN_STEP_S = 15
+
+TARGET_ROWS = ["--row-bytes", "656", "--rows", "4k,32k,256k", "--layers", "1,4"]
 
 
-def _run(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = None) -> dict:
+@dataclass(frozen=True)
+class Step:
+    """One step of the plan: ``kind`` ``bench`` / ``tune`` / ``tests``, its flags, its time
+    limit (s), and the flags / limit used with ``--quick`` (``None``: not run then)."""
+
+    name: str
+    kind: str
+    flags: tuple[str, ...]
+    limit_s: float
+    quick_flags: Optional[tuple[str, ...]] = None
+    quick_limit_s: float = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+STEPS = (
+    Step("bench-targets", "bench",
+         (*TARGET_ROWS, "--ops", "gather,backup", "--methods", "triton,eager,contiguous",
+          "--miss-ratios", "1,0.3,0.067"), 110,
+         ("--row-bytes", "656", "--rows", "4k,64k", "--layers", "1,4", "--ops",
+          "gather,backup", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067",
+          "--rep-ms", "25"), 45),
+    Step("bench-resolve", "bench",
+         ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
+          "--seq-len", "32768", "--miss-ratios", "1,0.3,0.067", "--methods", "triton,torch"),
+         75,
+         ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
+          "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 35),
+    Step("tune", "tune",
+         ("--row-bytes", "656", "--kernel", "gather,backup", "--layers", "1,4", "--quick"), 110,
+         ("--row-bytes", "656", "--kernel", "gather,backup", "--layers", "1", "--quick"), 40),
+    Step("tests", "tests", ("tests",), 150,
+         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
+          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py"), 75),
+    Step("bench-tuned", "bench",
+         (*TARGET_ROWS, "--ops", "gather,backup", "--methods", "triton,contiguous",
+          "--miss-ratios", "1,0.067"), 60),
+    Step("bench-pages", "bench",
+         (*TARGET_ROWS, "--ops", "restore,spill", "--methods", "triton,eager,contiguous"), 60),
+    Step("bench-small", "bench",
+         ("--row-bytes", "656", "--rows", "512,2k", "--layers", "1,4", "--ops",
+          "gather,backup", "--methods", "triton,torch,eager,contiguous", "--miss-ratios",
+          "1,0.067"), 45),
+    Step("bench-resolve-batches", "bench",
+         ("--ops", "resolve", "--batch", "1,4,16,256", "--miss-ratios", "1,0.067",
+          "--methods", "triton,torch"), 60),
+    Step("bench-row-sizes", "bench",
+         ("--row-bytes", "132,1152", "--rows", "4k,32k,256k", "--layers", "1,4", "--ops",
+          "gather,backup", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067"),
+         60),
+)
+#: ``--dry-run`` (CPU): tiny versions of a bench step, tune and a test file.
+DRY_RUN_FLAGS = {
+    "bench": ("--quick", "--device", "cpu", "--ops", "gather,resolve", "--layers", "1"),
+    "tune": ("--dry-run", "--row-bytes", "656", "--kernel", "gather", "--layers", "1",
+             "--quick"),
+    "tests": ("tests/test_tuning_cache.py",),
+}
+DRY_RUN_STEPS = ("bench-targets", "tune", "tests")
+
+
+def _run(cmd: list[str], log: Path, timeout: float, env: Optional[dict[str, str]] = None
+         ) -> dict[str, Any]:
     """Run ``cmd`` in the repository root, appending its output to ``log``; a summary dict
-    (``rc`` None when it ran past ``timeout`` seconds and was killed)."""
+    (``rc`` None when it ran past ``timeout`` seconds and did not stop after SIGINT)."""
     start = time.time()
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     rc: Optional[int] = None
-    timed_out = timeout <= 0
+    timed_out = False
     with open(log, "a", encoding="utf-8") as handle:
         handle.write("\n$ " + " ".join(cmd) + "\n")
         handle.flush()
         begin = handle.tell()
-        if not timed_out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                    env=full_env)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                env=full_env)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True  # SIGINT first: bench and tune write what they have; then kill
+            proc.send_signal(signal.SIGINT)
             try:
-                rc = proc.wait(timeout=timeout)
+                rc = proc.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:
-                # SIGINT first: bench writes the figures it has; then kill.
-                timed_out = True
-                proc.send_signal(signal.SIGINT)
-                try:
-                    rc = proc.wait(timeout=GRACE_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                proc.kill()
+                proc.wait()
     with open(log, encoding="utf-8", errors="replace") as handle:
         handle.seek(begin)
         text = handle.read()
-    return {"cmd": cmd, "rc": rc, "timed_out": timed_out, "wall_s": round(time.time() - start, 1),
-            "tail": text[-3000:]}
+    return {"cmd": cmd, "rc": rc, "timed_out": timed_out,
+            "wall_s": round(time.time() - start, 1), "tail": text[-3000:]}
 
 
-def _pytest_summary(text: str) -> dict[str, int]:
-    """Counts from pytest's last summary line (``3 passed, 1 skipped in 2.0s``)."""
-    counts: dict[str, int] = {}
-    lines = [l for l in text.splitlines() if re.search(r"\b(passed|failed|error)", l)]
+def pytest_summary(text: str) -> dict[str, Any]:
+    """Counts from pytest's last summary line (``3 passed, 1 skipped in 2.0s``) and the
+    ``FAILED`` / ``ERROR`` test ids."""
+    counts: dict[str, Any] = {}
+    lines = [l for l in text.splitlines() if re.search(r"\d+ (passed|failed|errors?)\b", l)]
     if lines:
         for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|"
                                   r"deselected|warnings?)", lines[-1]):
             counts[what.rstrip("s") if what.startswith(("error", "warning")) else what] = int(n)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.MULTILINE)
+    if failed:
+        counts["failed_tests"] = failed[:50]
     return counts
 
 
@@ -102,39 +183,138 @@ def _load_json(path: Path) -> Optional[Any]:
         return None
 
 
-def _ensure_installed(log: Path, report: dict) -> None:
+def _importable() -> bool:
     probe = [sys.executable, "-c", "import hisparse_triton.kernels, hisparse_triton.cli"]
-    if subprocess.run(probe, cwd=ROOT, capture_output=True).returncode == 0:
-        report["install"] = {"rc": 0, "note": "already importable"}
-        return
-    report["install"] = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                              "--no-build-isolation", "-e", str(ROOT)], log, timeout=300)
+    return subprocess.run(probe, cwd=ROOT, capture_output=True).returncode == 0
 
 
-#: Bench pieces, most important first (each its own subprocess and JSON, merged after).
-BENCH_PIECES = (
-    ("bench-656", ["--row-bytes", "656", "--ops", "gather,backup,restore,spill"]),
-    ("bench-resolve", ["--ops", "resolve"]),
-    ("bench-132", ["--row-bytes", "132", "--ops", "gather,backup,restore,spill"]),
-    ("bench-1152", ["--row-bytes", "1152", "--ops", "gather,backup,restore,spill"]),
-)
+def ensure_installed(log: Path) -> dict[str, Any]:
+    """Make ``hisparse_triton`` (with ``hisparse_triton.kernels``) importable from the repo:
+    already, or by an offline editable install, or (last resort, for this run only) a
+    ``hisparse_triton/kernels`` link to ``kernels/`` removed at exit."""
+    if _importable():
+        return {"rc": 0, "note": "already importable"}
+    step = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                 "--no-build-isolation", "--no-index", "-e", str(ROOT)], log, timeout=120)
+    if step["rc"] == 0 and _importable():
+        return step
+    link = ROOT / "hisparse_triton" / "kernels"
+    if not link.exists():
+        link.symlink_to(Path("..") / "kernels", target_is_directory=True)
+        atexit.register(lambda: link.unlink() if link.is_symlink() else None)
+    step["fallback"] = "pip failed: linked hisparse_triton/kernels -> ../kernels for this run"
+    step["rc"] = 0 if _importable() else step["rc"]
+    return step
 
 
-def merge_bench(results: list[dict]) -> Optional[dict]:
-    """One bench result from the pieces' results (targets re-evaluated on the union)."""
-    from hisparse_triton.benchmarking import evaluate_targets
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
-    results = [r for r in results if r]
+
+def tests_command(paths: tuple[str, ...], cuda: bool) -> list[str]:
+    """``pytest`` on ``paths``: xdist workers (CUDA) and a per-test timeout when installed."""
+    cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", "-rfE",
+           "--durations=15"]
+    if cuda and _has("xdist"):
+        cmd += ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
+    if _has("pytest_timeout"):
+        cmd += ["--timeout=120"]
+    return cmd
+
+
+def _fill_eager_ratios(transfers: list[dict[str, Any]]) -> None:
+    """A figure without ``vs_eager`` (its step timed no eager baseline) gets it from an eager
+    figure of the same op and size measured by another step of this check."""
+    eager = {(f.get("op"), f.get("row_bytes"), f.get("rows"), f.get("layers")): f
+             for f in transfers if f.get("method") == "eager" and f.get("gbps")}
+    for f in transfers:
+        key = (f.get("op"), f.get("row_bytes"), f.get("rows"), f.get("layers"))
+        if f.get("gbps") and "vs_eager" not in f and key in eager:
+            f["vs_eager"] = float(f"{f['gbps'] / eager[key]['gbps']:.4g}")
+            f["vs_eager_from"] = eager[key].get("step", "another step")
+
+
+def merge_bench(results: list[tuple[str, Optional[dict[str, Any]]]]) -> Optional[dict[str, Any]]:
+    """One bench result from the steps' results (each figure tagged with its ``step``;
+    targets re-evaluated on the union)."""
+    from hisparse_triton.benchmarks.targets import evaluate_targets
+
+    results = [(name, r) for name, r in results if r]
     if not results:
         return None
-    merged = dict(results[0])
-    merged["transfers"] = [f for r in results for f in r.get("transfers", [])]
-    merged["resolve"] = [f for r in results for f in r.get("resolve", [])]
-    merged["wall_s"] = round(sum(r.get("wall_s", 0) for r in results), 1)
-    merged["pieces"] = [r.get("settings") for r in results]
-    merged.pop("settings", None)
+    merged = {k: v for k, v in results[0][1].items() if k not in ("settings", "targets")}
+    merged["transfers"] = [{**f, "step": name} for name, r in results
+                           for f in r.get("transfers", [])]
+    merged["resolve"] = [{**f, "step": name} for name, r in results
+                         for f in r.get("resolve", [])]
+    _fill_eager_ratios(merged["transfers"])
+    merged["wall_s"] = round(sum(r.get("wall_s", 0) for _, r in results), 1)
+    merged["kernel_timings"] = any(r.get("kernel_timings") for _, r in results)
+    merged["interrupted"] = any(r.get("interrupted") or not r.get("finished", True)
+                                for _, r in results)
+    merged["notes"] = sorted({n for _, r in results for n in r.get("notes", [])})
+    merged["steps"] = {name: r.get("settings") for name, r in results}
     merged["targets"] = evaluate_targets(merged)
     return merged
+
+
+def _ceilings(bench: dict[str, Any]) -> list[str]:
+    """The contiguous pinned copies measured (the link ceiling), per direction."""
+    lines = []
+    for op, label in (("gather", "H2D"), ("backup", "D2H")):
+        figs = [f for f in bench.get("transfers", [])
+                if f.get("method") == "contiguous" and f.get("op") == op and f.get("gbps")]
+        if figs:
+            lo = min(figs, key=lambda f: f["gbps"])
+            hi = max(figs, key=lambda f: f["gbps"])
+            lines.append(f"  contiguous pinned copy {label}: {lo['gbps']:.1f} GB/s "
+                         f"({lo['bytes'] / 1e6:.1f} MB) .. {hi['gbps']:.1f} GB/s "
+                         f"({hi['bytes'] / 1e6:.1f} MB)")
+    return lines
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The compact summary printed last: environment, steps, link ceilings, targets."""
+    from hisparse_triton.benchmarks.targets import target_lines
+
+    env = report.get("environment", {})
+    lines = [f"gpu_check on {env.get('gpu') or 'CPU'}: driver {env.get('driver')}, torch "
+             f"{env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda_runtime')}"
+             f"; {report.get('wall_s')} s of budget {report.get('budget_s')} s"]
+    for name, s in report.get("steps", {}).items():
+        state = ("skipped: " + s["skipped"]) if s.get("skipped") else \
+            "ok" if s.get("rc") == 0 else "TIMEOUT" if s.get("timed_out") else \
+            f"FAILED rc={s.get('rc')}"
+        extra = ""
+        if name == "tests" and s.get("summary"):
+            extra = " " + ", ".join(f"{v} {k}" for k, v in s["summary"].items()
+                                    if k != "failed_tests")
+        lines.append(f"  {name:<22} {state:<10} {s.get('wall_s', 0):>6} s{extra}")
+    for rec in ((report.get("steps", {}).get("tune") or {}).get("result") or {}).get(
+            "results", []):
+        best, default = rec.get("best") or {}, rec.get("default") or {}
+        lines.append(f"  tuned {rec['kernel']} {rec['row_bytes']} B L{rec['num_layers']}: "
+                     f"{best.get('gbps')} GB/s vs default {default.get('gbps')} GB/s "
+                     f"(x{rec.get('speedup_vs_default')})")
+    bench = report.get("bench")
+    if bench:
+        lines += _ceilings(bench)
+    if report.get("targets"):
+        lines.append("DESIGN.md section 9 targets (ratio >= 1 = met):")
+        lines += target_lines(report["targets"])
+    return lines
+
+
+def plan(args: argparse.Namespace) -> list[Step]:
+    """The steps of this run, in order."""
+    only = {s for s in (args.only or "").split(",") if s}
+    skip = {s for s in args.skip.split(",") if s}
+    steps = [s for s in STEPS if (not only or s.name in only) and s.name not in skip]
+    if args.dry_run:
+        steps = [s for s in steps if s.name in DRY_RUN_STEPS]
+    elif args.quick:
+        steps = [s for s in steps if s.quick_flags is not None]
+    return steps
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -142,42 +322,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"),
                         help="output folder (default: $OUT)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="check the script on any machine: a few tests, a tiny torch-path "
-                             "bench on the CPU, tune --dry-run")
+                        help="check the script on any machine: a tiny torch-path bench on the "
+                             "CPU, tune --dry-run, one test file")
     parser.add_argument("--quick", action="store_true",
-                        help="bench --quick (656 B rows only) and a smaller test run")
-    parser.add_argument("--skip", default="", metavar="STEPS",
-                        help="comma-separated steps to skip: tests,bench,tune,bench_tuned")
-    parser.add_argument("--pytest-args", default=None,
-                        help="arguments for pytest (default: 'tests -q -p no:cacheprovider'; "
-                             "dry run: the tuning-cache tests)")
-    parser.add_argument("--tune-args", default="--kernel gather,backup --layers 1,4 --quick",
-                        help="extra arguments of tune (656 B rows are always used; default "
-                             "'%(default)s')")
-    parser.add_argument("--budget-s", type=float, default=540,
-                        help="stop starting steps after this many seconds; every step's "
-                             "time limit is cut to what is left (default %(default)s)")
-    parser.add_argument("--tests-timeout", type=float, default=180)
-    parser.add_argument("--bench-timeout", type=float, default=150, help="per bench piece")
-    parser.add_argument("--tune-timeout", type=float, default=150)
+                        help="a shorter rerun: the target measurements on fewer sizes, tune "
+                             "for 1 layer, the kernel tests only (budget 240 s)")
+    parser.add_argument("--only", default=None, metavar="STEPS",
+                        help=f"run only these steps ({','.join(s.name for s in STEPS)})")
+    parser.add_argument("--skip", default="", metavar="STEPS", help="steps to leave out")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="no step starts after this many seconds, and every step's limit "
+                             "is cut to what is left (default 400; --quick 240)")
     args = parser.parse_args(argv)
     if not args.out:
         parser.error("no output folder: set $OUT or pass --out")
+    budget = args.budget_s or (240.0 if args.quick else 400.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    skip = {s for s in args.skip.split(",") if s}
     started = time.time()
     log = out / "logs.txt"
 
-    def left(limit: float) -> float:
-        return max(0.0, min(limit, args.budget_s - (time.time() - started) - GRACE_S))
-
-    report: dict[str, Any] = {"schema": SCHEMA, "version": 1, "dry_run": args.dry_run,
-                              "quick": args.quick, "date": date.today().isoformat(),
-                              "steps": {}}
-    _ensure_installed(log, report)
+    report: dict[str, Any] = {"schema": SCHEMA, "version": VERSION, "dry_run": args.dry_run,
+                              "quick": args.quick, "budget_s": budget,
+                              "date": date.today().isoformat(), "steps": {}}
+    report["install"] = ensure_installed(log)
     sys.path.insert(0, str(ROOT))
-    from hisparse_triton.benchmarking import environment
+    from hisparse_triton.benchmarks.environment import environment
     from hisparse_triton.tuning_cache import device_slug
 
     env = environment()
@@ -187,7 +357,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def save() -> None:
         report["wall_s"] = round(time.time() - started, 1)
-        result_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(report, indent=2) + "\n"
+        tmp = result_path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, result_path)
 
     if not cuda and not args.dry_run:
         report["error"] = "no CUDA device: run with --dry-run to check the script"
@@ -196,88 +369,61 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
 
     cli = [sys.executable, "-m", "hisparse_triton"]
-    steps = report["steps"]
-
-    if "tests" not in skip:
-        default = ("tests/test_tuning_cache.py -q -p no:cacheprovider" if args.dry_run
-                   else "tests -q -p no:cacheprovider")
-        pytest_args = (args.pytest_args or default).split()
-        step = _run([sys.executable, "-m", "pytest", *pytest_args], log,
-                    left(args.tests_timeout))
-        step["summary"] = _pytest_summary(step["tail"])
-        steps["tests"] = step
-        save()
-
-    def bench_piece(name: str, flags: list[str], extra_env: Optional[dict] = None) -> None:
-        target = out / f"{name}.json"
-        flags = [*flags, "--json", str(target), "--no-progress"]
-        if args.dry_run:
-            flags += ["--quick", "--device", "cpu"]
-        elif args.quick:
-            flags += ["--quick"]
-        step = _run(cli + ["bench", *flags], log, left(args.bench_timeout), env=extra_env)
-        step["result"] = _load_json(target)  # partial when the step was interrupted
+    cache = out / "tuning-cache.json"
+    steps: dict[str, dict[str, Any]] = report["steps"]
+    bench_results: list[tuple[str, Optional[dict[str, Any]]]] = []
+    save()
+    for step in plan(args):
+        left = budget - (time.time() - started)
+        limit = min(step.quick_limit_s if args.quick else step.limit_s, left - GRACE_S)
+        flags = DRY_RUN_FLAGS[step.kind] if args.dry_run else \
+            (step.quick_flags if args.quick else step.flags) or ()
+        extra_env = {}
+        if step.name == "bench-tuned":
+            if not cache.exists():
+                steps[step.name] = {"skipped": "no tuning cache (tune did not run or failed)"}
+                continue
+            extra_env = {"HISPARSE_TRITON_TUNING_CACHE": str(cache)}
+        if limit < MIN_STEP_S:
+            steps[step.name] = {"skipped": f"budget spent ({left:.0f} s left)"}
+            save()
+            continue
+        print(f"gpu_check: {step.name} (limit {limit:.0f} s) ...", flush=True)
+        target = out / f"{step.name}.json"
+        if step.kind == "tests":
+            record = _run(tests_command(tuple(flags), cuda), log, limit)
+            record["summary"] = pytest_summary(record["tail"])
+        elif step.kind == "tune":
+            record = _run(cli + ["tune", *flags, "--cache", str(cache), "--json", str(target),
+                                 "--no-progress"], log, limit)
+            record["result"] = _load_json(target)
+        else:
+            record = _run(cli + ["bench", *flags, "--json", str(target), "--no-progress"], log,
+                          limit, env=extra_env)
+            bench_results.append((step.name, _load_json(target)))
         if target.exists():
             target.unlink()  # folded into the one JSON file
-        steps[name] = step
+        steps[step.name] = record
+        print(f"gpu_check: {step.name}: rc={record['rc']}"
+              f"{' (timed out)' if record['timed_out'] else ''} in {record['wall_s']} s",
+              flush=True)
+        bench = merge_bench(bench_results)
+        if bench is not None:
+            report["bench"] = bench
+            report["targets"] = bench["targets"]
         save()
 
-    pieces = BENCH_PIECES[:1] if args.dry_run else BENCH_PIECES
-    if args.quick:
-        pieces = BENCH_PIECES[:2]
-    if "bench" not in skip:
-        bench_piece(*pieces[0])
-        if len(pieces) > 1:
-            bench_piece(*pieces[1])
-
-    cache = out / "tuning-cache.json"
-    if "tune" not in skip:
-        tune_json = out / "tune.json"
-        flags = ["--row-bytes", "656", *args.tune_args.split(), "--cache", str(cache),
-                 "--json", str(tune_json), "--no-progress"]
-        if args.dry_run:
-            flags.append("--dry-run")
-        step = _run(cli + ["tune", *flags], log, left(args.tune_timeout))
-        step["result"] = _load_json(tune_json)
-        if tune_json.exists():
-            tune_json.unlink()
-        steps["tune"] = step
-        save()
-
-    if "bench" not in skip:
-        for piece in pieces[2:]:
-            bench_piece(*piece)
-
-    if "bench_tuned" not in skip and not args.dry_run and cache.exists():
-        bench_piece("bench-tuned", ["--row-bytes", "656", "--ops", "gather,backup",
-                                    "--rows", "4k,32k,256k", "--miss-ratios", "1"],
-                    extra_env={"HISPARSE_TRITON_TUNING_CACHE": str(cache)})
-
-    bench = merge_bench([steps[name]["result"] for name, _ in BENCH_PIECES
-                         if name in steps])
-    if bench is not None:
-        report["bench"] = bench
-        report["targets"] = bench["targets"]
-        for name, _ in BENCH_PIECES:
-            if name in steps:
-                steps[name].pop("result", None)
+    if report.get("bench"):
         try:
-            from hisparse_triton.benchmarking import write_plot
+            from hisparse_triton.benchmarks.plot import write_plot
 
-            write_plot(bench, str(out / "bench.png"))
+            write_plot(report["bench"], str(out / "bench.png"))
         except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the numbers
             report["plot_error"] = f"{type(exc).__name__}: {exc}"
     save()
-
-    failed = [k for k, s in steps.items() if s.get("rc") != 0]
-    print(f"gpu_check: wrote {result_path} in {report['wall_s']} s; steps: " +
-          ", ".join(f"{k}={'ok' if s.get('rc') == 0 else 'TIMEOUT' if s.get('timed_out') else 'FAILED'}"
-                    for k, s in steps.items()))
-    for target in report.get("targets") or []:
-        ratio = target.get("ratio")
-        print(f"  {target['target']}: {target['status']}"
-              + (f" ({ratio:.2f} of target, worst {target['worst']} {target['unit']})"
-                 if ratio is not None else ""))
+    print(f"gpu_check: wrote {result_path}")
+    print("\n".join(summary_lines(report)))
+    failed = [k for k, s in steps.items() if not s.get("skipped") and s.get("rc") != 0]
     return 1 if failed else 0
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hisparse_triton import benchmarking as bm
+from hisparse_triton import benchmarks as bm
 from hisparse_triton.cli import main
 
 TINY = ["bench", "--rows", "128,256", "--row-bytes", "16,132", "--layers", "1,2",
@@ -20,11 +20,7 @@ TINY = ["bench", "--rows", "128,256", "--row-bytes", "16,132", "--layers", "1,2"
 
 
 def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return bm.plot_available()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +54,9 @@ def test_tiny_sweep_writes_json_and_table(tiny_run):
     assert any("kernel timings need a GPU" in n for n in result["notes"])
     assert "kernel timings need a GPU" in stdout  # the table says it too
     env = result["environment"]
-    assert env["torch"] == torch.__version__ and env["triton"] and env["gpu"] is None
+    assert env["torch"] == torch.__version__ and env["triton"]
+    # The environment names the machine's GPU even when the sweep ran on the CPU.
+    assert env["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
     transfers = result["transfers"]
     ops = {f["op"] for f in transfers}
@@ -88,11 +86,10 @@ def test_tiny_sweep_writes_json_and_table(tiny_run):
     res = result["resolve"]
     assert {(f["batch"], f["method"]) for f in res} == {(1, "torch"), (2, "torch")}
     for f in res:
-        assert f["time_us"] > 0 and 0 <= f["measured_miss_ratio"] <= 1
-        assert (f["top_k"], f["hot_slots"]) == (64, 128)
-    # Lower target miss ratio -> fewer measured misses.
-    by_ratio = {f["miss_ratio"]: f["measured_miss_ratio"] for f in res if f["batch"] == 2}
-    assert by_ratio[0.5] < by_ratio[1.0]
+        assert f["time_us"] > 0 and f["p20_us"] <= f["time_us"] <= f["p80_us"]
+        assert (f["top_k"], f["hot_slots"]) == (64, 128) and f["verified"] is True
+        # The workload prescribes the step's miss ratio exactly (32 of 64 columns miss).
+        assert f["measured_miss_ratio"] == f["miss_ratio"]
 
     assert all(t["status"] == "not measured" for t in result["targets"])
 
@@ -152,9 +149,13 @@ def _tiny_settings(**kw):
     return bm.BenchSettings(**base)
 
 
-def test_a_wrong_copy_is_reported_not_timed_as_good(monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_wrong_copy_is_reported_not_timed_as_good(monkeypatch, sampled):
     from hisparse_triton import ops
+    from hisparse_triton.benchmarks import transfers
 
+    if sampled:  # large plans are checked on a sample of their rows
+        monkeypatch.setattr(transfers, "VERIFY_BYTES", 48 * 16)
     monkeypatch.setattr(ops, "copy_rows", lambda *a, **k: None)  # moves nothing
     result = bm.run_bench(_tiny_settings(), torch.device("cpu"))
     bad = [f for f in result["transfers"] if f["method"] == "torch"]
@@ -213,26 +214,43 @@ def test_row_plans_are_distinct_and_shaped_like_decode():
 
 
 def test_evaluate_targets():
-    def gather(gbps, contig, eager, rows=8192):
+    def gather(gbps, contig, eager, rows=8192, **kw):
         return {"op": "gather", "method": "triton", "row_bytes": 656, "rows": rows,
-                "gbps": gbps, "vs_contiguous": contig, "vs_eager": eager}
+                "gbps": gbps, "vs_contiguous": contig, "vs_eager": eager,
+                "launch_config": "builtin", **kw}
+
+    def resolve(method, us, vs_torch):
+        return {"method": method, "batch": 64, "top_k": 2048, "hot_slots": 4096,
+                "time_us": us, "vs_torch": vs_torch, "verified": True}
 
     result = {
         "transfers": [gather(50.0, 0.9, 12.0), gather(46.0, 0.85, 11.0),
                       gather(5.0, 0.1, 1.0, rows=512),  # below 4k rows: not a target case
+                      gather(1.0, 0.01, 0.1, verified=False),  # wrong bytes: never counted
+                      gather(47.0, 0.86, 11.5, launch_config="tuned"),
+                      gather(49.0, 0.88, 11.9, method="triton_graph"),
                       {"op": "backup", "method": "triton", "row_bytes": 656, "rows": 4096,
                        "gbps": 30.0, "vs_contiguous": 0.6, "vs_eager": 9.0}],
-        "resolve": [{"method": "triton", "batch": 64, "top_k": 2048, "hot_slots": 4096,
-                     "time_us": 12.0, "vs_torch": 40.0}],
+        "resolve": [resolve("triton", 40.0, 10.0), resolve("triton_graph", 12.0, 33.0)],
     }
     targets = {t["target"].split(",")[0]: t for t in bm.evaluate_targets(result)}
-    assert targets["gather GB/s"]["status"] == "met"
-    assert targets["gather GB/s"]["worst"] == 46.0 and targets["gather GB/s"]["cases"] == 2
+    gather_t = targets["gather GB/s"]
+    assert gather_t["status"] == "met" and gather_t["worst"] == 46.0 and gather_t["cases"] == 2
+    assert gather_t["tuned_worst"] == 47.0 and gather_t["graph_worst"] == 49.0
     assert targets["backup GB/s"]["status"] == "missed"
     assert targets["backup GB/s"]["ratio"] == pytest.approx(30 / 45, rel=1e-3)
-    assert targets["resolve latency"]["status"] == "met"
-    assert targets["resolve latency"]["ratio"] == pytest.approx(15 / 12, rel=1e-3)
+    latency = targets["resolve latency"]
+    assert latency["status"] == "met" and latency["basis"] == "CUDA graph replay"
+    assert latency["ratio"] == pytest.approx(15 / 12, rel=1e-3)
+    assert latency["eager_worst"] == 40.0
     assert targets["gather and backup vs torch eager"]["status"] == "missed"  # backup 9x
+    lines = bm.target_lines(bm.evaluate_targets(result))
+    assert any("MISSED" in line and "backup" in line for line in lines)
+    # Without a graph figure, resolve latency falls back to the eager launches.
+    result["resolve"] = [resolve("triton", 14.0, 10.0)]
+    latency = {t["target"].split(",")[0]: t for t in bm.evaluate_targets(result)}[
+        "resolve latency"]
+    assert latency["basis"] == "eager launches" and latency["status"] == "met"
     empty = bm.evaluate_targets({"transfers": [], "resolve": []})
     assert {t["status"] for t in empty} == {"not measured"}
 
@@ -254,8 +272,9 @@ def _gpu_check_module():
     path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules["gpu_check"])
+    return sys.modules["gpu_check"]
 
 
 def test_gpu_check_dry_run_writes_one_json(tmp_path, capsys):
@@ -266,46 +285,138 @@ def test_gpu_check_dry_run_writes_one_json(tmp_path, capsys):
     rc = gpu_check.main(["--dry-run", "--out", str(out), "--skip", "tests"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    (result_file,) = out.glob("cpu-*.json")
+    (result_file,) = out.glob("*.json")  # <gpu or cpu>-<date>.json, the pieces folded in
     report = json.loads(result_file.read_text())
     assert report["schema"] == "hisparse-triton/gpu-check" and report["dry_run"] is True
     env = report["environment"]
     for key in ("gpu", "driver", "torch", "triton", "python"):
         assert key in env
     steps = report["steps"]
-    assert set(steps) == {"bench-656", "tune"}
+    assert set(steps) == {"bench-targets", "tune"}
     assert all(s["rc"] == 0 and not s["timed_out"] for s in steps.values())
-    assert report["bench"]["schema"] == bm.SCHEMA and report["bench"]["transfers"]
+    bench = report["bench"]
+    assert bench["schema"] == bm.SCHEMA and bench["transfers"] and bench["resolve"]
+    assert {f["step"] for f in bench["transfers"]} == {"bench-targets"}
     assert steps["tune"]["result"]["dry_run"] is True
     assert {t["status"] for t in report["targets"]} == {"not measured"}
-    assert (out / "logs.txt").exists()
+    assert (out / "logs.txt").exists() and not (out / "bench-targets.json").exists()
     assert (out / "bench.png").exists() == _has_matplotlib()
-    assert "bench-656=ok" in printed
+    assert "bench-targets" in printed and "DESIGN.md section 9 targets" in printed
+    assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
+
+
+def test_gpu_check_plan_fits_the_budget():
+    gpu_check = _gpu_check_module()
+    import argparse
+
+    full = gpu_check.plan(argparse.Namespace(only=None, skip="", dry_run=False, quick=False))
+    names = [s.name for s in full]
+    assert names[:4] == ["bench-targets", "bench-resolve", "tune", "tests"]
+    # Install, the first four steps and their SIGINT grace fit the default budget (380 s) and
+    # leave room under the device tool's 600 s per command.
+    assert sum(s.limit_s for s in full[:4]) + 60 <= 600
+    quick = gpu_check.plan(argparse.Namespace(only=None, skip="", dry_run=False, quick=True))
+    assert sum(s.quick_limit_s for s in quick) <= 240
+    only = gpu_check.plan(argparse.Namespace(only="tests,tune", skip="tune", dry_run=False,
+                                             quick=False))
+    assert [s.name for s in only] == ["tests"]
+
+
+class _Clock:
+    """A fake ``time`` for gpu_check: every step runs to its time limit."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_gpu_check_worst_case_timeline(tmp_path, monkeypatch, quick):
+    """Every step running into its limit (plus the SIGINT grace): the steps start in priority
+    order, none starts past the budget, and the whole run ends inside one 600 s device call
+    with room to spare."""
+    import importlib
+
+    gpu_check = _gpu_check_module()
+    env_module = importlib.import_module("hisparse_triton.benchmarks.environment")
+    clock = _Clock()
+    calls = []
+
+    def fake_run(cmd, log, timeout, env=None):
+        calls.append((cmd, timeout, env or {}))
+        clock.now += timeout + gpu_check.GRACE_S
+        if "--cache" in cmd:  # tune wrote a cache
+            (tmp_path / "tuning-cache.json").write_text("{}")
+        return {"cmd": cmd, "rc": None, "timed_out": True, "wall_s": timeout, "tail": ""}
+
+    monkeypatch.setattr(gpu_check, "time", clock)
+    monkeypatch.setattr(gpu_check, "_run", fake_run)
+    monkeypatch.setattr(gpu_check, "ensure_installed", lambda log: {"rc": 0})
+    monkeypatch.setattr(env_module, "environment",
+                        lambda: {"cuda_available": True, "gpu": "NVIDIA Test"})
+    rc = gpu_check.main(["--out", str(tmp_path)] + (["--quick"] if quick else []))
+    assert rc == 1  # every step timed out
+    report = json.loads((tmp_path / f"nvidia-test-{report_date()}.json").read_text())
+    ran = [name for name, s in report["steps"].items() if not s.get("skipped")]
+    expected = ["bench-targets", "bench-resolve", "tune", "tests"]
+    assert ran[:4] == expected  # even when every step runs into its limit
+    budget = 240 if quick else 400
+    assert clock.now - 1000.0 <= budget + gpu_check.GRACE_S  # ends inside the budget
+    assert all(timeout >= gpu_check.MIN_STEP_S for _, timeout, _ in calls)
+    tuned = [env for cmd, _, env in calls if "bench" in cmd and env]
+    assert all("HISPARSE_TRITON_TUNING_CACHE" in env for env in tuned)
+    tests = next(cmd for cmd, _, _ in calls if "pytest" in cmd)
+    assert ("tests" in tests) != quick and "--durations=15" in tests
+
+
+def report_date():
+    from datetime import date
+
+    return date.today().isoformat()
 
 
 def test_gpu_check_pytest_summary_and_merge():
     gpu_check = _gpu_check_module()
-    text = "....\n=== 1 failed, 40 passed, 3 skipped, 2 warnings in 12.3s ===\n"
-    assert gpu_check._pytest_summary(text) == {"failed": 1, "passed": 40, "skipped": 3,
-                                               "warning": 2}
-    assert gpu_check._pytest_summary("no summary") == {}
+    text = ("....\nFAILED tests/test_x.py::test_a - boom\n"
+            "=== 1 failed, 40 passed, 3 skipped, 2 warnings in 12.3s ===\n")
+    assert gpu_check.pytest_summary(text) == {"failed": 1, "passed": 40, "skipped": 3,
+                                              "warning": 2,
+                                              "failed_tests": ["tests/test_x.py::test_a"]}
+    assert gpu_check.pytest_summary("no summary") == {}
     a = {"transfers": [{"op": "gather", "method": "triton", "row_bytes": 656, "rows": 8192,
-                        "gbps": 50.0, "vs_contiguous": 0.9, "vs_eager": 20.0}],
+                        "gbps": 50.0, "vs_contiguous": 0.9, "vs_eager": 20.0},
+                       {"op": "gather", "method": "eager", "row_bytes": 656, "rows": 8192,
+                        "gbps": 2.5}],
          "resolve": [], "settings": {"x": 1}, "wall_s": 2}
+    tuned = {"transfers": [{"op": "gather", "method": "triton", "row_bytes": 656,
+                            "rows": 8192, "layers": None, "gbps": 55.0,
+                            "launch_config": "tuned"}], "resolve": [], "wall_s": 1}
     b = {"transfers": [], "resolve": [{"method": "triton", "batch": 64, "top_k": 2048,
                                        "hot_slots": 4096, "time_us": 20.0}], "wall_s": 3}
-    merged = gpu_check.merge_bench([a, None, b])
-    assert len(merged["transfers"]) == 1 and len(merged["resolve"]) == 1
-    targets = {t["target"].split(",")[0]: t["status"] for t in merged["targets"]}
-    assert targets["gather GB/s"] == "met" and targets["resolve latency"] == "missed"
-    assert gpu_check.merge_bench([None]) is None
+    merged = gpu_check.merge_bench([("a", a), ("x", None), ("tuned", tuned), ("b", b)])
+    assert len(merged["transfers"]) == 3 and len(merged["resolve"]) == 1
+    assert merged["steps"] == {"a": {"x": 1}, "tuned": None, "b": None}
+    filled = merged["transfers"][2]
+    assert filled["vs_eager"] == 22.0 and filled["vs_eager_from"] == "a"
+    targets = {t["target"].split(",")[0]: t for t in merged["targets"]}
+    assert targets["gather GB/s"]["status"] == "met"
+    assert targets["gather GB/s"]["tuned_worst"] == 55.0
+    assert targets["resolve latency"]["status"] == "missed"
+    assert gpu_check.merge_bench([("x", None)]) is None
+    lines = gpu_check.summary_lines({"environment": {"gpu": "G"}, "steps": {
+        "tests": {"rc": 0, "wall_s": 3.0, "summary": {"passed": 4}}}, "bench": merged,
+        "targets": merged["targets"], "wall_s": 9, "budget_s": 380})
+    assert lines[0].startswith("gpu_check on G") and "4 passed" in lines[1]
+    assert any("resolve latency" in line and "MISSED" in line for line in lines)
 
 
 def test_interrupted_sweep_keeps_its_figures(monkeypatch, capsys):
     def stop(self, batch, ratio):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bm._Bench, "resolve_case", stop)
+    monkeypatch.setattr(bm.ResolveBench, "case", stop)
     rc = main(["bench", "--rows", "64", "--row-bytes", "32", "--layers", "1", "--ops",
                "gather,resolve", "--methods", "torch,eager", "--top-k", "16", "--device", "cpu",
                "--warmup-ms", "0.5", "--rep-ms", "1", "--no-progress", "--json", "-"])
@@ -317,38 +428,81 @@ def test_interrupted_sweep_keeps_its_figures(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("op", ["gather", "backup", "restore", "spill"])
-def test_triton_method_plumbing_under_the_interpreter(op, kernel_device):
-    """The bench's plans and tables drive the real kernels (interpreter on CPU, CUDA on a
-    GPU), and its check catches nothing wrong with them."""
+def test_triton_method_plumbing(op, kernel_device):
+    """The bench's pools, plans and checks drive the real kernels (interpreter on CPU, CUDA on
+    a GPU, where the CUDA-graph replay of the rotation is measured and checked too)."""
     import os
 
     if kernel_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without CUDA)")
     settings = _tiny_settings(row_bytes=(16,), rows=(128,), top_k=32, rotate_bytes=1 << 12,
-                              methods=("triton",), rep_ms=0.1, warmup_ms=0.1)
-    bench = bm._Bench(settings, kernel_device, None)
-    pools = bm.make_pools(16, 2, 256, kernel_device)
-    if op in bm.PAGE_OPS:
-        plans = bm.make_page_plans(2, 4, 4, kernel_device, variants=2, seed=0)
-    else:
-        plans = bm.make_row_plans(64, 32, 0.5, pools.num_rows, pools.num_rows, kernel_device,
-                                  variants=2, seed=0)
-    dst, src = (pools.device, pools.host) if bm.DIRECTION[op] == "h2d" else \
-        (pools.host, pools.device)
-    ms, ok = bench._kernel(op, "triton", plans, pools, dst, src)
-    assert ok is True and ms > 0
+                              ops=(op,), methods=("triton",), rep_ms=0.1, warmup_ms=0.1)
+    bench = bm.TransferBench(settings, kernel_device)
+    bench.methods = ["triton"]  # the sweep leaves the interpreter out on CPU; test it anyway
+    figures: list = []
+    bench.group(16, 2, figures)
+    methods = {"triton", "triton_graph"} if kernel_device.type == "cuda" else {"triton"}
+    assert {f.method for f in figures} == methods
+    for f in figures:
+        assert f.error is None and f.verified is True and f.gbps > 0, f.to_json()
+        assert f.extra["launch_config"] == "builtin"
 
 
-def test_resolve_triton_plumbing_under_the_interpreter(kernel_device):
+def test_resolve_triton_plumbing(kernel_device):
+    """Resolve figures of the Triton kernel (and, on CUDA, its graph replay) are checked bit
+    for bit against the reference from the same restored state."""
     import os
 
     if kernel_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without CUDA)")
-    settings = _tiny_settings(top_k=8, hot_slots=16, seq_len=256, rep_ms=0.1, warmup_ms=0.1)
-    bench = bm._Bench(settings, kernel_device, None)
-    work = bm.ResolveWorkload(2, 8, 16, 256, 0.5, kernel_device, steps=2)
-    ms, measured = bench._resolve(work, "triton")
-    work.reset()
-    ms_ref, measured_ref = bench._resolve(work, "torch")
-    assert ms > 0 and ms_ref > 0
-    assert measured == measured_ref  # same trace, bit-exact kernels: same hits and misses
+    settings = _tiny_settings(top_k=8, hot_slots=16, seq_len=256, rep_ms=0.1, warmup_ms=0.1,
+                              methods=("triton", "torch"), ops=("resolve",))
+    bench = bm.ResolveBench(settings, kernel_device)
+    bench.methods = ["triton", "torch"]  # the interpreter too on CPU
+    figures = bench.case(2, 0.5)
+    methods = ["triton", "triton_graph", "torch"] if kernel_device.type == "cuda" \
+        else ["triton", "torch"]
+    assert [f.method for f in figures] == methods
+    for f in figures:
+        assert f.error is None and f.verified is True and f.time_us > 0, f.to_json()
+        assert f.params["measured_miss_ratio"] == 0.5 and f.vs_torch > 0
+
+
+def test_a_wrong_resolve_is_reported(monkeypatch):
+    from hisparse_triton import ops, reference
+
+    def off_by_one(*args, **kwargs):
+        kwargs.pop("backend", None)
+        out = reference.resolve(*args, **kwargs)
+        return out._replace(rows=out.rows + 1)
+
+    monkeypatch.setattr(ops, "resolve", off_by_one)
+    settings = _tiny_settings(top_k=8, hot_slots=16, seq_len=256, methods=("torch",),
+                              ops=("resolve",))
+    (fig,) = bm.ResolveBench(settings, torch.device("cpu")).case(1, 1.0)
+    assert fig.verified is False and "differ" in fig.error
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.3, 0.067])
+def test_resolve_workload_prescribes_the_miss_ratio(ratio):
+    from hisparse_triton import reference
+
+    work = bm.ResolveWorkload(3, 64, 160, 1024, ratio, torch.device("cpu"), seed=2)
+    assert (work.slot_host_rows >= 0).all()  # warm: every slot holds a row
+    outs = []
+    for _ in range(2):  # the same state every call
+        work.restore()
+        outs.append(reference.resolve(*work.args(), **work.kwargs))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    hits, misses, masked = outs[0].stats.sum(dim=0).tolist()
+    assert masked == 0 and misses == 3 * (64 - round((1 - ratio) * 64))
+    assert misses / (3 * 64) == work.expected_miss_ratio
+
+
+def test_run_bench_checkpoints_after_every_case():
+    seen = []
+    settings = _tiny_settings(rows=(64, 128), methods=("torch",))
+    result = bm.run_bench(settings, torch.device("cpu"), checkpoint=seen.append)
+    assert len(seen) == 4  # 2 sizes x gather, backup
+    assert all(not r["finished"] for r in seen) and result["finished"] is True
+    assert [len(r["transfers"]) for r in seen] == [1, 2, 3, 4]

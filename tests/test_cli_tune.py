@@ -205,3 +205,35 @@ def test_default_kept_when_nothing_is_clearly_faster():
     record = tune.tune_one(space, argparse.Namespace(row_bytes=656), False, tuner=Flat())
     assert record["best"]["config"] == tune.asdict(space.default)
     assert record["speedup_vs_default"] == 1.0
+
+
+def test_interrupted_tune_keeps_the_finished_searches(monkeypatch, tmp_path, capsys):
+    """Ctrl-C (or gpu_check's SIGINT at a step's limit) after the first (kernel, layers)
+    search: that search is in the cache and the JSON, the exit code is 130."""
+    from types import SimpleNamespace
+
+    from hisparse_triton import benchmarks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA Test")
+    monkeypatch.setattr(benchmarks, "environment", lambda: {"torch": "t", "triton": "x"})
+    real_tune_one = tune.tune_one
+
+    def tune_one(space, args, progress, tuner=None):
+        if space.num_layers == 4:
+            raise KeyboardInterrupt
+        return real_tune_one(space, args, False, tuner=_FakeTuner())
+
+    monkeypatch.setattr(tune, "tune_one", tune_one)
+    path = tmp_path / "c.json"
+    rc = main(["tune", "--kernel", "gather", "--layers", "1,4", "--cache", str(path),
+               "--no-progress", "--json", str(tmp_path / "r.json")])
+    captured = capsys.readouterr()
+    assert rc == 130 and "interrupted after 1 of 2" in captured.err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["interrupted"] is True and len(report["results"]) == 1
+    cache = tuning_cache.TuningCache.load(path)
+    assert cache.get("gather", 656, 1) is not None and cache.get("gather", 656, 4) is None

@@ -3,15 +3,19 @@
 On a CUDA device: the Triton kernels, the torch backend and the two baselines (torch eager,
 contiguous pinned copy) over a sweep of row sizes, rows moved, layers per launch and miss
 ratios; on a CPU: the torch paths only, on tiny defaults (kernel timings need a GPU).
-Prints a table; ``--json PATH|-`` writes the full result, ``--plot PATH`` a PNG (matplotlib).
-See ``hisparse_triton.benchmarking`` for what is measured and how, and docs/benchmarking.md.
+Prints a table; ``--json PATH|-`` writes the full result (a PATH is also rewritten after every
+case while the sweep runs, so a crash or a kill keeps what was measured), ``--plot PATH`` a PNG
+(matplotlib). See ``hisparse_triton.benchmarks`` for what is measured and how, and
+docs/benchmarking.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from typing import Any
 
 from hisparse_triton.commands.argtypes import (
@@ -24,7 +28,6 @@ from hisparse_triton.commands.argtypes import (
 
 OPS = ("gather", "backup", "restore", "spill", "resolve")
 METHODS = ("triton", "torch", "eager", "contiguous")
-
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +72,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sweep.add_argument("--methods", type=choice_list(METHODS), default=None, metavar="LIST",
                        help=f"methods: {','.join(METHODS)} (default all; triton needs CUDA)")
     sweep.add_argument("--quick", action="store_true",
-                       help="a small sweep (GPU: 656 B rows, 4k and 64k rows, batch 64)")
+                       help="a small sweep (GPU: 656 B rows, 4k and 64k rows, miss ratios 1 "
+                            "and 0.067, batch 64)")
     timing = parser.add_argument_group("timing")
     timing.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where to run (default: cuda when available)")
@@ -78,7 +82,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     timing.add_argument("--rep-ms", type=positive_float, default=None,
                         help="measurement time per figure in ms (the median is reported)")
     timing.add_argument("--no-verify", action="store_true",
-                        help="skip checking the moved rows against the source rows")
+                        help="skip checking the moved rows / resolve outputs against the "
+                             "source rows / the torch reference")
+    timing.add_argument("--no-graph", action="store_true",
+                        help="skip the CUDA-graph replays of the Triton kernels")
     timing.add_argument("--seed", type=int, default=0, help="random seed of the workloads")
     out = parser.add_argument_group("output")
     add_output_flags(out)
@@ -89,28 +96,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _check_plot_available() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    from hisparse_triton.benchmarks.plot import plot_available
+
+    if not plot_available():
         raise ValueError("--plot needs matplotlib, which is not installed; "
-                         "pip install 'hisparse-triton[bench]' (or pip install matplotlib)."
-                         ) from None
+                         "pip install 'hisparse-triton[bench]' (or pip install matplotlib).")
 
 
 def write_json(result: dict[str, Any], target: str) -> None:
-    """Write ``result`` to ``target`` (a path, or ``-`` for stdout)."""
+    """Write ``result`` to ``target`` (a path, replaced atomically, or ``-`` for stdout)."""
     text = json.dumps(result, indent=2, allow_nan=True) + "\n"
     if target == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
-    else:
-        with open(target, "w", encoding="utf-8") as handle:
+        return
+    directory = os.path.dirname(os.path.abspath(target))
+    fd, tmp = tempfile.mkstemp(prefix=".bench-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def settings_from_args(args: argparse.Namespace, device: Any) -> Any:
     """``BenchSettings`` of ``device``'s defaults with the flags applied."""
-    from hisparse_triton.benchmarking import BenchSettings, override
+    from hisparse_triton.benchmarks import BenchSettings, override
+    from hisparse_triton.benchmarks.settings import min_seq_len
 
     base = BenchSettings.for_device(device, quick=args.quick)
     settings = override(base, row_bytes=args.row_bytes, rows=args.rows, layers=args.layers,
@@ -120,10 +135,13 @@ def settings_from_args(args: argparse.Namespace, device: Any) -> Any:
                         seed=args.seed)
     if args.no_verify:
         settings = override(settings, verify=False)
+    if args.no_graph:
+        settings = override(settings, graph=False)
     if args.top_k is not None and args.hot_slots is None and settings.hot_slots < args.top_k:
         settings = override(settings, hot_slots=2 * args.top_k)
-    if args.top_k is not None and args.seq_len is None and settings.seq_len < args.top_k:
-        settings = override(settings, seq_len=16 * args.top_k)
+    shortest = min_seq_len(settings.top_k, settings.hot_slots)
+    if args.seq_len is None and settings.seq_len < shortest:
+        settings = override(settings, seq_len=max(16 * settings.top_k, shortest))
     settings.validate()
     return settings
 
@@ -143,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write ``--json`` / ``--plot``."""
     if args.plot:
         _check_plot_available()
-    from hisparse_triton import benchmarking as bm
+    from hisparse_triton import benchmarks as bm
 
     device = resolve_device(args.device)
     settings = settings_from_args(args, device)
@@ -157,12 +175,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"hisparse-triton bench: {bm.KERNELS_NEED_GPU}.", file=sys.stderr)
     progress = bm.Progress(bm.count_steps(settings, device), "bench",
                            enabled=not args.no_progress)
-    result = bm.run_bench(settings, device, progress=progress)
+    checkpoint = None
+    if args.json and args.json != "-":
+        checkpoint = (lambda partial: write_json(partial, args.json))
+    result = bm.run_bench(settings, device, progress=progress, checkpoint=checkpoint)
     table = bm.format_table(result)
     print(table, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         write_json(result, args.json)
-    if args.plot:
+    if args.plot and any(f.get("gbps") for f in result["transfers"]):
         bm.write_plot(result, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     if result["interrupted"]:

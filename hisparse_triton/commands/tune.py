@@ -15,8 +15,10 @@ span, ``access_bytes`` above the rows' alignment and ``layers_per_program`` abov
 count change nothing) and deduplicated. Every candidate is first checked against
 ``reference.copy_rows`` / ``copy_pages`` on a plan with partial counts and out-of-range ids;
 a candidate that fails to compile, launch or match is rejected, never timed. The rest are
-timed with ``triton.testing.do_bench`` on rotated plans (see ``benchmarking``).
+timed with ``triton.testing.do_bench`` on rotated plans (``hisparse_triton.benchmarks``).
 
+Each (kernel, layers) is saved to the cache as soon as it is tuned; Ctrl-C (SIGINT) stops the
+search, keeps what was tuned (``--json`` says ``"interrupted": true``) and exits 130.
 ``--dry-run`` lists the candidates (works without a GPU); without CUDA the command refuses.
 """
 
@@ -216,7 +218,7 @@ class Tuner:
         CUDA device; a CPU device runs the kernels only under ``TRITON_INTERPRET=1``)."""
         import torch
 
-        from hisparse_triton import benchmarking as bm
+        from hisparse_triton import benchmarks as bm
         from hisparse_triton.kernels import backup, gather
 
         self.kernel = kernel
@@ -305,7 +307,7 @@ class Tuner:
 
     def time(self, config: Any) -> float:
         """Median ms of one launch (rotating plans)."""
-        from hisparse_triton import benchmarking as bm
+        from hisparse_triton import benchmarks as bm
 
         plans = self.plans
 
@@ -313,11 +315,11 @@ class Tuner:
             self.launch(self.dst, self.src, plans.src[i], plans.dst[i],
                         None if plans.counts is None else plans.counts[i], config=config)
 
-        return bm.device_time_ms(bm.Rotation(plans.variants, run), warmup_ms=self.warmup_ms,
-                                 rep_ms=self.rep_ms)
+        return bm.device_time(bm.Rotation(plans.variants, run), warmup_ms=self.warmup_ms,
+                              rep_ms=self.rep_ms).median_ms
 
     def trial(self, config: Any, stage: int) -> Trial:
-        from hisparse_triton import benchmarking as bm
+        from hisparse_triton import benchmarks as bm
 
         why = self.check(config)
         if why is not None:
@@ -334,7 +336,7 @@ def tune_one(space: Space, args: argparse.Namespace, progress_enabled: bool, *,
     """Run both stages for one space; the JSON record (best, default, every trial).
 
     ``tuner`` defaults to a ``Tuner`` on the current GPU built from ``args``."""
-    from hisparse_triton import benchmarking as bm
+    from hisparse_triton import benchmarks as bm
 
     if tuner is None:
         tuner = Tuner(space.kernel, args.row_bytes, space.num_layers, rows=args.rows,
@@ -484,33 +486,44 @@ def run(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
-    from hisparse_triton import benchmarking as bm
+    from hisparse_triton import benchmarks as bm
     from hisparse_triton import tuning_cache
 
     device_name = torch.cuda.get_device_name(torch.cuda.current_device())
     path = Path(args.cache) if args.cache else tuning_cache.cache_path(device_name)
-    records = []
-    for space in spaces:
-        record = tune_one(space, args, not args.no_progress)
-        records.append(record)
-        best, default = record["best"], record["default"]
-        print(f"{space.kernel:8s} {args.row_bytes} B x{space.num_layers} layers: best "
-              f"{best['gbps']:.2f} GB/s ({best['time_us']:.1f} us)"
-              + (f", default {default['gbps']:.2f} GB/s -> x{record['speedup_vs_default']:.2f}"
-                 if default and default.get("gbps") else "")
-              + f"; {record['candidates']} candidates, {record['rejected']} rejected", file=out)
-        print(f"         {config_text(_config(best), space.default)}", file=out)
-    saved = False
-    if not args.no_save:
-        save_records(records, path, device_name, bm.environment())
-        saved = True
+    env = bm.environment()
+    records: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for space in spaces:
+            record = tune_one(space, args, not args.no_progress)
+            records.append(record)
+            _print_record(record, space, args.row_bytes, out)
+            if not args.no_save:  # each space as soon as it is tuned: a kill keeps it
+                save_records([record], path, device_name, env)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"hisparse-triton tune: interrupted after {len(records)} of {len(spaces)} "
+              f"kernel/layer searches; those are kept.", file=sys.stderr)
+    saved = bool(records) and not args.no_save
+    if saved:
         print(f"saved {len(records)} entr{'y' if len(records) == 1 else 'ies'} to {path}",
               file=out)
     if args.json:
-        write_json({"schema": "hisparse-triton/tune", "dry_run": False,
-                    "environment": bm.environment(), "row_bytes": args.row_bytes,
-                    "cache": str(path), "saved": saved, "results": records}, args.json)
-    return 0
+        write_json({"schema": "hisparse-triton/tune", "dry_run": False, "environment": env,
+                    "row_bytes": args.row_bytes, "cache": str(path), "saved": saved,
+                    "interrupted": interrupted, "results": records}, args.json)
+    return 130 if interrupted else 0
+
+
+def _print_record(record: dict[str, Any], space: Space, row_bytes: int, out: Any) -> None:
+    best, default = record["best"], record["default"]
+    print(f"{space.kernel:8s} {row_bytes} B x{space.num_layers} layers: best "
+          f"{best['gbps']:.2f} GB/s ({best['time_us']:.1f} us)"
+          + (f", default {default['gbps']:.2f} GB/s -> x{record['speedup_vs_default']:.2f}"
+             if default and default.get("gbps") else "")
+          + f"; {record['candidates']} candidates, {record['rejected']} rejected", file=out)
+    print(f"         {config_text(_config(best), space.default)}", file=out)
 
 
 def save_records(records: list[dict[str, Any]], path: Any, device_name: str,

@@ -1,0 +1,76 @@
+"""``--plot``: a PNG of GB/s against rows moved (needs matplotlib, the ``bench`` extra)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hisparse_triton.benchmarks.settings import KERNEL_METHODS, TRANSFER_OPS
+
+
+class MissingPlotDependency(RuntimeError):
+    """``--plot`` needs matplotlib (the ``bench`` extra)."""
+
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_plot(result: dict[str, Any], path: str) -> None:
+    """PNG of GB/s vs rows moved (log-log), one panel per (op, row size), one line per method
+    and layer count; the kernel methods at the largest miss ratio of the run, built-in launch
+    configs (tuned ones as their own line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingPlotDependency(
+            "--plot needs matplotlib: pip install 'hisparse-triton[bench]' "
+            "(or pip install matplotlib)") from exc
+    figs = [f for f in result.get("transfers", []) if f.get("gbps") is not None]
+    if not figs:
+        raise ValueError("--plot needs transfer figures, and this run measured none.")
+    ops_ = sorted({f["op"] for f in figs}, key=TRANSFER_OPS.index)
+    sizes = sorted({f["row_bytes"] for f in figs})
+    fig, axes = plt.subplots(len(ops_), len(sizes), figsize=(4.2 * len(sizes), 3.2 * len(ops_)),
+                             squeeze=False)
+    env = result.get("environment", {})
+    fig.suptitle(f"hisparse-triton bench: {env.get('gpu') or 'CPU'} "
+                 f"(torch {env.get('torch')}, triton {env.get('triton')})")
+    styles = {1: "-", 2: "--", 4: "-."}
+    colors = {"triton": "tab:red", "triton_graph": "tab:orange", "torch": "tab:blue",
+              "eager": "tab:gray", "contiguous": "tab:green"}
+    kernel_methods = KERNEL_METHODS + ("triton_graph",)
+    for i, op in enumerate(ops_):
+        for j, size in enumerate(sizes):
+            ax = axes[i][j]
+            mine = [f for f in figs if f["op"] == op and f["row_bytes"] == size]
+            top_ratio = max((f["miss_ratio"] for f in mine if f.get("miss_ratio") is not None),
+                            default=None)
+            lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
+            for f in mine:
+                if f["method"] in kernel_methods and f.get("miss_ratio") != top_ratio:
+                    continue
+                label = f["method"] + (" tuned" if f.get("launch_config") == "tuned" else "")
+                lines.setdefault((label, f["layers"]), []).append((f["rows"], f["gbps"]))
+            for (label, layers), pts in sorted(lines.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        color=colors.get(label.split()[0]), linestyle=styles.get(layers, ":"),
+                        alpha=0.6 if label.endswith("tuned") else 1.0,
+                        label=f"{label} L={layers}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, {size} B rows", fontsize=9)
+            ax.set_xlabel("rows moved")
+            ax.set_ylabel("GB/s (log)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
