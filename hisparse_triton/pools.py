@@ -139,7 +139,25 @@ def _clear_cuda_last_error() -> None:
         pass
 
 
-class HostPool:
+class _Buffer:
+    """A pool's backing buffer that ``close()`` drops; using it afterwards raises."""
+
+    _kind = "pool"
+    _tensor: Optional[torch.Tensor] = None
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The ``[size] uint8`` backing buffer; ``RuntimeClosedError`` after ``close()``."""
+        if self._tensor is None:
+            raise RuntimeClosedError(f"the {self._kind} is closed.")
+        return self._tensor
+
+
+class HostPool(_Buffer):
     """One host allocation of ``size_bytes`` (rounded up to 4 KiB), 4 KiB aligned.
 
     - ``pin``: register the buffer with CUDA (default: when CUDA is available):
@@ -154,6 +172,8 @@ class HostPool:
     ``close()`` waits for the device, unregisters the buffer and only then drops it; it is
     idempotent, and ``with HostPool(...)`` closes.
     """
+
+    _kind = "host pool"
 
     def __init__(self, size_bytes: int, *, pin: Optional[bool] = None,
                  max_ram_fraction: float = 0.9,
@@ -209,16 +229,6 @@ class HostPool:
         self._base, self._tensor = base, tensor
 
     @property
-    def closed(self) -> bool:
-        return self._tensor is None
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            raise RuntimeClosedError("the host pool is closed.")
-        return self._tensor
-
-    @property
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
 
@@ -259,12 +269,14 @@ class HostPool:
             pass
 
 
-class DevicePool:
+class DevicePool(_Buffer):
     """The shared device pool: ``num_blocks`` blocks of ``bytes_per_block`` bytes, block-outermost.
 
     Every device group's layers view the same buffer at their own in-block byte offsets; the
     resident and hot views of a sparse layer are the same bytes. The buffer is zero-filled.
     """
+
+    _kind = "device pool"
 
     def __init__(self, num_blocks: int, bytes_per_block: int,
                  device: torch.device | str = "cpu") -> None:
@@ -286,16 +298,6 @@ class DevicePool:
         self.device = device
         self._tensor: Optional[torch.Tensor] = torch.zeros(size, dtype=torch.uint8,
                                                            device=device)
-
-    @property
-    def closed(self) -> bool:
-        return self._tensor is None
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            raise RuntimeClosedError("the device pool is closed.")
-        return self._tensor
 
     @property
     def size_bytes(self) -> int:

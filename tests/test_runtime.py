@@ -26,13 +26,6 @@ L0, L1, L2, L3 = (f"model.layers.{i}.self_attn.attn" for i in range(4))
 FULL, SWA = "model.layers.4.full_attn", "model.layers.5.swa"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one intra-op thread is much faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_runtime(*, max_num_seqs=3, max_model_len=96, host_blocks=None, device_blocks=None,

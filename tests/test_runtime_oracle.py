@@ -30,12 +30,6 @@ TRITON_DEVICE = ("cuda" if torch.cuda.is_available()
                  and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_runtime(backend, *, max_num_seqs, max_model_len=64, device_blocks=None,
