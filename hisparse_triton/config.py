@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,8 +65,10 @@ class HiSparseConfig:
                              "enabled (the size of the pinned host pool in GiB).")
         if (isinstance(self.host_pool_gib, bool)
                 or not isinstance(self.host_pool_gib, (int, float))
-                or not self.host_pool_gib > 0):
-            raise ValueError(f"HiSparseConfig.host_pool_gib must be a number > 0, "
+                or not self.host_pool_gib > 0
+                or (isinstance(self.host_pool_gib, float)
+                    and not math.isfinite(self.host_pool_gib * GIB))):
+            raise ValueError(f"HiSparseConfig.host_pool_gib must be a finite number > 0, "
                              f"got {self.host_pool_gib!r}.")
         if self.shared_host_pool is not None and not isinstance(self.shared_host_pool, bool):
             raise ValueError(f"HiSparseConfig.shared_host_pool must be True, False or None, "

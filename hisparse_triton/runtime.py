@@ -197,6 +197,34 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_id_list(request_ids: object) -> None:
+    """A batch's ids must be a sequence, one per row: a lone str id would be split into
+    characters."""
+    if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
+        raise ValueError(f"request_ids must be a list of request ids (one per batch row), "
+                         f"got {type(request_ids).__name__} {request_ids!r}.")
+
+
+def _parse_device(device: object) -> torch.device:
+    """``device`` (``None`` = CUDA when available, else CPU) as a usable ``torch.device``;
+    ``ValueError`` naming it when it is not a device name or is CUDA on a machine without."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the runtime runs on a cpu or cuda device.")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine.")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s).")
+    return parsed
+
+
 class HiSparseRuntime:
     """The HiSparse runtime over one planner ``KVCacheConfig`` (see the module docstring).
 
@@ -222,8 +250,11 @@ class HiSparseRuntime:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
         self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.device = torch.device(device if device is not None else
-                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        if (isinstance(host_ram_fraction, bool)
+                or not isinstance(host_ram_fraction, (int, float))
+                or not 0 < host_ram_fraction <= 1):
+            raise ValueError(f"host_ram_fraction must be in (0, 1], got {host_ram_fraction!r}.")
+        self.device = _parse_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         from hisparse_triton import ops  # imported here: it registers torch.library ops
@@ -552,6 +583,7 @@ class HiSparseRuntime:
 
     def state_rows(self, request_ids: Sequence[Optional[Hashable]]) -> torch.Tensor:
         """``[R] int32`` state rows on the device (-1 for ``None`` = padding)."""
+        _check_id_list(request_ids)
         return self._to_device(self._rows_of(request_ids), torch.int32)
 
     def block_tables(self, layer_name: str) -> torch.Tensor:
@@ -841,6 +873,7 @@ class HiSparseRuntime:
         self._check_open()
         self._index_group(leader_layer)
         self._check_topk(topk)
+        _check_id_list(request_ids)
         if topk.shape[0] != len(request_ids):
             raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request "
                              f"ids were given.")

@@ -120,6 +120,11 @@ def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, capsys, tmp_path
     (["--rows", "abc"], "--rows"),
     (["--ops", "gather,bogus"], "bogus"),
     (["--miss-ratios", "1.5"], "(0, 1]"),
+    # output paths are checked before the sweep (a missing directory used to end a finished
+    # sweep in a FileNotFoundError traceback)
+    (["--json", "/nonexistent-dir/out.json"], "argument --json: directory"),
+    (["--plot", "/nonexistent-dir/out.png"], "argument --plot: directory"),
+    (["--json", "/"], "is a directory"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, message, capsys):
     rc = main(["bench", *flags])
@@ -410,6 +415,29 @@ def test_gpu_check_pytest_summary_and_merge():
         "targets": merged["targets"], "wall_s": 9, "budget_s": 380})
     assert lines[0].startswith("gpu_check on G") and "4 passed" in lines[1]
     assert any("resolve latency" in line and "MISSED" in line for line in lines)
+
+
+def test_out_of_memory_is_one_line(monkeypatch, capsys):
+    # `bench --rows 100000000000` used to end in the allocator's RuntimeError traceback
+    def oom(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                           "allocate 65600000000000 bytes.")
+
+    monkeypatch.setattr(bm, "run_bench", oom)
+    rc = main(["bench", "--rows", "64", "--ops", "gather", "--methods", "torch",
+               "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith("hisparse-triton bench: error: out of memory for this sweep")
+    assert "--rows" in err[0]
+
+    def bug(*args, **kwargs):  # any other RuntimeError is a bug: not disguised as OOM
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(bm, "run_bench", bug)
+    with pytest.raises(RuntimeError, match="something else"):
+        main(["bench", "--rows", "64", "--ops", "gather", "--methods", "torch",
+              "--device", "cpu", "--no-progress"])
 
 
 def test_interrupted_sweep_keeps_its_figures(monkeypatch, capsys):

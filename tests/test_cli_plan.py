@@ -105,6 +105,9 @@ def test_human_output_shared_pool(capsys):
      "device_buffer_size=100 is smaller than max_decode_query_len * index_topk = 2048"),
     (["plan", "--device-buffer-size", "40000"], 1, "exceeds the maximum of 32768"),
     (["plan", "--gpu-memory-gib", "0.0001"], 1, "it needs at least 2"),
+    # finite GiB whose byte count overflows a float: was an OverflowError traceback
+    (["plan", "--gpu-memory-gib", "1e300"], 1, "gpu_memory_gib must be a finite number > 0"),
+    (["plan", "--host-pool-gib", "1e300"], 1, "host_pool_gib must be a finite number > 0"),
 ])
 def test_bad_input_is_one_line_on_stderr(capsys, argv, code, needle):
     got, out, err = run_cli(capsys, *argv)

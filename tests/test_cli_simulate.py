@@ -37,6 +37,9 @@ def test_json_report_is_consistent(capsys):
     assert r["h2d_seconds"] == pytest.approx(r["h2d_bytes"] / 50e9)
     assert 0 < r["device_peak_bytes"] < r["all_gpu_peak_bytes"]
     assert r["gpu_bytes_saved"] == r["all_gpu_peak_bytes"] - r["device_peak_bytes"]
+    # the documented key (it was spelled gpu_savedfraction)
+    assert r["gpu_saved_fraction"] == pytest.approx(
+        r["gpu_bytes_saved"] / r["all_gpu_peak_bytes"])
     assert 0 < r["hit_rate"] < 1
 
 
@@ -85,6 +88,10 @@ def _run(capsys, *argv):
     (["--prompt-len", "2000"], 1, "exceed the tiny preset's max context of 1024"),
     (["--device-blocks", "3"], 1, "error: request 0: appending 100 tokens needs"),
     (["--host-blocks", "8"], 1, "increase host_pool_gib"),
+    # both used to end in a traceback (torch's RuntimeError) or a crash (libgomp)
+    (["--device", "tpu"], 1, "error: device 'tpu' is not a torch device"),
+    (["--device", "meta"], 1, "error: device 'meta': the runtime runs on a cpu or cuda"),
+    (["--threads", "100000"], 1, "--threads 100000 exceeds the"),
 ])
 def test_bad_input_one_line(capsys, flags, code, message):
     assert main([*SMALL, *flags]) == code

@@ -94,6 +94,9 @@ def test_bad_tune_flags(capsys):
     assert "nope" in capsys.readouterr().err
     assert main(["tune", "--rows", "16", "--kernel", "restore", "--dry-run"]) == 1
     assert "one page" in capsys.readouterr().err
+    assert main(["tune", "--dry-run", "--json", "/nonexistent-dir/t.json"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --json: directory" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter check; the GPU test below covers CUDA")

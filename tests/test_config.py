@@ -47,9 +47,12 @@ def test_device_buffer_size_bounds():
 def test_host_pool_gib_required_and_positive():
     with pytest.raises(ValueError, match="host_pool_gib is required when HiSparse is enabled"):
         HiSparseConfig()
-    for bad in (0, -1, True, "64", float("nan")):
-        with pytest.raises(ValueError, match="host_pool_gib must be a number > 0"):
+    # inf and 1e300 (inf bytes) used to pass here and fail later in host_pool_bytes with an
+    # OverflowError traceback.
+    for bad in (0, -1, True, "64", float("nan"), float("inf"), 1e300):
+        with pytest.raises(ValueError, match="host_pool_gib must be a finite number > 0"):
             HiSparseConfig(host_pool_gib=bad)
+    assert HiSparseConfig(host_pool_gib=10**12).host_pool_bytes == 10**12 * GIB
 
 
 @pytest.mark.parametrize("field, value", [

@@ -355,6 +355,10 @@ def test_resolve_bad_input_raises_and_runtime_keeps_working(decoding):
             L0, ["a"], torch.zeros(1, BUFFER + 1, dtype=torch.int32))),
         (ValueError, "integer positions", lambda: rt.resolve(L0, ["a", "b"], good.float())),
         (ValueError, "2-D", lambda: rt.resolve(L0, ["a"], good[0])),
+        # a lone str id used to be split into characters ("2 rows but 1 request ids" or,
+        # for a one-character id, silently accepted)
+        (ValueError, "request_ids must be a list", lambda: rt.resolve(L0, "a", good[:1])),
+        (ValueError, "request_ids must be a list", lambda: rt.state_rows("ab")),
     ]
     state = [t.clone() for t in (rt._index_groups[L0].lru, rt._index_groups[L0].slot_host_rows)]
     for exc, match, call in bad_calls:
@@ -445,6 +449,26 @@ def test_bad_backend_and_config():
         make_runtime(backend="bogus")
     with pytest.raises(ValueError, match="max_num_seqs"):
         make_runtime(max_num_seqs=0, host_blocks=100, device_blocks=100)
+    # the message names the runtime's parameter (it used to say HostPool's max_ram_fraction)
+    with pytest.raises(ValueError, match=r"host_ram_fraction must be in \(0, 1\], got 2"):
+        make_runtime(host_ram_fraction=2)
+
+
+def test_bad_device_is_a_value_error():
+    # used to surface torch's RuntimeError / an AssertionError from torch.cuda
+    with pytest.raises(ValueError, match="device 'tpu' is not a torch device"):
+        make_runtime(device="tpu")
+    with pytest.raises(ValueError, match="device '' is not a torch device"):
+        make_runtime(device="")
+    with pytest.raises(ValueError, match="device 'meta': the runtime runs on a cpu or cuda"):
+        make_runtime(device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': CUDA is not available"):
+            make_runtime(device="cuda")
+    else:
+        bad = f"cuda:{torch.cuda.device_count()}"
+        with pytest.raises(ValueError, match=f"device '{bad}': this machine has"):
+            make_runtime(device=bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable
 
 
@@ -92,3 +93,24 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         return tuple(dict.fromkeys(names))
 
     return parse
+
+
+def output_path(text: str) -> str:
+    """A file to write: its directory must exist and the path must not be a directory
+    (checked when the flags are parsed, not after a long run)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"directory {directory!r} of {text!r} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"directory {directory!r} of {text!r} is not "
+                                         f"writable")
+    return text
+
+
+def output_path_or_stdout(text: str) -> str:
+    """``-`` (stdout) or an ``output_path``."""
+    return text if text == "-" else output_path(text)

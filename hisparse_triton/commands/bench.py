@@ -21,6 +21,8 @@ from typing import Any
 from hisparse_triton.commands.argtypes import (
     choice_list,
     int_list,
+    output_path,
+    output_path_or_stdout,
     positive_float,
     positive_int,
     ratio_list,
@@ -31,7 +33,7 @@ METHODS = ("triton", "torch", "eager", "contiguous")
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="PATH|-", default=None,
+    parser.add_argument("--json", metavar="PATH|-", default=None, type=output_path_or_stdout,
                         help="write the full result as JSON to PATH ('-' = stdout, the table "
                              "then goes to stderr)")
     parser.add_argument("--no-progress", action="store_true",
@@ -89,7 +91,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     timing.add_argument("--seed", type=int, default=0, help="random seed of the workloads")
     out = parser.add_argument_group("output")
     add_output_flags(out)
-    out.add_argument("--plot", metavar="PATH", default=None,
+    out.add_argument("--plot", metavar="PATH", default=None, type=output_path,
                      help="write a PNG of GB/s vs rows moved, one line per method "
                           "(needs matplotlib: the 'bench' extra)")
     return parser
@@ -178,7 +180,15 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = None
     if args.json and args.json != "-":
         checkpoint = (lambda partial: write_json(partial, args.json))
-    result = bm.run_bench(settings, device, progress=progress, checkpoint=checkpoint)
+    try:
+        result = bm.run_bench(settings, device, progress=progress, checkpoint=checkpoint)
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        text = " ".join(str(exc).split())
+        if not isinstance(exc, MemoryError) and not any(
+                needle in text for needle in ("allocate", "out of memory")):
+            raise
+        raise ValueError(f"out of memory for this sweep ({text}); shrink it with --rows, "
+                         f"--layers, --row-bytes, --batch or --hot-slots.") from None
     table = bm.format_table(result)
     print(table, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any, Optional
 
 from hisparse_triton.commands.argtypes import positive_float, positive_int
@@ -67,8 +68,8 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
     ``ValueError`` (one sentence) for an invalid configuration or a plan that does not fit.
     """
     geometry = get_preset(preset)
-    if not gpu_memory_gib > 0:
-        raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib!r}.")
+    if not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib * GIB)):
+        raise ValueError(f"gpu_memory_gib must be a finite number > 0, got {gpu_memory_gib!r}.")
     hisparse = HiSparseConfig(index_topk=geometry.index_topk,
                               device_buffer_size=device_buffer_size,
                               host_pool_gib=host_pool_gib, shared_host_pool=shared_host_pool)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -271,7 +272,7 @@ def simulate(*, preset: str = DEFAULT_PRESET, layers: Optional[int] = None, requ
             "host_pool_bytes": runtime.kv_cache_config.hisparse_host_num_blocks
             * host_block_bytes,
             "gpu_bytes_saved": all_gpu_peak - device_peak,
-            "gpu_savedfraction": (all_gpu_peak - device_peak) / all_gpu_peak
+            "gpu_saved_fraction": (all_gpu_peak - device_peak) / all_gpu_peak
             if all_gpu_peak else 0.0,
             "deferred_offloads": stats.deferred_offloads,
             "verified": bool(verify),
@@ -320,7 +321,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"GPU memory (decode working set, peak): all layers on GPU "
         f"{_bytes(r['all_gpu_peak_bytes'])}, HiSparse {_bytes(r['device_peak_bytes'])} "
         f"+ host {_bytes(r['host_peak_bytes'])} -> {_bytes(r['gpu_bytes_saved'])} of GPU "
-        f"memory saved ({100 * r['gpu_savedfraction']:.0f}%); peak with one-chunk prefills "
+        f"memory saved ({100 * r['gpu_saved_fraction']:.0f}%); peak with one-chunk prefills "
         f"{_bytes(r['device_peak_bytes_with_prefill'])}",
     ]
     if r["verified"]:
@@ -332,6 +333,14 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton simulate``."""
     import torch
@@ -339,6 +348,10 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_triton.errors import HiSparseError
     from hisparse_triton.oracle import OracleMismatch
 
+    cpus = available_cpus()
+    if args.threads > cpus:  # thousands of OpenMP threads fail to start or crash the process
+        raise ValueError(f"--threads {args.threads} exceeds the {cpus} CPUs available to this "
+                         f"process.")
     torch.set_num_threads(args.threads)
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     try:
