@@ -47,7 +47,8 @@ class HiSparseConfig:
         _check_int("HiSparseConfig", "index_topk", self.index_topk, 1)
         _check_int("HiSparseConfig", "max_decode_query_len", self.max_decode_query_len, 1)
         needed = self.max_decode_query_len * self.index_topk
-        if self.device_buffer_size is None:
+        defaulted = self.device_buffer_size is None
+        if defaulted:
             object.__setattr__(self, "device_buffer_size",
                                (self.max_decode_query_len + 1) * self.index_topk)
         else:
@@ -58,8 +59,10 @@ class HiSparseConfig:
                 f"HiSparseConfig.device_buffer_size={size} is smaller than "
                 f"max_decode_query_len * index_topk = {needed}; one step's top-k must fit.")
         if size > MAX_DEVICE_BUFFER_SIZE:
-            raise ValueError(f"HiSparseConfig.device_buffer_size={size} exceeds the maximum "
-                             f"of {MAX_DEVICE_BUFFER_SIZE}.")
+            origin = (" (the default, (max_decode_query_len + 1) * index_topk; set "
+                      "device_buffer_size explicitly)" if defaulted else "")
+            raise ValueError(f"HiSparseConfig.device_buffer_size={size}{origin} exceeds the "
+                             f"maximum of {MAX_DEVICE_BUFFER_SIZE}.")
         if self.host_pool_gib is None:
             raise ValueError("HiSparseConfig.host_pool_gib is required when HiSparse is "
                              "enabled (the size of the pinned host pool in GiB).")

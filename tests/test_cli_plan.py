@@ -108,6 +108,8 @@ def test_human_output_shared_pool(capsys):
     # finite GiB whose byte count overflows a float: was an OverflowError traceback
     (["plan", "--gpu-memory-gib", "1e300"], 1, "gpu_memory_gib must be a finite number > 0"),
     (["plan", "--host-pool-gib", "1e300"], 1, "host_pool_gib must be a finite number > 0"),
+    (["plan", "--max-model-len", "300000"], 1,
+     "max_model_len 300,000 exceeds the deepseek-v3.2-fp8 preset's max context of 163,840"),
 ])
 def test_bad_input_is_one_line_on_stderr(capsys, argv, code, needle):
     got, out, err = run_cli(capsys, *argv)

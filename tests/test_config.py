@@ -40,7 +40,9 @@ def test_device_buffer_size_bounds():
     with pytest.raises(ValueError, match="device_buffer_size=32769 exceeds the maximum of 32768"):
         HiSparseConfig(host_pool_gib=1, device_buffer_size=32769)
     # the default can exceed the maximum too: (15 + 1) * 4096
-    with pytest.raises(ValueError, match="exceeds the maximum"):
+    with pytest.raises(ValueError, match=r"device_buffer_size=65536 \(the default, "
+                                         r"\(max_decode_query_len \+ 1\) \* index_topk; set "
+                                         r"device_buffer_size explicitly\) exceeds the maximum"):
         HiSparseConfig(host_pool_gib=1, index_topk=4096, max_decode_query_len=15)
 
 

@@ -68,6 +68,9 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
     ``ValueError`` (one sentence) for an invalid configuration or a plan that does not fit.
     """
     geometry = get_preset(preset)
+    if max_model_len is not None and max_model_len > geometry.max_model_len:
+        raise ValueError(f"max_model_len {max_model_len:,} exceeds the {preset} preset's max "
+                         f"context of {geometry.max_model_len:,} tokens.")
     if not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib * GIB)):
         raise ValueError(f"gpu_memory_gib must be a finite number > 0, got {gpu_memory_gib!r}.")
     hisparse = HiSparseConfig(index_topk=geometry.index_topk,
