@@ -25,6 +25,7 @@ _LAZY = {
     "RuntimeClosedError": "hisparse_triton.errors",
     "HostMemoryError": "hisparse_triton.errors",
     "BlockPoolError": "hisparse_triton.errors",
+    "SharedHostPoolError": "hisparse_triton.errors",
     "BackendUnavailableError": "hisparse_triton.ops",
     "RowTable": "hisparse_triton.row_table",
     "get_hisparse_kv_cache_groups": "hisparse_triton.layout",

@@ -69,5 +69,17 @@ class BlockPoolError(HiSparseError, ValueError):
     """A block allocator misuse: double free, the null block, an id outside the pool."""
 
 
+class SharedHostPoolError(HiSparseError, OSError):
+    """A shared host pool cannot be created (its file exists) or attached (its file is
+    missing or has another size). Attribute: ``path`` (the pool's backing file)."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __str__(self) -> str:  # OSError would otherwise format the args tuple
+        return str(self.args[0])
+
+
 class RuntimeClosedError(HiSparseError, RuntimeError):
     """A call on a ``HiSparseRuntime`` (or pool) after ``close()``."""

@@ -11,17 +11,31 @@ costs exactly the bytes asked for and is unpinned deliberately in ``close()``. W
 it is plain CPU memory. Before allocating, it checks the available RAM (``MemAvailable``,
 capped by a container's cgroup memory limit) and refuses with ``HostMemoryError`` instead of
 letting the OS kill the process later.
+
+Shared mode (``HostPool(..., shared_name=NAME, create=...)``): the pool is a file
+``<dir>/hisparse-NAME`` (``dir`` = ``/dev/shm``, else the system temp dir) mapped with
+``MAP_SHARED`` (``torch.from_file(shared=True)``), so the tensor-parallel ranks of one node
+hold ONE copy of the (identical) MLA KV history. The creating rank makes the file
+exclusively at its exact size and unlinks it in ``close()``; the other ranks attach to it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import re
+import tempfile
 from typing import Optional
 
 import torch
 
-from hisparse_triton.errors import CapacityError, HostMemoryError, RuntimeClosedError
+from hisparse_triton.errors import (
+    CapacityError,
+    HostMemoryError,
+    RuntimeClosedError,
+    SharedHostPoolError,
+)
 
 #: Alignment of the host pool's first byte (one page; what DMA engines like).
 HOST_ALIGNMENT = 4096
@@ -125,6 +139,35 @@ def available_ram_bytes() -> int:
     return available if limited is None else min(available, limited)
 
 
+_SHARED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
+def shared_host_pool_dir() -> str:
+    """Folder of shared host pools: ``/dev/shm`` (RAM-backed), else the system temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def shared_host_pool_path(name: str) -> str:
+    """The backing file of the shared host pool ``name``: ``<dir>/hisparse-<name>``.
+
+    ``ValueError`` unless ``name`` is 1-201 characters of ``[A-Za-z0-9._-]`` starting with
+    a letter or digit (so it is one plain file name)."""
+    if not isinstance(name, str) or _SHARED_NAME.fullmatch(name) is None:
+        raise ValueError(f"a shared host pool name must be 1-201 characters of "
+                         f"[A-Za-z0-9._-] starting with a letter or digit, got {name!r}.")
+    return os.path.join(shared_host_pool_dir(), f"hisparse-{name}")
+
+
+def _map_file(fd: int, path: str, size: int) -> torch.Tensor:
+    """``[size] uint8`` ``MAP_SHARED`` mapping of the open file ``fd`` (page aligned).
+
+    Maps through ``/proc/self/fd/N`` where it exists, so the mapping is of the very file
+    checked through ``fd`` even if the name was replaced or unlinked meanwhile."""
+    proc = f"/proc/self/fd/{fd}"
+    source = proc if os.path.exists(proc) else path
+    return torch.from_file(source, shared=True, size=size, dtype=torch.uint8)
+
+
 def _clear_cuda_last_error() -> None:
     """Best effort: reset the CUDA runtime's per-thread "last error" after a failed
     ``cudaHostRegister``; otherwise torch's next kernel-launch check (``cudaGetLastError``)
@@ -167,6 +210,15 @@ class HostPool(_Buffer):
       more than this fraction of the currently available RAM (``MemAvailable``).
     - ``device``: the CUDA device whose work ``close()`` waits for before unpinning
       (default: the current device).
+    - ``shared_name``: ``None`` (default: private memory of this process) or the name of a
+      pool shared by the processes of one node (the TP ranks), backed by the file
+      ``shared_host_pool_path(shared_name)`` and mapped ``MAP_SHARED``.
+      ``create=True``: make that file exclusively (``SharedHostPoolError`` if it exists),
+      at exactly the rounded size (``posix_fallocate``: a too-small ``/dev/shm`` fails here
+      with ``HostMemoryError``, not with ``SIGBUS`` later); only the creator checks the RAM.
+      ``create=False``: attach to the existing file (``SharedHostPoolError`` if it is
+      missing or its size differs). ``close()`` of the creator unlinks the file; ranks still
+      attached keep their mapping (the memory lives until the last mapping goes).
 
     ``tensor`` is the ``[size_bytes] uint8`` buffer (its contents start undefined);
     ``close()`` waits for the device, unregisters the buffer and only then drops it; it is
@@ -177,19 +229,27 @@ class HostPool(_Buffer):
 
     def __init__(self, size_bytes: int, *, pin: Optional[bool] = None,
                  max_ram_fraction: float = 0.9,
-                 device: Optional[torch.device | str | int] = None) -> None:
+                 device: Optional[torch.device | str | int] = None,
+                 shared_name: Optional[str] = None, create: bool = True) -> None:
         self._tensor: Optional[torch.Tensor] = None
         self._base: Optional[torch.Tensor] = None
         self.pinned = False
+        self.shared_name = shared_name
+        self.path: Optional[str] = None       # the backing file (shared mode)
+        self.creator = shared_name is None or bool(create)
+        self._unlink_path: Optional[str] = None
         if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0:
             raise ValueError(f"HostPool size must be a positive number of bytes, "
                              f"got {size_bytes!r}.")
         if (isinstance(max_ram_fraction, bool) or not isinstance(max_ram_fraction, (int, float))
                 or not 0 < max_ram_fraction <= 1):
             raise ValueError(f"max_ram_fraction must be in (0, 1], got {max_ram_fraction!r}.")
+        if not isinstance(create, bool):
+            raise ValueError(f"HostPool.create must be True or False, got {create!r}.")
+        path = None if shared_name is None else shared_host_pool_path(shared_name)
         size = -(-size_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
         available = available_ram_bytes()
-        if size > max_ram_fraction * available:
+        if self.creator and size > max_ram_fraction * available:
             raise HostMemoryError(
                 f"host pool of {size} B ({size / (1 << 30):.2f} GiB) exceeds "
                 f"{max_ram_fraction:.0%} of the available RAM ({available} B, "
@@ -204,10 +264,15 @@ class HostPool(_Buffer):
         if pin and device is not None:
             self.device = (torch.device("cuda", device) if isinstance(device, int)
                            else torch.device(device))
-        # Over-allocate by one alignment unit and slice the aligned window out of it.
-        base = torch.empty(size + HOST_ALIGNMENT, dtype=torch.uint8)
-        shift = (-base.data_ptr()) % HOST_ALIGNMENT
-        tensor = base[shift:shift + size]
+        if path is None:
+            # Over-allocate by one alignment unit and slice the aligned window out of it.
+            base = torch.empty(size + HOST_ALIGNMENT, dtype=torch.uint8)
+            shift = (-base.data_ptr()) % HOST_ALIGNMENT
+            tensor = base[shift:shift + size]
+        elif create:
+            base = tensor = self._create_shared(path, size)
+        else:
+            base = tensor = self._attach_shared(path, size)
         self.size_bytes = size
         if pin:
             cudart = torch.cuda.cudart()
@@ -215,6 +280,7 @@ class HostPool(_Buffer):
             err = int(result)
             if err != 0:
                 _clear_cuda_last_error()
+                self._unlink()
                 try:
                     reason = f" ({cudart.cudaGetErrorString(result)})"
                 except Exception:  # noqa: BLE001 - the number alone still says it
@@ -227,6 +293,77 @@ class HostPool(_Buffer):
                     available=available)
             self.pinned = True
         self._base, self._tensor = base, tensor
+
+    def _create_shared(self, path: str, size: int) -> torch.Tensor:
+        folder = os.path.dirname(path)
+        try:
+            stat = os.statvfs(folder)
+            free = stat.f_bavail * stat.f_frsize
+        except OSError:  # pragma: no cover - the folder vanished
+            free = None
+        if free is not None and size > free:
+            raise HostMemoryError(
+                f"shared host pool of {size} B ({size / (1 << 30):.2f} GiB) does not fit the "
+                f"{free} B free in {folder} (a container's /dev/shm is often small: raise "
+                f"--shm-size); lower host_pool_gib.", resource="shared memory bytes",
+                needed=size, available=free)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise SharedHostPoolError(
+                f"shared host pool {self.shared_name!r} already exists ({path}): another "
+                f"runtime created it (one creator, tp_rank 0, per name) or a crashed one left "
+                f"it behind; remove the file or pick another host_pool_name.", path) from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise HostMemoryError(
+                        f"shared host pool of {size} B ({size / (1 << 30):.2f} GiB) could not "
+                        f"be allocated in {folder}: {exc.strerror}; lower host_pool_gib.",
+                        resource="shared memory bytes", needed=size,
+                        available=free or 0) from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)   # a file system without fallocate
+            tensor = _map_file(fd, path, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self.path = self._unlink_path = path
+        return tensor
+
+    def _attach_shared(self, path: str, size: int) -> torch.Tensor:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise SharedHostPoolError(
+                f"shared host pool {self.shared_name!r} does not exist ({path}): construct "
+                f"the creating runtime (tp_rank 0) first, with the same host_pool_name.",
+                path) from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise SharedHostPoolError(
+                    f"shared host pool {self.shared_name!r} ({path}) holds {actual} B but this "
+                    f"rank's plan needs {size} B: every rank must use the same KVCacheConfig.",
+                    path)
+            tensor = _map_file(fd, path, size)
+        finally:
+            os.close(fd)
+        self.path = path
+        return tensor
+
+    def _unlink(self) -> None:
+        path, self._unlink_path = self._unlink_path, None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     @property
     def data_ptr(self) -> int:
@@ -242,9 +379,19 @@ class HostPool(_Buffer):
         """Unpin (after the device finished using the buffer) and release; idempotent.
 
         Views taken earlier keep the (now unpinned) memory alive until they are dropped.
+        A shared pool's creator also unlinks the backing file (attached ranks keep their
+        mapping).
         """
         if getattr(self, "_tensor", None) is None:
+            if getattr(self, "_unlink_path", None) is not None:
+                self._unlink()
             return
+        try:
+            self._release()
+        finally:
+            self._unlink()
+
+    def _release(self) -> None:
         if self.pinned:
             torch.cuda.synchronize(self.device)
             err = int(torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr()))

@@ -39,6 +39,12 @@ Row lifetime: the rows ``resolve`` returns stay valid until the next ``commit()`
 next ``resolve`` of the same index group for the same request (which may evict them). So a
 step is: ``append_slots`` -> write KV -> ``resolve`` per index group -> attention ->
 ``commit()``.
+
+Shared host pool (``kv_cache_config.hisparse_shared_host_pool``): the tensor-parallel ranks
+of one node hold ONE host pool (MLA KV is identical on every TP rank). Each rank builds its
+own runtime with ``tp_rank`` and the same ``host_pool_name``; rank 0 creates the pool and is
+the only one that mirrors device->host in ``commit()``; the others attach to it and keep
+identical bookkeeping. See ``HiSparseRuntime`` for the contract.
 """
 
 from __future__ import annotations
@@ -88,7 +94,8 @@ class HiSparseStats:
       ``misses``: distinct host rows gathered (once per index group, however many follower
       layers copy them); ``masked``: columns that resolved to -1.
     - ``h2d_bytes``: bytes gathered host -> device (misses x row bytes x layers of the index
-      group); ``d2h_bytes``: bytes mirrored device -> host by ``commit()``.
+      group); ``d2h_bytes``: bytes mirrored device -> host by ``commit()`` (0 on a rank that
+      does not write a shared host pool).
     - ``*_blocks``: blocks in use now (device pool: indexer, resident, hot, regular; host
       pool: host), ``device_blocks_total``/``host_blocks_total``: allocatable blocks.
     - ``peak_device_blocks``/``peak_host_blocks``: the most blocks in use at any time.
@@ -239,14 +246,53 @@ class HiSparseRuntime:
       default: the hot region's size in blocks, so offloading never costs more device blocks
       than it frees. ``1`` offloads as early as possible.
     - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
+    - ``tp_rank``, ``host_pool_name``: for a plan with ``hisparse_shared_host_pool`` (one
+      host pool per node, shared by the TP ranks), ``host_pool_name`` is required (and is
+      refused when the plan does not share the pool): ``tp_rank`` 0 creates the pool
+      ``HostPool(shared_name=host_pool_name, create=True)``, every other rank
+      (``< config.tensor_parallel_size``) attaches to it. Only rank 0 writes the
+      device->host mirror in ``commit()`` (``mirrors_to_host``); other ranks copy nothing
+      and count no ``d2h_bytes``, but their bookkeeping (sealing, releasing pages, hot
+      regions, host blocks) is identical.
+
+    Shared-pool contract (the caller's duty; nothing checks it across processes):
+
+    1. construct rank 0's runtime before the others attach (an attach to a missing pool
+       raises ``SharedHostPoolError``); close rank 0 last or not: attached ranks keep their
+       mapping, the file is unlinked by rank 0's ``close()``;
+    2. every rank calls ``add_request``/``append_slots``/``commit``/``free_request`` with the
+       same arguments in the same order (SPMD), so all ranks allocate the same host blocks;
+       every rank writes the same KV bytes into its own device pool;
+    3. after ``commit()``, the ranks synchronise before ANY rank resolves rows that commit
+       mirrored (rank 0's stream must have finished the mirror: e.g. the step's collective
+       on that stream, or ``torch.cuda.synchronize()`` + a barrier); a rank that resolves
+       earlier may gather host rows rank 0 has not written yet.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
                  max_num_seqs: int, device: torch.device | str | None = None,
                  backend: str = "auto", offload_threshold_pages: Optional[int] = None,
-                 host_ram_fraction: float = 0.9) -> None:
+                 host_ram_fraction: float = 0.9, tp_rank: int = 0,
+                 host_pool_name: Optional[str] = None) -> None:
         if config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
+        self.shared_host_pool = bool(kv_cache_config.hisparse_shared_host_pool)
+        self.tp_rank = _positive_int("tp_rank", tp_rank, minimum=0)
+        if self.tp_rank >= config.tensor_parallel_size:
+            raise ValueError(f"tp_rank {tp_rank} must be < tensor_parallel_size="
+                             f"{config.tensor_parallel_size}.")
+        if self.shared_host_pool and host_pool_name is None:
+            raise ValueError("kv_cache_config.hisparse_shared_host_pool is True (one host pool "
+                             "shared by the TP ranks of the node): pass host_pool_name (the "
+                             "same on every rank; tp_rank 0 creates the pool).")
+        if not self.shared_host_pool and host_pool_name is not None:
+            raise ValueError(f"host_pool_name={host_pool_name!r} was given but "
+                             f"kv_cache_config.hisparse_shared_host_pool is False (each rank "
+                             f"owns a private host pool); plan with shared_host_pool=True or "
+                             f"drop host_pool_name.")
+        self.host_pool_name = host_pool_name
+        #: Whether ``commit()`` writes the device->host mirror (rank 0 of a shared pool).
+        self.mirrors_to_host = not self.shared_host_pool or self.tp_rank == 0
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
         self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
@@ -286,7 +332,8 @@ class HiSparseRuntime:
         host_bytes = max(t.offset + t.size for t in self._host_tensors.values())
         self._requests: dict[Hashable, _Request] = {}
         self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
-                                   max_ram_fraction=host_ram_fraction, device=self.device)
+                                   max_ram_fraction=host_ram_fraction, device=self.device,
+                                   shared_name=host_pool_name, create=self.tp_rank == 0)
         try:  # a failure below must not leave the (pinned) host pool to the GC
             self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
                                            self.device)
@@ -741,10 +788,15 @@ class HiSparseRuntime:
 
         Call it once per step, after the step's attention has read the rows ``resolve``
         returned: released blocks are handed to other requests from here on.
+
+        With a shared host pool only rank 0 (``mirrors_to_host``) copies in step 1; the
+        other ranks skip the copy (their rows are the same bytes) and do steps 2-3 alike.
+        The ranks must synchronise before resolving rows this commit mirrored (see the
+        class docstring).
         """
         self._check_open()
         pending = [req for req in self._requests.values() if req.seq_len > req.committed_len]
-        if pending:
+        if pending and self.mirrors_to_host:
             self._mirror(pending)
         for req in pending:
             req.committed_len = req.seq_len
