@@ -553,6 +553,16 @@ class HiSparseRuntime:
         self._in_use[kind] -= len(blocks)
 
     # ------------------------------------------------------------------ layer access
+    def _device_layer_name(self, layer_name: str) -> str:
+        """The group-layer name a device layer is known by: a model sparse layer name maps to
+        its ``.hisparse_resident`` name; ``KeyError`` for a name that is no device layer."""
+        name = layer_name
+        if name not in self._layer_group and name in self._resident_of_layer:
+            name = layer_name + HISPARSE_RESIDENT_SUFFIX
+        if name not in self._layer_group:
+            raise KeyError(f"{layer_name!r} is not a device layer of this runtime.")
+        return name
+
     def device_cache(self, layer_name: str) -> torch.Tensor:
         """``[num_blocks, block_size, row_bytes] uint8`` view of a device layer.
 
@@ -561,11 +571,7 @@ class HiSparseRuntime:
         Row ``r`` of ``append_slots``/``resolve`` is ``view.view(-1, row_bytes)[r]``.
         """
         self._check_open()
-        name = layer_name
-        if name not in self._device_tensors and name in self._resident_of_layer:
-            name = layer_name + HISPARSE_RESIDENT_SUFFIX
-        if name not in self._device_tensors:
-            raise KeyError(f"{layer_name!r} is not a device layer of this runtime.")
+        name = self._device_layer_name(layer_name)
         tensor = self._device_tensors[name]
         group = self._layer_group[name]
         return self._device_pool.view(tensor.offset, group.block_size,
@@ -641,12 +647,7 @@ class HiSparseRuntime:
         ``state_rows(...)``. The tensor is updated in place by the runtime.
         """
         self._check_open()
-        name = layer_name
-        if name not in self._layer_group and name in self._resident_of_layer:
-            name = layer_name + HISPARSE_RESIDENT_SUFFIX
-        if name not in self._layer_group:
-            raise KeyError(f"{layer_name!r} is not a device layer of this runtime.")
-        return self._layer_group[name].table
+        return self._layer_group[self._device_layer_name(layer_name)].table
 
     def host_block_table(self, request_id: Hashable) -> list[int]:
         """The request's host blocks, one per reserved page (CPU list)."""
@@ -655,10 +656,8 @@ class HiSparseRuntime:
     def block_table(self, request_id: Hashable, layer_name: str) -> list[int]:
         """The request's device blocks for a layer's group, one per page (CPU list)."""
         req = self._request(request_id)
-        self.block_tables(layer_name)  # validates the name
-        name = layer_name if layer_name in self._layer_group else \
-            layer_name + HISPARSE_RESIDENT_SUFFIX
-        group = self._layer_group[name]
+        self._check_open()
+        group = self._layer_group[self._device_layer_name(layer_name)]
         if group.kind == "hot":
             return list(req.hot[group.index]) if req.hot else []
         return [int(b) for b in req.pages[group.index][:cdiv(req.seq_len, group.block_size)]]
