@@ -12,10 +12,7 @@ docs/benchmarking.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from typing import Any
 
 from hisparse_triton.commands.argtypes import (
@@ -27,6 +24,7 @@ from hisparse_triton.commands.argtypes import (
     positive_int,
     ratio_list,
 )
+from hisparse_triton.commands.output import write_json  # noqa: F401 (tune imports it here)
 
 OPS = ("gather", "backup", "restore", "spill", "resolve")
 METHODS = ("triton", "torch", "eager", "contiguous")
@@ -103,25 +101,6 @@ def _check_plot_available() -> None:
     if not plot_available():
         raise ValueError("--plot needs matplotlib, which is not installed; "
                          "pip install 'hisparse-triton[bench]' (or pip install matplotlib).")
-
-
-def write_json(result: dict[str, Any], target: str) -> None:
-    """Write ``result`` to ``target`` (a path, replaced atomically, or ``-`` for stdout)."""
-    text = json.dumps(result, indent=2, allow_nan=True) + "\n"
-    if target == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".bench-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def settings_from_args(args: argparse.Namespace, device: Any) -> Any:
