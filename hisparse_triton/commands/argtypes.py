@@ -114,3 +114,32 @@ def output_path(text: str) -> str:
 def output_path_or_stdout(text: str) -> str:
     """``-`` (stdout) or an ``output_path``."""
     return text if text == "-" else output_path(text)
+
+
+def bounded_number(low: float, high: float, unit: str = "",
+                   hint: str = "") -> Callable[[str], float]:
+    """A type for a finite number in ``[low, high]``; the message names the plausible range
+    (``unit`` after the numbers) and ``hint`` (e.g. "a value this large is surely bytes")."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not (math.isfinite(value) and low <= value <= high):
+            extra = f" ({hint})" if hint else ""
+            raise argparse.ArgumentTypeError(
+                f"must be a number in [{low:g}, {high:g}]{unit}, got {text!r}{extra}")
+        return value
+
+    return parse
+
+
+def bounded_int(low: int, high: int, unit: str = "") -> Callable[[str], int]:
+    """A type for an integer in ``[low, high]`` (``k`` suffix accepted)."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer in [{low}, {high}]{unit}, got {text!r}")
+        return value
+
+    return parse

@@ -3,7 +3,7 @@
 Every JSON document the CLI writes has the same envelope: ``"schema"`` (``hisparse-triton/
 <command>``) and ``"schema_version"`` (an int, raised when a key changes meaning or goes
 away; new keys do not raise it) come first, then the command's own keys. Every command takes
-``--json PATH|-`` with one meaning: ``-`` writes the document to stdout (the human report,
+``--json PATH|-`` with one meaning: ``-`` (or a bare ``--json``) writes the document to stdout (the human report,
 if any, then goes to stderr), a PATH is written atomically with normal file permissions
 (``0644`` under the usual umask).
 """
@@ -33,9 +33,10 @@ def json_document(command: str, version: int, payload: Mapping[str, Any]) -> dic
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str = "the result") -> None:
     """``--json PATH|-``: the flag every subcommand spells the same way."""
-    parser.add_argument("--json", metavar="PATH|-", default=None, type=output_path_or_stdout,
-                        help=f"write {what} as JSON to PATH, or to stdout with '-' (the "
-                             f"human report then goes to stderr)")
+    parser.add_argument("--json", metavar="PATH|-", nargs="?", const="-", default=None,
+                        type=output_path_or_stdout,
+                        help=f"write {what} as JSON to PATH, or to stdout with '-' or no "
+                             f"value (the human report then goes to stderr)")
 
 
 def report_stream(json_target: str | None):
