@@ -17,6 +17,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "HiSparseRuntime": "hisparse_triton.runtime",
     "HiSparseStats": "hisparse_triton.runtime",
+    "HiSparseScheduler": "hisparse_triton.scheduler",
+    "SchedulerStats": "hisparse_triton.scheduler",
+    "StepPlan": "hisparse_triton.step_plan",
+    "TableLayout": "hisparse_triton.step_plan",
+    "HiSparseWorker": "hisparse_triton.worker",
+    "WorkerStats": "hisparse_triton.worker",
     "CapacityError": "hisparse_triton.errors",
     "UnknownRequestError": "hisparse_triton.errors",
     "HiSparseError": "hisparse_triton.errors",

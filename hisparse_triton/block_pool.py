@@ -5,15 +5,17 @@ pool (indexer, resident, hot and regular groups all draw from one id space). Blo
 null block: it means "no page" in every block table and is never handed out.
 
 All operations are pure CPU bookkeeping (no tensors) and all-or-nothing: a call that raises
-changes no reference count and no queue entry.
+changes no reference count and no queue entry. With a ``Journal`` attached (``journal=``),
+every change also records its inverse, so a caller's transaction can undo it.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from typing import Hashable, Iterable, Optional
 
 from hisparse_triton.errors import BlockPoolError, CapacityError
+from hisparse_triton.journal import Journal
 
 NULL_BLOCK = 0
 
@@ -22,17 +24,21 @@ class BlockPool:
     """``num_blocks`` blocks, ids ``[0, num_blocks)``; ids ``1..num_blocks-1`` are allocatable.
 
     Freed blocks go to the back of the free queue and are reused last (FIFO), which keeps a
-    just-freed block's bytes untouched for as long as possible.
+    just-freed block's bytes untouched for as long as possible; ``take`` removes one named
+    free block from anywhere in the queue (a caller adopting a block whose bytes it still
+    wants).
     """
 
-    def __init__(self, num_blocks: int, name: str = "pool") -> None:
+    def __init__(self, num_blocks: int, name: str = "pool",
+                 journal: Optional[Journal] = None) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"{name} BlockPool needs num_blocks >= 1 (block 0 is the null "
                              f"block), got {num_blocks!r}.")
         self.name = name
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.journal = journal if journal is not None else Journal()
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -68,10 +74,48 @@ class BlockPool:
                 f"{self.name} pool cannot allocate {n} blocks{who}: {len(self._free)} of "
                 f"{self.capacity} are free.", resource=f"{self.name} blocks", needed=n,
                 available=len(self._free), request_id=request_id)
-        blocks = [self._free.popleft() for _ in range(n)]
+        pop = self._free.popitem
+        blocks = [pop(last=False)[0] for _ in range(n)]
         for block in blocks:
             self._ref[block] = 1
+        if self.journal.active:
+            self.journal.record(lambda: self._unallocate(blocks))
         return blocks
+
+    def _unallocate(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):
+            self._ref[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+
+    def peek(self, n: int) -> list[int]:
+        """The ``n`` blocks ``allocate(n)`` would return next (fewer if fewer are free)."""
+        out = []
+        for block in self._free:
+            if len(out) == n:
+                break
+            out.append(block)
+        return out
+
+    def is_free(self, block: int) -> bool:
+        """Whether ``block`` sits in the free queue."""
+        return block in self._free
+
+    def take(self, block: int) -> None:
+        """Allocate one named free block (reference count 1) from anywhere in the queue;
+        ``BlockPoolError`` if it is not free."""
+        self._check_id(block)
+        if block not in self._free:
+            raise BlockPoolError(f"{self.name}: cannot take block {block}: it is not free.")
+        if self.journal.active:
+            order = list(self._free)
+            self.journal.record(lambda: self._restore_free(order, block))
+        del self._free[block]
+        self._ref[block] = 1
+
+    def _restore_free(self, order: list[int], block: int) -> None:
+        self._ref[block] = 0
+        self._free = OrderedDict.fromkeys(order)
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Add one reference to each (allocated) block, e.g. to share a page."""
@@ -82,6 +126,12 @@ class BlockPool:
                 raise BlockPoolError(f"{self.name}: cannot touch block {block}: it is free.")
         for block in blocks:
             self._ref[block] += 1
+        if self.journal.active:
+            self.journal.record(lambda: self._untouch(blocks))
+
+    def _untouch(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._ref[block] -= 1
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference per occurrence; a block whose count reaches 0 becomes free.
@@ -97,10 +147,20 @@ class BlockPool:
                     f"{self.name}: double free of block {block} (reference count "
                     f"{self._ref[block]}, released {times} time(s)).")
         # Release in the caller's order so the free queue order is deterministic.
+        appended = []
         for block in counts:
             self._ref[block] -= counts[block]
             if self._ref[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+                appended.append(block)
+        if self.journal.active:
+            self.journal.record(lambda: self._unfree(counts, appended))
+
+    def _unfree(self, counts: Counter, appended: list[int]) -> None:
+        for block in reversed(appended):
+            self._free.pop(block)
+        for block, times in counts.items():
+            self._ref[block] += times
 
     def _check_id(self, block: int) -> None:
         if not isinstance(block, int) or isinstance(block, bool):

@@ -26,8 +26,40 @@ class OracleMismatch(AssertionError):
     """A row the runtime points at differs from the dense copy."""
 
 
+class SplitView:
+    """The part of the ``HiSparseRuntime`` API ``DenseOracle`` reads, over a scheduler and a
+    worker driven separately (as a serving stack drives them)."""
+
+    def __init__(self, scheduler, worker) -> None:
+        self.scheduler, self.worker = scheduler, worker
+        self.device_layers = scheduler.device_layers
+        self.source_layers = scheduler.source_layers
+        self.max_num_seqs = scheduler.max_num_seqs
+        self.max_model_len = scheduler.max_model_len
+        self.device = worker.device
+
+    def state_row(self, request_id: Hashable) -> int:
+        return self.scheduler.state_row(request_id)
+
+    def block_table(self, request_id: Hashable, layer: str) -> list[int]:
+        return self.scheduler.block_table(request_id, layer)
+
+    def host_block_table(self, request_id: Hashable) -> list[int]:
+        return self.scheduler.host_block_table(request_id)
+
+    def index_group(self, leader: str) -> tuple[str, ...]:
+        return self.worker._index_group(leader).layers
+
+    def device_cache(self, layer: str) -> torch.Tensor:
+        return self.worker.device_cache(layer)
+
+    def host_cache(self, layer: str) -> torch.Tensor:
+        return self.worker.host_cache(layer)
+
+
 class DenseOracle:
-    """Dense copies of every device layer's rows (``runtime``: a ``HiSparseRuntime``).
+    """Dense copies of every device layer's rows (``runtime``: a ``HiSparseRuntime``, or a
+    ``SplitView`` of a scheduler and a worker).
 
     Per layer one CPU tensor ``[max_num_seqs, max_model_len, row_bytes] uint8`` indexed by
     the request's state row, so a whole batch is checked with one gather per layer.
@@ -65,6 +97,7 @@ class DenseOracle:
         """Write random bytes for the tokens ``append_slots`` just returned ``rows`` for."""
         row = self._row[request_id]
         start = self._len[request_id]
+        rows = {layer: torch.as_tensor(r) for layer, r in rows.items()}
         n = next(iter(rows.values())).numel()
         for layer in self._layers:
             data = torch.randint(0, 256, (n, self._row_bytes[layer]), dtype=torch.uint8,
@@ -72,7 +105,7 @@ class DenseOracle:
             self._dense[layer][row, start:start + n] = data
             cache = self.runtime.device_cache(layer)
             block_size = cache.shape[1]
-            r = rows[layer]
+            r = rows[layer].to(cache.device)
             cache[r // block_size, r % block_size] = data.to(cache.device)
         self._len[request_id] = start + n
 

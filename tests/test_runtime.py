@@ -646,23 +646,3 @@ def test_released_pages_are_reused_only_after_the_mirror_read_them(device):
         for layer in layers:
             host = rt.host_cache(layer)[host_blocks[pos // B], pos % B]
             assert torch.equal(host, data[layer].cpu()), layer
-
-
-def test_failed_construction_releases_the_host_pool(monkeypatch):
-    import hisparse_triton.runtime as runtime_module
-
-    made = []
-
-    class RecordingHostPool(runtime_module.HostPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    def no_device_pool(*args, **kwargs):
-        raise CapacityError("device pool does not fit", resource="device bytes")
-
-    monkeypatch.setattr(runtime_module, "HostPool", RecordingHostPool)
-    monkeypatch.setattr(runtime_module, "DevicePool", no_device_pool)
-    with pytest.raises(CapacityError, match="device pool does not fit"):
-        make_runtime()
-    assert len(made) == 1 and made[0].closed
