@@ -1,4 +1,4 @@
-"""HiSparseConfig / EngineConfig validation (DESIGN.md section 5)."""
+"""HiSparseConfig / EngineConfig validation."""
 
 import pytest
 

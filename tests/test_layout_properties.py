@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,9 @@ from hisparse_triton.specs import (
     SparseCacheRole,
     cdiv,
 )
+
+# random hot-buffer sizes are rarely whole pages: that warning is tested in test_layout.py
+pytestmark = pytest.mark.filterwarnings("ignore::hisparse_triton.layout.HiSparsePlanWarning")
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
