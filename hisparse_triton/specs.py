@@ -509,8 +509,9 @@ class KVCacheConfig:
             raise ValueError(f"KVCacheConfig.row_aligned_blocks must be a bool, got "
                              f"{self.row_aligned_blocks!r}.")
         if self.row_aligned_blocks:
+            sparse = (HiSparseResidentSpec, HiSparseHotSpec)
             for group in self.kv_cache_groups:
-                if isinstance(group.kv_cache_spec, (HiSparseResidentSpec, HiSparseHotSpec)) \
+                if not group.host_resident and isinstance(group.kv_cache_spec, sparse) \
                         and self.bytes_per_block % group.kv_cache_spec.page_size:
                     raise ValueError(
                         f"KVCacheConfig.bytes_per_block={self.bytes_per_block} is not a "
