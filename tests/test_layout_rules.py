@@ -119,7 +119,8 @@ def test_device_row_layout_errors():
     with pytest.raises(ValueError, match=r"the plan is not row-aligned \(bytes_per_block 515328 "
                                          r"B\); plan with .*row_aligned_blocks=True"):
         device_row_layout(plain, DSV32.format(i=0))
-    _, _, _, kv = plan(row_aligned=True, extra={"dense.0": FullAttentionSpec(64, 1, 64, "bfloat16")})
+    dense = FullAttentionSpec(64, 1, 64, "bfloat16")
+    _, _, _, kv = plan(row_aligned=True, extra={"dense.0": dense})
     for name in ("model.layers.0.self_attn.indexer", "dense.0", "nope", "nope.hisparse_hot"):
         with pytest.raises(ValueError, match=f"{name!r} is not a sparse layer of this plan"):
             device_row_layout(kv, name)
