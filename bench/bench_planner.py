@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from hisparse_triton.commands.plan import build_plan
 from hisparse_triton.config import GIB, EngineConfig, HiSparseConfig
 from hisparse_triton.layout import (
+    build_hisparse_topology,
     create_hisparse_layout,
     get_hisparse_kv_cache_config,
     get_hisparse_kv_cache_groups,
@@ -50,14 +52,34 @@ def test_create_hisparse_layout(benchmark, preset):
     assert layout.host_num_blocks > 0
 
 
+@pytest.mark.parametrize("row_aligned", [False, True], ids=["plain", "row-aligned"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_full_plan(benchmark, preset):
-    """Spec -> groups -> KVCacheConfig -> steady-state concurrency: an engine's start-up."""
+def test_full_plan(benchmark, preset, row_aligned):
+    """Spec -> groups -> KVCacheConfig (with its topology) -> steady-state concurrency: an
+    engine's start-up."""
     config, spec = _config(preset)
 
     def plan():
         groups = get_hisparse_kv_cache_groups(config, spec)
-        kv = get_hisparse_kv_cache_config(config, groups, GPU_BYTES, HOST_BYTES)
+        kv = get_hisparse_kv_cache_config(config, groups, GPU_BYTES, HOST_BYTES,
+                                          row_aligned_blocks=row_aligned)
         return get_hisparse_steady_state_concurrency(config, kv)
 
     assert benchmark(plan) > 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_build_hisparse_topology(benchmark, preset):
+    config, spec = _config(preset)
+    groups = get_hisparse_kv_cache_groups(config, spec)
+    topology = benchmark(build_hisparse_topology, groups)
+    assert len(topology.index_groups) == get_preset(preset).num_indexer_layers
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_plan_report(benchmark, preset):
+    """What ``hisparse-triton plan --row-aligned-blocks --max-num-batched-tokens 8192``
+    computes after start-up (the report, without printing)."""
+    report = benchmark(build_plan, preset, row_aligned_blocks=True,
+                       max_num_batched_tokens=8192)
+    assert report["row_aligned_blocks"] and report["steady_state_concurrency"] > 0

@@ -33,8 +33,7 @@ class HiSparseConfig:
     - ``host_pool_gib``: size of the pinned host pool (required, > 0).
     - ``max_decode_query_len``: query tokens per request per decode step.
     - ``shared_host_pool``: one host pool for all tensor-parallel ranks of a node;
-      ``None`` means auto (on when ``tensor_parallel_size > 1``), see
-      ``EngineConfig.shared_host_pool``.
+      ``None`` means auto, see ``EngineConfig.shared_host_pool``.
     """
 
     index_topk: int = 2048
@@ -85,28 +84,73 @@ class HiSparseConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The serving engine's settings the planner needs."""
+    """The serving engine's settings the planner needs.
+
+    - ``max_model_len``: tokens per request at most.
+    - ``hisparse``: HiSparse settings, or ``None`` (HiSparse off).
+    - ``num_gpu_blocks_override``: device pool blocks, instead of what the memory allows.
+    - ``tensor_parallel_size``, ``pipeline_parallel_size``: ranks per stage and stages;
+      ``num_nodes``: machines the engine's ranks span.
+    - ``max_num_batched_tokens``: tokens the engine schedules per step over all requests
+      (vLLM's scheduler budget); ``None`` means a whole prompt may run in one step. It caps
+      what one request has in flight, which is what a resident or sliding-window group must
+      hold at admission.
+    """
 
     max_model_len: int
     hisparse: Optional[HiSparseConfig] = None
     num_gpu_blocks_override: Optional[int] = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_nodes: int = 1
+    max_num_batched_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_int("EngineConfig", "max_model_len", self.max_model_len, 1)
         _check_int("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("EngineConfig", "pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_int("EngineConfig", "num_nodes", self.num_nodes, 1)
         if self.num_gpu_blocks_override is not None:
             _check_int("EngineConfig", "num_gpu_blocks_override",
                        self.num_gpu_blocks_override, 1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("EngineConfig", "max_num_batched_tokens",
+                       self.max_num_batched_tokens, 1)
         if self.hisparse is not None and not isinstance(self.hisparse, HiSparseConfig):
             raise TypeError(f"EngineConfig.hisparse must be a HiSparseConfig or None, "
                             f"got {type(self.hisparse).__name__}.")
+        if self.hisparse is not None and self.hisparse.shared_host_pool and \
+                not self._one_node_one_stage:
+            raise ValueError(
+                f"HiSparseConfig.shared_host_pool=True needs every rank on one node and no "
+                f"pipeline parallelism (one host pool serves the tensor-parallel ranks of one "
+                f"node), but num_nodes={self.num_nodes} and pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}; leave shared_host_pool unset (auto) or False.")
+
+    @property
+    def _one_node_one_stage(self) -> bool:
+        return self.num_nodes == 1 and self.pipeline_parallel_size == 1
 
     @property
     def shared_host_pool(self) -> bool:
-        """Whether the host pool is shared by the TP ranks of one node (auto: TP > 1)."""
+        """Whether the host pool is shared by the TP ranks of one node.
+
+        Auto (``HiSparseConfig.shared_host_pool=None``): on when ``tensor_parallel_size > 1``
+        and every rank sits on one node with no pipeline parallelism (``num_nodes == 1``,
+        ``pipeline_parallel_size == 1``): the sparse-MLA KV is then identical on every rank
+        and one ``/dev/shm`` pool serves them all.
+        """
         if self.hisparse is None:
             return False
         if self.hisparse.shared_host_pool is not None:
             return self.hisparse.shared_host_pool
-        return self.tensor_parallel_size > 1
+        return self.tensor_parallel_size > 1 and self._one_node_one_stage
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens one request can have scheduled in one step:
+        ``min(max_num_batched_tokens, max_model_len)``, or ``max_model_len`` when
+        ``max_num_batched_tokens`` is unset (a whole prompt in one step)."""
+        if self.max_num_batched_tokens is None:
+            return self.max_model_len
+        return min(self.max_num_batched_tokens, self.max_model_len)

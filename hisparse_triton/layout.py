@@ -1,28 +1,36 @@
-"""The HiSparse layout planner (DESIGN.md section 5).
+"""The HiSparse layout planner.
 
 Given an ``EngineConfig`` and a model's ``kv_cache_spec`` (layer name -> spec), the planner
 
 1. splits the layers into KV-cache groups (:func:`get_hisparse_kv_cache_groups`): the
    host-resident *source* group (every sparse-MLA layer), the GPU *indexer* group, pairs of
-   GPU *resident* / *hot* groups over packed index groups, and *regular* groups;
+   GPU *resident* / *hot* groups over packed index groups, and *regular* groups (equal-sized,
+   :func:`group_regular_layers`);
 2. sizes the host pool (:func:`create_hisparse_layout`);
-3. sizes the shared device pool and places every layer's bytes in it
-   (:func:`get_hisparse_kv_cache_config`);
+3. sizes the shared device pool, places every layer's bytes in it and records the plan's
+   topology (:func:`get_hisparse_kv_cache_config`, :func:`build_hisparse_topology`);
+   optionally with row-aligned blocks (:func:`device_row_layout`);
 4. reports how many max-length requests fit (:func:`get_hisparse_steady_state_concurrency`,
-   against :func:`get_all_gpu_baseline_concurrency`).
+   against :func:`get_all_gpu_baseline_concurrency`), charging each group
+   :func:`admission_blocks_per_request` at admission.
 
 This module imports no torch: ``hisparse-triton plan`` must start fast.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from hisparse_triton.config import ACTIVE_TAIL_PAGES, EngineConfig
 from hisparse_triton.specs import (
+    GroupKind,
     HiSparseHotSpec,
+    HiSparseIndexGroup,
     HiSparseResidentSpec,
+    HiSparseTopology,
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheGroupSpec,
@@ -45,8 +53,16 @@ HISPARSE_SUFFIXES = (HISPARSE_RESIDENT_SUFFIX, HISPARSE_HOT_SUFFIX)
 #: Host block strides are rounded up to this when the host pool is shared by TP ranks.
 SHARED_HOST_POOL_ALIGNMENT = 4096
 
-#: Group kinds reported by :func:`group_kind`.
-GROUP_KINDS = ("source", "indexer", "resident", "hot", "regular")
+#: Group kinds reported by :func:`group_kind` (the values of :class:`GroupKind`).
+GROUP_KINDS = tuple(kind.value for kind in GroupKind)
+
+#: A regular spec type whose layer count is below this multiple of the smallest type's count
+#: sets the group size instead (see :func:`group_regular_layers`).
+REGULAR_GROUP_SIZE_SLACK = 1.25
+
+
+class HiSparsePlanWarning(UserWarning):
+    """A plan that works but wastes memory (e.g. a hot buffer that is not whole pages)."""
 
 
 def underlying_layer_name(group_layer_name: str) -> str:
@@ -58,7 +74,11 @@ def underlying_layer_name(group_layer_name: str) -> str:
 
 
 def group_kind(group: KVCacheGroupSpec) -> str:
-    """One of ``GROUP_KINDS``: what a group of a HiSparse layout holds."""
+    """One of ``GROUP_KINDS``: what a group of a HiSparse layout holds.
+
+    Read from the group's role and spec type; in a planned ``KVCacheConfig`` the
+    ``hisparse_topology`` (``kind_of``) says the same and is the source of truth.
+    """
     if group.role is KVCacheGroupRole.HISPARSE_SOURCE:
         return "source"
     if group.role is KVCacheGroupRole.HISPARSE_INDEXER:
@@ -86,6 +106,58 @@ def split_index_groups(sparse_specs: Mapping[str, MLAAttentionSpec]) -> list[tup
             units.append([])
         units[-1].append(name)
     return [tuple(unit) for unit in units]
+
+
+def group_regular_layers(specs: Mapping[str, KVCacheSpec]) -> list[tuple[str, ...]]:
+    """Split regular (non-HiSparse) layers into groups the way vLLM's hybrid allocator does.
+
+    Every group of a plan takes ``len(layers) * page`` bytes of a pool block and the block is
+    as large as the largest group, so one big group of, say, sliding-window layers would set
+    the block size and cost most of the pool's blocks. Groups of equal layer counts avoid it:
+
+    1. Layers with equal specs form one *type*, types in first-seen order, each type's layers
+       in model order.
+    2. The group size ``g`` is the layer count of the smallest type: hybrid models repeat a
+       pattern such as 5 sliding-window : 1 full layer, and the smallest type's count is how
+       often the pattern repeats. If even the largest type has fewer than
+       ``REGULAR_GROUP_SIZE_SLACK`` (1.25) times that many layers, ``g`` is the largest count
+       instead (12 + 13 layers make two groups of up to 13, not one of 12 and two of 6-7).
+    3. A type of ``n`` layers becomes ``k = cdiv(n, g)`` groups, group ``i`` taking every
+       ``k``-th layer from layer ``i`` (``layers[i::k]``), so the layers of one pipeline
+       stage spread over all ``k`` groups instead of filling some and leaving others empty.
+       When ``g`` does not divide ``n`` the last groups are one layer short (vLLM pads them
+       with unused layers; here a short group just uses fewer bytes of its blocks).
+
+    Example: 2 full-attention + 4 sliding-window layers of one page size -> ``g = 2`` ->
+    ``(f0, f1)``, ``(w0, w2)``, ``(w1, w3)``. Returns the groups' layer names, in order.
+    """
+    types: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        types.setdefault(spec, []).append(name)
+    if not types:
+        return []
+    counts = [len(layers) for layers in types.values()]
+    size = min(counts)
+    if max(counts) < size * REGULAR_GROUP_SIZE_SLACK:
+        size = max(counts)
+    groups: list[tuple[str, ...]] = []
+    for layers in types.values():
+        num_groups = cdiv(len(layers), size)
+        groups.extend(tuple(layers[i::num_groups]) for i in range(num_groups))
+    return groups
+
+
+def _device_buffer_warning(config: EngineConfig, block_size: int) -> Optional[str]:
+    """The warning for a hot buffer that is not whole pages, or ``None``."""
+    assert config.hisparse is not None
+    size = config.hisparse.device_buffer_size
+    if size % block_size == 0:
+        return None
+    blocks = cdiv(size, block_size)
+    return (f"device_buffer_size={size} is not a multiple of block_size={block_size}: each "
+            f"request's hot buffer takes {blocks} x {block_size} = {blocks * block_size} rows "
+            f"per sparse layer and {blocks * block_size - size} of them are never used; use "
+            f"a multiple of {block_size}.")
 
 
 def _pack_units(units: Sequence[tuple[str, ...]], unit_bytes: Sequence[int],
@@ -117,7 +189,9 @@ def get_hisparse_kv_cache_groups(
     ``config.hisparse`` is None or no layer has an ``MLAAttentionSpec``. Derived
     ``HiSparseResidentSpec``/``HiSparseHotSpec`` entries of the input are ignored.
     ``ValueError`` when the MLA layers lack SPARSE or INDEXER specs, mix block sizes, or a
-    packed hot group mixes page sizes.
+    packed hot group mixes page sizes. Regular layers are grouped by
+    :func:`group_regular_layers`. Warns (:class:`HiSparsePlanWarning`) when
+    ``device_buffer_size`` is not a multiple of the block size.
     """
     if config.hisparse is None:
         return None
@@ -136,6 +210,9 @@ def get_hisparse_kv_cache_groups(
         raise ValueError(f"HiSparse MLA layers must share one block size, got block sizes "
                          f"{block_sizes}.")
     block_size = block_sizes[0]
+    message = _device_buffer_warning(config, block_size)
+    if message is not None:
+        warnings.warn(message, HiSparsePlanWarning, stacklevel=2)
 
     source_group = KVCacheGroupSpec(
         tuple(sparse), UniformTypeKVCacheSpecs.from_specs(sparse),
@@ -167,11 +244,9 @@ def get_hisparse_kv_cache_groups(
                             blocks_per_request=hot_blocks),
             enable_kv_transfer=False))
 
-    regular: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in specs.items():
-        if name not in mla:
-            regular.setdefault(spec, []).append(name)
-    regular_groups = [KVCacheGroupSpec(tuple(names), spec) for spec, names in regular.items()]
+    regular = {name: spec for name, spec in specs.items() if name not in mla}
+    regular_groups = [KVCacheGroupSpec(layers, regular[layers[0]])
+                      for layers in group_regular_layers(regular)]
     return [source_group, indexer_group, *resident_groups, *hot_groups, *regular_groups]
 
 
@@ -306,18 +381,100 @@ def _host_tensors(source: KVCacheGroupSpec, host_num_blocks: int) -> list[KVCach
     return tensors
 
 
+def build_hisparse_topology(groups: Sequence[KVCacheGroupSpec]) -> HiSparseTopology:
+    """The topology of planned ``groups`` (indices into ``groups``, in their order).
+
+    ``groups`` is what :func:`get_hisparse_kv_cache_groups` returned (or a plan's
+    ``kv_cache_groups``): one source group, one indexer group, resident and hot groups in
+    matching order (``hot[i]`` holds the same layers as ``resident[i]``), regular groups.
+    Index groups come from the source layers' leaders (:func:`split_index_groups`).
+    ``ValueError`` when the groups are not such a plan.
+    """
+    by_kind: dict[str, list[int]] = {kind: [] for kind in GROUP_KINDS}
+    for index, group in enumerate(groups):
+        by_kind[group_kind(group)].append(index)
+    for kind in ("source", "indexer"):
+        if len(by_kind[kind]) != 1:
+            raise ValueError(f"a HiSparse plan has exactly one {kind} group, got "
+                             f"{len(by_kind[kind])}.")
+    resident, hot = by_kind["resident"], by_kind["hot"]
+    if len(resident) != len(hot):
+        raise ValueError(f"a HiSparse plan pairs every resident group with a hot group, got "
+                         f"{len(resident)} resident and {len(hot)} hot groups.")
+    group_of: dict[str, tuple[int, int]] = {}
+    for r, h in zip(resident, hot):
+        layers = [underlying_layer_name(n) for n in groups[r].layer_names]
+        if layers != [underlying_layer_name(n) for n in groups[h].layer_names]:
+            raise ValueError(f"resident group {r} and hot group {h} do not hold the same "
+                             f"layers in the same order.")
+        for layer in layers:
+            group_of[layer] = (r, h)
+    source = groups[by_kind["source"][0]]
+    spec = source.kv_cache_spec
+    if not isinstance(spec, UniformTypeKVCacheSpecs):
+        raise ValueError("the HiSparse source group must hold a UniformTypeKVCacheSpecs.")
+    sparse = {name: spec.kv_cache_specs[name] for name in source.layer_names}
+    index_groups = []
+    for layers in split_index_groups(sparse):  # type: ignore[arg-type]
+        places = {group_of.get(layer) for layer in layers}
+        if len(places) != 1 or None in places:
+            raise ValueError(f"the index group of {layers[0]!r} is not held by exactly one "
+                             f"resident/hot pair.")
+        r, h = places.pop()  # type: ignore[misc]
+        index_groups.append(HiSparseIndexGroup(leader=layers[0], layers=layers,
+                                               resident_group=r, hot_group=h))
+    if len(group_of) != len(sparse):
+        raise ValueError(f"the resident groups hold {len(group_of)} sparse layers, the source "
+                         f"group {len(sparse)}.")
+    return HiSparseTopology(
+        source_group=by_kind["source"][0], indexer_group=by_kind["indexer"][0],
+        resident_groups=tuple(resident), hot_groups=tuple(hot),
+        regular_groups=tuple(by_kind["regular"]), index_groups=tuple(index_groups))
+
+
+def row_alignment_bytes(groups: Sequence[KVCacheGroupSpec]) -> int:
+    """The least common multiple of the resident/hot groups' per-layer page sizes (1 if none).
+
+    A block stride that is a multiple of it makes every sparse layer's device cache a flat
+    row array (see :func:`device_row_layout`).
+    """
+    pages = {g.layer_page_size_bytes for g in groups if group_kind(g) in ("resident", "hot")}
+    return math.lcm(*pages) if pages else 1
+
+
+def device_bytes_per_block(groups: Sequence[KVCacheGroupSpec], *,
+                           row_aligned_blocks: bool = False) -> int:
+    """Bytes of one device pool block for ``groups``: the largest device group page, rounded
+    up to :func:`row_alignment_bytes` when ``row_aligned_blocks``."""
+    device = [g for g in groups if not g.host_resident]
+    if not device:
+        raise ValueError("the plan has no device groups.")
+    largest = max(g.page_size_bytes for g in device)
+    return round_up(largest, row_alignment_bytes(device)) if row_aligned_blocks else largest
+
+
 def get_hisparse_kv_cache_config(config: EngineConfig, groups: Sequence[KVCacheGroupSpec],
-                                 available_memory: int, host_budget: int) -> KVCacheConfig:
+                                 available_memory: int, host_budget: int, *,
+                                 row_aligned_blocks: bool = False) -> KVCacheConfig:
     """Plan both pools: the shared device pool of ``available_memory`` bytes and the host pool.
 
-    ``bytes_per_block`` is the largest device group page; ``num_blocks =
-    available_memory // bytes_per_block`` unless ``config.num_gpu_blocks_override`` is set.
+    ``bytes_per_block`` is the largest device group page, rounded up to the least common
+    multiple of the resident/hot per-layer pages when ``row_aligned_blocks`` (so that
+    :func:`device_row_layout` can view each sparse layer as a flat row array; it costs the
+    rounding in every block). ``num_blocks = available_memory // bytes_per_block`` unless
+    ``config.num_gpu_blocks_override`` is set. The result records ``bytes_per_block``,
+    ``row_aligned_blocks`` and the ``hisparse_topology`` (:func:`build_hisparse_topology`).
     ``ValueError`` when the host pool is too small (see :func:`create_hisparse_layout`) or
     fewer than two device blocks (the null block and one usable block) fit.
     """
     _check_nonnegative_int("available_memory", available_memory)
+    if not isinstance(row_aligned_blocks, bool):
+        raise ValueError(f"row_aligned_blocks must be a bool, got {row_aligned_blocks!r}.")
     layout = create_hisparse_layout(config, groups, host_budget)
-    bytes_per_block = max(g.page_size_bytes for g in layout.device_groups)
+    kv_cache_groups = (layout.source_group, *layout.device_groups)
+    topology = build_hisparse_topology(kv_cache_groups)
+    bytes_per_block = device_bytes_per_block(layout.device_groups,
+                                             row_aligned_blocks=row_aligned_blocks)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     else:
@@ -332,11 +489,76 @@ def get_hisparse_kv_cache_config(config: EngineConfig, groups: Sequence[KVCacheG
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tuple(tensors),
-        kv_cache_groups=(layout.source_group, *layout.device_groups),
+        kv_cache_groups=kv_cache_groups,
         hisparse_host_num_blocks=layout.host_num_blocks,
         hisparse_host_block_stride=layout.host_block_stride,
         hisparse_shared_host_pool=layout.shared_host_pool,
+        bytes_per_block=bytes_per_block,
+        row_aligned_blocks=row_aligned_blocks,
+        hisparse_topology=topology,
     )
+
+
+@dataclass(frozen=True)
+class DeviceRowLayout:
+    """One sparse layer's device cache as a flat ``[num_rows, row_bytes]`` uint8 array.
+
+    The array starts ``offset_bytes`` into the device pool (the layer's byte offset inside
+    block 0). Row ``slot`` of pool block ``block`` is flat row
+    ``block * rows_per_block + slot``; ``rows_per_block = bytes_per_block // row_bytes``.
+    ``num_rows = (num_blocks - 1) * rows_per_block + block_size`` covers every block's rows
+    and ends inside the pool. Rows of the flat array between one block's ``block_size``
+    rows and the next block's belong to other layers or groups: index only real row ids.
+    """
+
+    offset_bytes: int
+    row_bytes: int
+    rows_per_block: int
+    num_rows: int
+    block_size: int
+
+    def flat_row(self, row_id: int) -> int:
+        """The flat row of a per-layer row id ``block * block_size + slot``."""
+        block, slot = divmod(row_id, self.block_size)
+        return block * self.rows_per_block + slot
+
+
+def device_row_layout(kv_cache_config: KVCacheConfig, layer_name: str) -> DeviceRowLayout:
+    """The flat row view of one sparse layer of a row-aligned plan.
+
+    ``layer_name``: an underlying sparse layer (``model.layers.3.self_attn.attn``; its
+    resident and hot names share the bytes and are accepted too). ``ValueError`` when the
+    plan is not a HiSparse plan, was not planned with ``row_aligned_blocks=True``, or the
+    layer is not one of its sparse layers.
+    """
+    topology = kv_cache_config.hisparse_topology
+    if topology is None:
+        raise ValueError("device_row_layout needs a HiSparse plan (hisparse_topology is None).")
+    if not kv_cache_config.row_aligned_blocks:
+        raise ValueError(f"the plan is not row-aligned (bytes_per_block "
+                         f"{kv_cache_config.bytes_per_block} B); plan with "
+                         f"get_hisparse_kv_cache_config(..., row_aligned_blocks=True) to view "
+                         f"sparse layers as flat row arrays.")
+    layer = underlying_layer_name(layer_name) if isinstance(layer_name, str) else layer_name
+    try:
+        group = kv_cache_config.kv_cache_groups[topology.resident_group_of(layer)]
+    except ValueError:
+        raise ValueError(f"{layer_name!r} is not a sparse layer of this plan; only sparse "
+                         f"layers (resident/hot groups) have a flat row view.") from None
+    resident_name = layer + HISPARSE_RESIDENT_SUFFIX
+    tensor = next(t for t in kv_cache_config.kv_cache_tensors
+                  if not t.host_resident and resident_name in t.layers)
+    block_size = group.block_size
+    row_bytes = group.layer_page_size_bytes // block_size
+    bytes_per_block = kv_cache_config.bytes_per_block
+    if bytes_per_block % group.layer_page_size_bytes:  # pragma: no cover - KVCacheConfig checks
+        raise ValueError(f"bytes_per_block {bytes_per_block} is not a multiple of "
+                         f"{layer!r}'s page.")
+    rows_per_block = bytes_per_block // row_bytes
+    return DeviceRowLayout(
+        offset_bytes=tensor.offset, row_bytes=row_bytes, rows_per_block=rows_per_block,
+        num_rows=(kv_cache_config.num_blocks - 1) * rows_per_block + block_size,
+        block_size=block_size)
 
 
 @dataclass(frozen=True)
@@ -344,7 +566,7 @@ class HiSparseConcurrency:
     """How many requests at ``max_model_len`` a HiSparse plan holds, and why.
 
     - ``admission_blocks``: device blocks one request needs when admitted (every device
-      group's full ``blocks_per_request``).
+      group's :func:`admission_blocks_per_request`).
     - ``steady_blocks``: device blocks it pins at steady state (resident groups keep only
       ``ACTIVE_TAIL_PAGES`` pages).
     - ``host_blocks_per_request``: source-group blocks of one request.
@@ -379,6 +601,21 @@ def steady_blocks_per_request(config: EngineConfig, group: KVCacheGroupSpec) -> 
     return blocks
 
 
+def admission_blocks_per_request(config: EngineConfig, group: KVCacheGroupSpec) -> int:
+    """Blocks ``group`` charges a request at ``max_model_len`` when it is admitted.
+
+    A resident group holds only what one step writes before its pages are mirrored to the
+    host and released: ``cdiv(config.in_flight_tokens, block_size)`` pages, i.e.
+    ``cdiv(min(max_num_batched_tokens, max_model_len), block_size)`` (the whole request
+    when ``max_num_batched_tokens`` is unset). Every other group charges its
+    ``blocks_per_request``: the whole history (indexer, full attention), the window plus
+    the in-flight tokens (sliding window), the hot buffer (hot), host blocks (source).
+    """
+    if isinstance(group.kv_cache_spec, HiSparseResidentSpec):
+        return cdiv(config.in_flight_tokens, group.block_size)
+    return group.blocks_per_request(config)
+
+
 def get_hisparse_concurrency(config: EngineConfig,
                              kv_cache_config: KVCacheConfig) -> HiSparseConcurrency:
     """The breakdown behind :func:`get_hisparse_steady_state_concurrency`."""
@@ -391,7 +628,7 @@ def get_hisparse_concurrency(config: EngineConfig,
     for group in kv_cache_config.kv_cache_groups:
         if group.host_resident:
             continue
-        admission += group.blocks_per_request(config)
+        admission += admission_blocks_per_request(config, group)
         steady += steady_blocks_per_request(config, group)
     num_blocks = kv_cache_config.num_blocks
     if admission == 0:
@@ -412,7 +649,9 @@ def get_hisparse_steady_state_concurrency(config: EngineConfig,
 
     ``min(gpu, host_num_blocks / host_blocks_per_request)`` where ``gpu =
     num_blocks / admission`` if ``num_blocks < admission`` else
-    ``1 + (num_blocks - admission) / steady`` (DESIGN.md section 5).
+    ``1 + (num_blocks - admission) / steady``: a request must first be admitted (every
+    group's :func:`admission_blocks_per_request`), then pins only ``steady`` blocks once its
+    sparse history has moved to the host.
     """
     return get_hisparse_concurrency(config, kv_cache_config).steady_state
 
@@ -448,10 +687,20 @@ __all__ = [
     "HISPARSE_HOT_SUFFIX",
     "HISPARSE_RESIDENT_SUFFIX",
     "HISPARSE_SUFFIXES",
+    "REGULAR_GROUP_SIZE_SLACK",
     "SHARED_HOST_POOL_ALIGNMENT",
+    "DeviceRowLayout",
+    "GroupKind",
     "HiSparseConcurrency",
+    "HiSparseIndexGroup",
     "HiSparseLayout",
+    "HiSparsePlanWarning",
+    "HiSparseTopology",
+    "admission_blocks_per_request",
+    "build_hisparse_topology",
     "create_hisparse_layout",
+    "device_bytes_per_block",
+    "device_row_layout",
     "get_all_gpu_baseline_concurrency",
     "get_all_gpu_bytes_per_request",
     "get_hisparse_concurrency",
@@ -459,6 +708,8 @@ __all__ = [
     "get_hisparse_kv_cache_groups",
     "get_hisparse_steady_state_concurrency",
     "group_kind",
+    "group_regular_layers",
+    "row_alignment_bytes",
     "split_index_groups",
     "steady_blocks_per_request",
     "underlying_layer_name",

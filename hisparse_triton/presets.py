@@ -1,4 +1,4 @@
-"""Built-in model geometries (DESIGN.md section 3) and the ``kv_cache_spec`` dicts they produce.
+"""Built-in model geometries and the ``kv_cache_spec`` dicts they produce.
 
 A preset is data: one frozen :class:`ModelGeometry` record. :func:`build_kv_cache_spec` turns
 any record into ``{layer_name: MLAAttentionSpec}``, two entries per sparse-attention layer

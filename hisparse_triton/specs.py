@@ -11,14 +11,18 @@ Group and tensor types describe where the planner put things:
   (``len(layers) * spec.page_size_bytes``; for ``UniformTypeKVCacheSpecs`` the spec's page
   already is the sum over its layers).
 - ``KVCacheTensor``: the bytes of one underlying layer, see its docstring.
-- ``KVCacheConfig``: the planner's answer: device blocks, tensors, groups, host pool size.
+- ``KVCacheConfig``: the planner's answer: device blocks, tensors, groups, host pool size,
+  and (for a HiSparse plan) its ``HiSparseTopology``.
+- ``HiSparseTopology`` / ``HiSparseIndexGroup``: which group plays which part, which hot group
+  pairs with which resident group, and which sparse layers share an indexer. The planner
+  writes it; a runtime reads it instead of re-deriving anything from layer names.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from hisparse_triton.config import EngineConfig
@@ -47,6 +51,16 @@ class KVCacheGroupRole(enum.Enum):
     DEFAULT = "default"
     HISPARSE_SOURCE = "hisparse_source"
     HISPARSE_INDEXER = "hisparse_indexer"
+
+
+class GroupKind(enum.Enum):
+    """What a group of a HiSparse plan holds (the value is the name ``plan`` prints)."""
+
+    SOURCE = "source"  # host-resident sparse-MLA history (the source of truth)
+    INDEXER = "indexer"  # the indexer K cache, on the GPU at full length
+    RESIDENT = "resident"  # GPU pages new sparse KV is written to (a cache of the host)
+    HOT = "hot"  # per-request hot-buffer pages of the same layers
+    REGULAR = "regular"  # any other attention layer (full, sliding window)
 
 
 def _check_positive(owner: str, **values: int) -> None:
@@ -150,8 +164,14 @@ class SlidingWindowSpec(FullAttentionSpec):
         _check_positive(type(self).__name__, sliding_window=self.sliding_window)
 
     def max_memory_usage_bytes(self, config: "EngineConfig") -> int:
-        """The window's pages plus one page that a window straddles."""
-        tokens = min(self.sliding_window, config.max_model_len)
+        """The pages a request can hold at once, plus one page a window straddles.
+
+        While a step is in flight a request keeps the last ``sliding_window - 1`` computed
+        tokens and the step's new tokens (``config.in_flight_tokens``: up to
+        ``max_num_batched_tokens``, a whole prompt when that is unset), never more than
+        ``max_model_len``: ``cdiv(min(window - 1 + in_flight, max_model_len), B) + 1`` pages.
+        """
+        tokens = min(self.sliding_window - 1 + config.in_flight_tokens, config.max_model_len)
         return (cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
 
 
@@ -313,9 +333,156 @@ class KVCacheTensor:
         object.__setattr__(self, "layers", tuple(self.layers))
 
 
+def _check_group_index(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{owner}.{name} must be a group index (an int >= 0), got {value!r}.")
+
+
+@dataclass(frozen=True)
+class HiSparseIndexGroup:
+    """Sparse layers that share one indexer: the leader resolves, followers replay its plan.
+
+    - ``leader``: the underlying sparse layer name whose indexer selects the top-k rows.
+    - ``layers``: every underlying sparse layer name of the index group, leader first, in
+      model order.
+    - ``resident_group`` / ``hot_group``: indices into ``KVCacheConfig.kv_cache_groups`` of
+      the resident group and the hot group that hold these layers (an index group is never
+      split across groups).
+    """
+
+    leader: str
+    layers: tuple[str, ...]
+    resident_group: int
+    hot_group: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers or self.layers[0] != self.leader:
+            raise ValueError(f"HiSparseIndexGroup.layers must start with the leader "
+                             f"{self.leader!r}, got {self.layers!r}.")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"HiSparseIndexGroup.layers repeats a layer: {self.layers!r}.")
+        _check_group_index("HiSparseIndexGroup", "resident_group", self.resident_group)
+        _check_group_index("HiSparseIndexGroup", "hot_group", self.hot_group)
+
+
+@dataclass(frozen=True)
+class HiSparseTopology:
+    """Which group of a HiSparse plan plays which part (indices into ``kv_cache_groups``).
+
+    - ``source_group``: the host-resident sparse-MLA group; ``indexer_group``: the indexer.
+    - ``resident_groups`` / ``hot_groups``: ``hot_groups[i]`` holds the hot buffers of the
+      same layers, in the same in-block order, as ``resident_groups[i]``.
+    - ``regular_groups``: every other (non-HiSparse) group.
+    - ``index_groups``: every index group of the sparse layers, in model order.
+
+    The planner writes it (``KVCacheConfig.hisparse_topology``); a runtime reads the pairing
+    and the index groups from here and never re-derives them from layer names.
+    ``ValueError`` on construction when the parts overlap or the index groups disagree with
+    the pairing.
+    """
+
+    source_group: int
+    indexer_group: int
+    resident_groups: tuple[int, ...]
+    hot_groups: tuple[int, ...]
+    regular_groups: tuple[int, ...]
+    index_groups: tuple[HiSparseIndexGroup, ...]
+    _by_layer: dict = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        owner = "HiSparseTopology"
+        for name in ("resident_groups", "hot_groups", "regular_groups", "index_groups"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        _check_group_index(owner, "source_group", self.source_group)
+        _check_group_index(owner, "indexer_group", self.indexer_group)
+        for name in ("resident_groups", "hot_groups", "regular_groups"):
+            for value in getattr(self, name):
+                _check_group_index(owner, name, value)
+        if len(self.resident_groups) != len(self.hot_groups) or not self.resident_groups:
+            raise ValueError(f"{owner} needs one hot group per resident group (at least one "
+                             f"pair), got resident {self.resident_groups} and hot "
+                             f"{self.hot_groups}.")
+        every = self.group_indices
+        if len(set(every)) != len(every):
+            raise ValueError(f"{owner} assigns a group index to two parts: {every}.")
+        hot_of = dict(zip(self.resident_groups, self.hot_groups))
+        by_layer: dict[str, HiSparseIndexGroup] = {}
+        for group in self.index_groups:
+            if not isinstance(group, HiSparseIndexGroup):
+                raise TypeError(f"{owner}.index_groups must hold HiSparseIndexGroup values, "
+                                f"got {type(group).__name__}.")
+            if hot_of.get(group.resident_group) != group.hot_group:
+                raise ValueError(f"index group of {group.leader!r}: resident group "
+                                 f"{group.resident_group} and hot group {group.hot_group} are "
+                                 f"not a pair of this topology.")
+            for layer in group.layers:
+                if layer in by_layer:
+                    raise ValueError(f"layer {layer!r} is in two index groups.")
+                by_layer[layer] = group
+        if not by_layer:
+            raise ValueError(f"{owner} needs at least one index group.")
+        object.__setattr__(self, "_by_layer", by_layer)
+
+    @property
+    def sparse_layers(self) -> tuple[str, ...]:
+        """Every underlying sparse layer name, in model order."""
+        return tuple(layer for group in self.index_groups for layer in group.layers)
+
+    @property
+    def leaders(self) -> tuple[str, ...]:
+        """The leader of every index group, in model order."""
+        return tuple(group.leader for group in self.index_groups)
+
+    def index_group_of(self, layer: str) -> HiSparseIndexGroup:
+        """The index group of an underlying sparse layer; ``ValueError`` for any other name."""
+        try:
+            return self._by_layer[layer]
+        except (KeyError, TypeError):
+            raise ValueError(f"{layer!r} is not a sparse layer of this HiSparse plan (its "
+                             f"{len(self._by_layer)} sparse layers start with "
+                             f"{self.index_groups[0].leader!r}).") from None
+
+    def resident_group_of(self, layer: str) -> int:
+        """Index of the resident group holding an underlying sparse layer."""
+        return self.index_group_of(layer).resident_group
+
+    def hot_group_of(self, layer: str) -> int:
+        """Index of the hot group holding an underlying sparse layer."""
+        return self.index_group_of(layer).hot_group
+
+    def kind_of(self, group_index: int) -> GroupKind:
+        """What group ``group_index`` of the plan holds; ``ValueError`` if no part has it."""
+        if group_index == self.source_group:
+            return GroupKind.SOURCE
+        if group_index == self.indexer_group:
+            return GroupKind.INDEXER
+        for kind, indices in ((GroupKind.RESIDENT, self.resident_groups),
+                              (GroupKind.HOT, self.hot_groups),
+                              (GroupKind.REGULAR, self.regular_groups)):
+            if group_index in indices:
+                return kind
+        raise ValueError(f"group index {group_index!r} is not part of this HiSparse topology.")
+
+    @property
+    def group_indices(self) -> tuple[int, ...]:
+        """Every group index the topology names: source, indexer, resident, hot, regular."""
+        return (self.source_group, self.indexer_group, *self.resident_groups,
+                *self.hot_groups, *self.regular_groups)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The planner's answer: the shared device pool, its tensors, the groups, the host pool."""
+    """The planner's answer: the shared device pool, its tensors, the groups, the host pool.
+
+    - ``bytes_per_block``: bytes of one device pool block (every device tensor's
+      ``block_stride``). ``None`` (the default for a hand-built config) stores the largest
+      device group page; an explicit value must be at least that.
+    - ``row_aligned_blocks``: ``bytes_per_block`` is a multiple of every resident/hot layer's
+      page, so each sparse layer's device cache is also a flat ``[rows, row_bytes]`` array
+      (see ``hisparse_triton.layout.device_row_layout``).
+    - ``hisparse_topology``: the HiSparse plan's topology; ``None`` for a non-HiSparse config.
+    """
 
     num_blocks: int
     kv_cache_tensors: tuple[KVCacheTensor, ...]
@@ -323,13 +490,43 @@ class KVCacheConfig:
     hisparse_host_num_blocks: int = 0
     hisparse_host_block_stride: int = 0
     hisparse_shared_host_pool: bool = False
+    bytes_per_block: Optional[int] = None
+    row_aligned_blocks: bool = False
+    hisparse_topology: Optional[HiSparseTopology] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one device pool block: the largest device group page."""
-        return max((g.page_size_bytes for g in self.kv_cache_groups if not g.host_resident),
-                   default=0)
+        device_pages = [g.page_size_bytes for g in self.kv_cache_groups if not g.host_resident]
+        largest = max(device_pages, default=0)
+        if self.bytes_per_block is None:
+            object.__setattr__(self, "bytes_per_block", largest)
+        elif (not isinstance(self.bytes_per_block, int) or isinstance(self.bytes_per_block, bool)
+              or self.bytes_per_block < largest):
+            raise ValueError(f"KVCacheConfig.bytes_per_block must be an int >= the largest "
+                             f"device group page ({largest} B), got {self.bytes_per_block!r}.")
+        if not isinstance(self.row_aligned_blocks, bool):
+            raise ValueError(f"KVCacheConfig.row_aligned_blocks must be a bool, got "
+                             f"{self.row_aligned_blocks!r}.")
+        if self.row_aligned_blocks:
+            sparse = (HiSparseResidentSpec, HiSparseHotSpec)
+            for group in self.kv_cache_groups:
+                if not group.host_resident and isinstance(group.kv_cache_spec, sparse) \
+                        and self.bytes_per_block % group.kv_cache_spec.page_size:
+                    raise ValueError(
+                        f"KVCacheConfig.bytes_per_block={self.bytes_per_block} is not a "
+                        f"multiple of the {group.kv_cache_spec.page_size} B page of layer "
+                        f"{group.layer_names[0]!r}, but row_aligned_blocks is set.")
+        topology = self.hisparse_topology
+        if topology is not None:
+            if not isinstance(topology, HiSparseTopology):
+                raise TypeError(f"KVCacheConfig.hisparse_topology must be a HiSparseTopology "
+                                f"or None, got {type(topology).__name__}.")
+            count = len(self.kv_cache_groups)
+            if sorted(topology.group_indices) != list(range(count)):
+                raise ValueError(f"KVCacheConfig.hisparse_topology names groups "
+                                 f"{sorted(topology.group_indices)}, but the config has "
+                                 f"groups 0..{count - 1}.")
+            if not self.kv_cache_groups[topology.source_group].host_resident:
+                raise ValueError(f"KVCacheConfig.hisparse_topology's source group "
+                                 f"{topology.source_group} is not host-resident.")

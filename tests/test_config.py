@@ -1,4 +1,4 @@
-"""HiSparseConfig / EngineConfig validation (DESIGN.md section 5)."""
+"""HiSparseConfig / EngineConfig validation."""
 
 import pytest
 
@@ -94,3 +94,46 @@ def test_shared_host_pool_auto(flag, tp, expected):
 
 def test_shared_host_pool_off_without_hisparse():
     assert EngineConfig(10, tensor_parallel_size=8).shared_host_pool is False
+
+
+@pytest.mark.parametrize("tp, pp, nodes, expected", [
+    (8, 1, 1, True), (1, 1, 1, False), (8, 2, 1, False), (8, 1, 2, False), (16, 2, 2, False),
+])
+def test_shared_host_pool_auto_needs_one_node_and_one_stage(tp, pp, nodes, expected):
+    hisparse = HiSparseConfig(host_pool_gib=1)
+    config = EngineConfig(10, hisparse, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                          num_nodes=nodes)
+    assert config.shared_host_pool is expected
+
+
+@pytest.mark.parametrize("pp, nodes", [(2, 1), (1, 2), (4, 4)])
+def test_explicit_shared_host_pool_across_nodes_or_stages_is_an_error(pp, nodes):
+    hisparse = HiSparseConfig(host_pool_gib=1, shared_host_pool=True)
+    with pytest.raises(ValueError, match=(
+            rf"shared_host_pool=True needs every rank on one node and no pipeline parallelism "
+            rf".* but num_nodes={nodes} and pipeline_parallel_size={pp}; leave "
+            rf"shared_host_pool unset \(auto\) or False\.")):
+        EngineConfig(10, hisparse, tensor_parallel_size=8, pipeline_parallel_size=pp,
+                     num_nodes=nodes)
+    # explicitly private is always fine
+    off = HiSparseConfig(host_pool_gib=1, shared_host_pool=False)
+    assert EngineConfig(10, off, tensor_parallel_size=8, pipeline_parallel_size=pp,
+                        num_nodes=nodes).shared_host_pool is False
+
+
+def test_parallel_and_batching_fields_validated():
+    for field, value in (("pipeline_parallel_size", 0), ("num_nodes", 0),
+                         ("max_num_batched_tokens", 0), ("max_num_batched_tokens", 1.5),
+                         ("num_nodes", True)):
+        with pytest.raises(ValueError, match=f"EngineConfig.{field} must be an int >= 1, "
+                                             f"got {value!r}"):
+            EngineConfig(max_model_len=10, **{field: value})
+    config = EngineConfig(max_model_len=10)
+    assert (config.pipeline_parallel_size, config.num_nodes) == (1, 1)
+    assert config.max_num_batched_tokens is None
+
+
+def test_in_flight_tokens():
+    assert EngineConfig(1000).in_flight_tokens == 1000
+    assert EngineConfig(1000, max_num_batched_tokens=256).in_flight_tokens == 256
+    assert EngineConfig(1000, max_num_batched_tokens=8192).in_flight_tokens == 1000

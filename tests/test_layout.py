@@ -1,4 +1,4 @@
-"""The planner: every rule and error sentence of DESIGN.md section 5, and its worked example."""
+"""The planner: every rule and error sentence, and the DeepSeek-V3.2 worked example."""
 
 import re
 
@@ -9,6 +9,7 @@ from hisparse_triton.layout import (
     HISPARSE_HOT_SUFFIX,
     HISPARSE_RESIDENT_SUFFIX,
     HiSparseLayout,
+    HiSparsePlanWarning,
     create_hisparse_layout,
     get_all_gpu_baseline_concurrency,
     get_all_gpu_bytes_per_request,
@@ -163,8 +164,9 @@ def test_source_and_indexer_groups():
 
 def test_resident_and_hot_groups_names_specs_and_flags():
     config = engine(device_buffer_size=4100)
-    groups = get_hisparse_kv_cache_groups(config, {"s0": sparse(), "s1": sparse(),
-                                                   "i0": indexer(1400)})
+    with pytest.warns(HiSparsePlanWarning, match="device_buffer_size=4100 is not a multiple"):
+        groups = get_hisparse_kv_cache_groups(config, {"s0": sparse(), "s1": sparse(),
+                                                       "i0": indexer(1400)})
     assert kinds(groups) == ["source", "indexer", "resident", "hot"]
     resident, hot = groups[2], groups[3]
     assert resident.layer_names == ("s0.hisparse_resident", "s1.hisparse_resident")
@@ -194,14 +196,17 @@ def test_derived_input_specs_are_ignored():
 
 
 def test_regular_groups_share_equal_specs_in_first_seen_order():
+    # 3 full + 2 window layers: group size 2 (the smaller type), the 3 full layers split
+    # into cdiv(3, 2) = 2 strided groups; types in first-seen order
     full = FullAttentionSpec(64, 1, 128, "bfloat16")
     window = SlidingWindowSpec(64, 1, 128, "bfloat16", sliding_window=128)
     spec = {"f0": full, "s0": sparse(), "w0": window, "i0": indexer(), "f1": full, "w1": window,
             "f2": FullAttentionSpec(64, 1, 128, "bfloat16")}
     groups = get_hisparse_kv_cache_groups(engine(), spec)
-    assert kinds(groups) == ["source", "indexer", "resident", "hot", "regular", "regular"]
-    assert groups[4].layer_names == ("f0", "f1", "f2") and groups[4].kv_cache_spec == full
-    assert groups[5].layer_names == ("w0", "w1") and groups[5].kv_cache_spec == window
+    assert kinds(groups) == ["source", "indexer", "resident", "hot"] + ["regular"] * 3
+    assert groups[4].layer_names == ("f0", "f2") and groups[4].kv_cache_spec == full
+    assert groups[5].layer_names == ("f1",) and groups[5].kv_cache_spec == full
+    assert groups[6].layer_names == ("w0", "w1") and groups[6].kv_cache_spec == window
     assert groups[4].role is KVCacheGroupRole.DEFAULT and groups[4].enable_kv_transfer
 
 

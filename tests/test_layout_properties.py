@@ -1,13 +1,20 @@
 """Planner invariants over random valid geometries (hypothesis)."""
 
+import dataclasses
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_triton.config import EngineConfig, HiSparseConfig
 from hisparse_triton.layout import (
+    admission_blocks_per_request,
+    build_hisparse_topology,
     create_hisparse_layout,
+    device_bytes_per_block,
+    device_row_layout,
+    get_hisparse_concurrency,
     get_hisparse_kv_cache_config,
     get_hisparse_kv_cache_groups,
     get_hisparse_steady_state_concurrency,
@@ -23,6 +30,9 @@ from hisparse_triton.specs import (
     SparseCacheRole,
     cdiv,
 )
+
+# random hot-buffer sizes are rarely whole pages: that warning is tested in test_layout.py
+pytestmark = pytest.mark.filterwarnings("ignore::hisparse_triton.layout.HiSparsePlanWarning")
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -64,11 +74,14 @@ def cases(draw) -> Case:
     topk = draw(st.integers(1, 64))
     query_len = draw(st.integers(1, 3))
     buffer = draw(st.integers(query_len * topk, (query_len + 2) * topk))
+    pp, nodes = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    shared = draw(st.sampled_from([None, False] + ([True] if pp == nodes == 1 else [])))
     hisparse = HiSparseConfig(index_topk=topk, device_buffer_size=buffer, host_pool_gib=1,
-                              max_decode_query_len=query_len,
-                              shared_host_pool=draw(st.sampled_from([None, True, False])))
+                              max_decode_query_len=query_len, shared_host_pool=shared)
     config = EngineConfig(max_model_len=draw(st.integers(1, 5000)), hisparse=hisparse,
-                          tensor_parallel_size=draw(st.sampled_from([1, 2, 8])))
+                          tensor_parallel_size=draw(st.sampled_from([1, 2, 8])),
+                          pipeline_parallel_size=pp, num_nodes=nodes,
+                          max_num_batched_tokens=draw(st.none() | st.integers(1, 6000)))
     stride = len(sparse_names) * block * row
     if config.shared_host_pool:
         stride = cdiv(stride, 4096) * 4096
@@ -136,13 +149,15 @@ def test_hot_groups_fit_the_indexer_page_unless_a_single_unit(case):
 
 
 @SETTINGS
-@given(cases(), st.integers(2, 3000), st.data())
-def test_tensors_do_not_overlap_and_lie_inside_the_pools(case, blocks, data):
+@given(cases(), st.integers(2, 3000), st.booleans(), st.data())
+def test_tensors_do_not_overlap_and_lie_inside_the_pools(case, blocks, aligned, data):
     groups = _groups(case)
-    bytes_per_block = max(g.page_size_bytes for g in groups if not g.host_resident)
+    bytes_per_block = device_bytes_per_block(groups, row_aligned_blocks=aligned)
     memory = blocks * bytes_per_block + data.draw(st.integers(0, bytes_per_block - 1))
-    kv = get_hisparse_kv_cache_config(case.config, groups, memory, case.host_budget)
+    kv = get_hisparse_kv_cache_config(case.config, groups, memory, case.host_budget,
+                                      row_aligned_blocks=aligned)
     assert kv.bytes_per_block == bytes_per_block and kv.num_blocks == blocks
+    assert kv.row_aligned_blocks is aligned
     pool = kv.num_blocks * kv.bytes_per_block
     device = [t for t in kv.kv_cache_tensors if not t.host_resident]
     owner = {}
@@ -200,3 +215,80 @@ def test_concurrency_is_monotone_in_the_gpu_budget(case, block_counts):
         values.append(get_hisparse_steady_state_concurrency(case.config, kv))
     assert all(a <= b for a, b in zip(values, values[1:]))
     assert all(v > 0 for v in values)
+
+
+@SETTINGS
+@given(cases(), st.integers(2, 3000), st.data())
+def test_row_aligned_block_stride_is_a_multiple_of_every_sparse_page(case, blocks, data):
+    groups = _groups(case)
+    plain = device_bytes_per_block(groups)
+    aligned = device_bytes_per_block(groups, row_aligned_blocks=True)
+    kv = get_hisparse_kv_cache_config(case.config, groups, blocks * aligned, case.host_budget,
+                                      row_aligned_blocks=True)
+    sparse_pages = {g.layer_page_size_bytes for g in kv.kv_cache_groups
+                    if group_kind(g) in ("resident", "hot")}
+    assert kv.bytes_per_block == aligned >= plain
+    assert all(aligned % page == 0 for page in sparse_pages)
+    assert aligned - plain < min(sparse_pages) or len(sparse_pages) > 1
+    pool = kv.num_blocks * kv.bytes_per_block
+    name = data.draw(st.sampled_from(case.sparse_names))
+    view = device_row_layout(kv, name)
+    tensor = next(t for t in kv.kv_cache_tensors if name + ".hisparse_resident" in t.layers)
+    block_size = kv.kv_cache_groups[0].block_size
+    assert view.row_bytes * block_size == tensor.layer_stride
+    assert view.rows_per_block * view.row_bytes == kv.bytes_per_block
+    assert view.offset_bytes + view.num_rows * view.row_bytes <= pool
+    row_id = data.draw(st.integers(0, kv.num_blocks * block_size - 1))
+    per_layer = (tensor.offset + (row_id // block_size) * tensor.block_stride
+                 + (row_id % block_size) * view.row_bytes)
+    assert view.offset_bytes + view.flat_row(row_id) * view.row_bytes == per_layer
+    assert view.flat_row(row_id) < view.num_rows
+
+
+@SETTINGS
+@given(cases(), st.lists(st.integers(1, 6000), min_size=1, max_size=5),
+       st.integers(2, 100_000))
+def test_concurrency_is_monotone_in_max_num_batched_tokens(case, budgets, blocks):
+    groups = _groups(case)
+    bytes_per_block = device_bytes_per_block(groups)
+    values = []
+    admissions = []
+    # None (a whole prompt in one step) admits the most: it goes last
+    for budget in [*sorted(budgets), None]:
+        config = dataclasses.replace(case.config, max_num_batched_tokens=budget)
+        kv = get_hisparse_kv_cache_config(config, groups, blocks * bytes_per_block,
+                                          case.host_budget)
+        conc = get_hisparse_concurrency(config, kv)
+        values.append(conc.steady_state)
+        admissions.append(conc.admission_blocks)
+        for group in kv.kv_cache_groups:
+            if group_kind(group) == "resident":
+                assert admission_blocks_per_request(config, group) == cdiv(
+                    min(budget or config.max_model_len, config.max_model_len), group.block_size)
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a <= b for a, b in zip(admissions, admissions[1:]))
+
+
+@SETTINGS
+@given(cases())
+def test_topology_is_consistent_with_the_groups(case):
+    groups = _groups(case)
+    kv = get_hisparse_kv_cache_config(case.config, groups,
+                                      4 * device_bytes_per_block(groups), case.host_budget)
+    topo = kv.hisparse_topology
+    assert topo == build_hisparse_topology(kv.kv_cache_groups)
+    assert [topo.kind_of(i).value for i in range(len(groups))] == [group_kind(g) for g in groups]
+    assert sorted(topo.group_indices) == list(range(len(groups)))
+    assert list(topo.sparse_layers) == case.sparse_names
+    units = split_index_groups({n: case.spec[n] for n in case.sparse_names})
+    assert [g.layers for g in topo.index_groups] == units
+    for resident, hot in zip(topo.resident_groups, topo.hot_groups):
+        names = [underlying_layer_name(n) for n in kv.kv_cache_groups[resident].layer_names]
+        assert names == [underlying_layer_name(n) for n in kv.kv_cache_groups[hot].layer_names]
+        held = [g for g in topo.index_groups if g.resident_group == resident]
+        assert [layer for g in held for layer in g.layers] == names
+        assert all(g.hot_group == hot for g in held)
+    for layer in case.sparse_names:
+        group = kv.kv_cache_groups[topo.resident_group_of(layer)]
+        assert layer + ".hisparse_resident" in group.layer_names
+        assert layer + ".hisparse_hot" in kv.kv_cache_groups[topo.hot_group_of(layer)].layer_names

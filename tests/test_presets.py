@@ -1,4 +1,4 @@
-"""Built-in geometries: DESIGN.md section 3 facts and the kv_cache_spec dicts they build."""
+"""Built-in geometries: the published model facts and the kv_cache_spec dicts they build."""
 
 import dataclasses
 

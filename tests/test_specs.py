@@ -73,9 +73,16 @@ def test_full_and_sliding_window_usage():
     assert full.max_memory_usage_bytes(config) == cdiv(1000, 16) * full.page_size_bytes
     window = SlidingWindowSpec(16, 2, 64, "float16", sliding_window=100)
     assert window.page_size_bytes == full.page_size_bytes
-    assert window.max_memory_usage_bytes(config) == (cdiv(100, 16) + 1) * full.page_size_bytes
+    # a whole prompt may be in flight: min(100 - 1 + 1000, 1000) tokens + the straddled page
+    assert window.max_memory_usage_bytes(config) == (cdiv(1000, 16) + 1) * full.page_size_bytes
+    # with a step budget of 200 tokens: the last 99 computed tokens + 200 in flight
+    batched = EngineConfig(max_model_len=1000, max_num_batched_tokens=200)
+    assert window.max_memory_usage_bytes(batched) == (cdiv(299, 16) + 1) * full.page_size_bytes
+    one = EngineConfig(max_model_len=1000, max_num_batched_tokens=1)
+    assert window.max_memory_usage_bytes(one) == (cdiv(100, 16) + 1) * full.page_size_bytes
     wide = SlidingWindowSpec(16, 2, 64, "float16", sliding_window=4096)
     assert wide.max_memory_usage_bytes(config) == (cdiv(1000, 16) + 1) * full.page_size_bytes
+    assert wide.max_memory_usage_bytes(batched) == (cdiv(1000, 16) + 1) * full.page_size_bytes
     with pytest.raises(ValueError, match="sliding_window must be a positive int"):
         SlidingWindowSpec(16, 2, 64, "float16")
 

@@ -1,20 +1,33 @@
 """``hisparse-triton plan``: show where every KV-cache group lives and how much fits.
 
 Builds a preset's ``kv_cache_spec``, runs the planner (``hisparse_triton.layout``) and prints
-the groups, both pool sizes, bytes per token and the steady-state concurrency against the
-all-GPU baseline; ``--json`` prints the same as one JSON object. Imports no torch.
+the groups, both pool sizes, what row-aligned blocks cost, bytes per token and the
+steady-state concurrency against the all-GPU baseline; ``--json PATH|-`` writes the same as
+one JSON document (schema ``hisparse-triton/plan``). Imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from typing import Any, Optional
+import sys
+import textwrap
+import warnings
+from typing import Any, Callable, Optional
 
-from hisparse_triton.commands.argtypes import positive_float, positive_int
-from hisparse_triton.config import GIB, EngineConfig, HiSparseConfig
+from hisparse_triton.commands.argtypes import bounded_int, bounded_number, positive_int
+from hisparse_triton.commands.output import add_json_flag, json_document, write_json
+from hisparse_triton.config import (
+    ACTIVE_TAIL_PAGES,
+    GIB,
+    MAX_DEVICE_BUFFER_SIZE,
+    EngineConfig,
+    HiSparseConfig,
+)
 from hisparse_triton.layout import (
+    HiSparsePlanWarning,
+    admission_blocks_per_request,
+    device_bytes_per_block,
     get_all_gpu_baseline_concurrency,
     get_all_gpu_bytes_per_request,
     get_hisparse_concurrency,
@@ -24,11 +37,41 @@ from hisparse_triton.layout import (
     steady_blocks_per_request,
 )
 from hisparse_triton.presets import DEFAULT_PRESET, build_kv_cache_spec, get_preset, list_presets
+from hisparse_triton.specs import HiSparseTopology
 
 DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_HOST_POOL_GIB = 256.0
 
+#: Version of the ``--json`` document (``schema_version``).
+PLAN_SCHEMA_VERSION = 1
 
+#: Plausible ranges of the numeric flags (a value outside is a typo or the wrong unit).
+MIN_GIB = 1e-6
+MAX_GPU_MEMORY_GIB = 4096.0
+MAX_HOST_POOL_GIB = 65536.0
+MAX_PARALLEL_SIZE = 1024
+MAX_NODES = 4096
+MAX_BATCHED_TOKENS = 1 << 24
+
+
+def _gib_type(high: float) -> Callable[[str], float]:
+    """A GiB amount in ``[MIN_GIB, high]``; a value above ``high`` is called out as bytes."""
+    check = bounded_number(MIN_GIB, high, " GiB")
+
+    def parse(text: str) -> float:
+        try:
+            return check(text)
+        except argparse.ArgumentTypeError as exc:
+            try:
+                too_big = float(text) > high
+            except ValueError:
+                too_big = False
+            if too_big:
+                raise argparse.ArgumentTypeError(
+                    f"{exc} (a value this large is surely bytes; the flag takes GiB)") from None
+            raise
+
+    return parse
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -41,31 +84,89 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"model geometry (default {DEFAULT_PRESET})")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="tokens per request (default: the preset's max context)")
-    parser.add_argument("--gpu-memory-gib", type=positive_float,
-                        default=DEFAULT_GPU_MEMORY_GIB,
+    parser.add_argument("--gpu-memory-gib", type=_gib_type(MAX_GPU_MEMORY_GIB),
+                        default=DEFAULT_GPU_MEMORY_GIB, metavar="GIB",
                         help=f"GPU memory for the KV cache in GiB "
                              f"(default {DEFAULT_GPU_MEMORY_GIB:g})")
-    parser.add_argument("--host-pool-gib", type=positive_float, default=DEFAULT_HOST_POOL_GIB,
+    parser.add_argument("--host-pool-gib", type=_gib_type(MAX_HOST_POOL_GIB),
+                        default=DEFAULT_HOST_POOL_GIB, metavar="GIB",
                         help=f"pinned host pool in GiB (default {DEFAULT_HOST_POOL_GIB:g})")
-    parser.add_argument("--device-buffer-size", type=positive_int, default=None,
-                        help="hot-buffer rows per request (default 2 x index_topk)")
-    parser.add_argument("--tp", type=positive_int, default=1,
-                        help="tensor-parallel ranks per node (default 1)")
+    parser.add_argument("--top-k", dest="top_k", metavar="N",
+                        type=bounded_int(1, MAX_DEVICE_BUFFER_SIZE), default=None,
+                        help="rows the indexer selects per query (default: the preset's)")
+    parser.add_argument("--topk", dest="top_k", type=bounded_int(1, MAX_DEVICE_BUFFER_SIZE),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--device-buffer-size", metavar="ROWS",
+                        type=bounded_int(1, MAX_DEVICE_BUFFER_SIZE, " rows"), default=None,
+                        help="hot-buffer rows per request (default 2 x top-k)")
+    parser.add_argument("--max-num-batched-tokens", metavar="N",
+                        type=bounded_int(1, MAX_BATCHED_TOKENS, " tokens"), default=None,
+                        help="tokens scheduled per step; a resident group then admits a "
+                             "request with cdiv(N, block) pages (default: unset, a whole "
+                             "prompt per step)")
+    parser.add_argument("--row-aligned-blocks", action="store_true",
+                        help="round the device block up to a whole number of every sparse "
+                             "layer's pages, so each sparse layer is a flat row array "
+                             "(costs some blocks; the plan shows how many)")
+    parser.add_argument("--tp", type=bounded_int(1, MAX_PARALLEL_SIZE), default=1,
+                        help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--pp", type=bounded_int(1, MAX_PARALLEL_SIZE), default=1,
+                        help="pipeline-parallel stages (default 1)")
+    parser.add_argument("--nodes", type=bounded_int(1, MAX_NODES), default=1,
+                        help="machines the ranks span (default 1)")
     parser.add_argument("--shared-host-pool", action=argparse.BooleanOptionalAction,
                         default=None,
-                        help="one host pool for all TP ranks (default: on when --tp > 1)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+                        help="one host pool for all TP ranks of the node (default: on when "
+                             "--tp > 1 on one node without pipeline parallelism)")
+    add_json_flag(parser, "the plan")
     return parser
+
+
+def _topology_json(topology: HiSparseTopology) -> dict[str, Any]:
+    return {
+        "source_group": topology.source_group,
+        "indexer_group": topology.indexer_group,
+        "resident_groups": list(topology.resident_groups),
+        "hot_groups": list(topology.hot_groups),
+        "regular_groups": list(topology.regular_groups),
+        "index_groups": [{"leader": g.leader, "layers": list(g.layers),
+                          "resident_group": g.resident_group, "hot_group": g.hot_group}
+                         for g in topology.index_groups],
+    }
+
+
+def _row_alignment(groups: list, gpu_bytes: int) -> dict[str, Any]:
+    """What rounding the block up to whole sparse pages costs (or would cost)."""
+    plain = device_bytes_per_block(groups)
+    aligned = device_bytes_per_block(groups, row_aligned_blocks=True)
+    plain_blocks = gpu_bytes // plain
+    aligned_blocks = gpu_bytes // aligned
+    rows = sorted({g.layer_page_size_bytes // g.block_size for g in groups
+                   if group_kind(g) == "resident"})
+    return {
+        "bytes_per_block": aligned,
+        "num_gpu_blocks": aligned_blocks,
+        "unaligned_bytes_per_block": plain,
+        "unaligned_num_gpu_blocks": plain_blocks,
+        "padding_bytes_per_block": aligned - plain,
+        "blocks_lost": plain_blocks - aligned_blocks,
+        "fraction_lost": (plain_blocks - aligned_blocks) / plain_blocks if plain_blocks else 0.0,
+        "rows_per_block": [{"row_bytes": r, "rows_per_block": aligned // r} for r in rows],
+    }
 
 
 def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = None,
                gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
                host_pool_gib: float = DEFAULT_HOST_POOL_GIB,
                device_buffer_size: Optional[int] = None, tp: int = 1,
-               shared_host_pool: Optional[bool] = None) -> dict[str, Any]:
-    """Plan a preset; returns the JSON-able report ``--json`` prints.
+               shared_host_pool: Optional[bool] = None, pp: int = 1, nodes: int = 1,
+               max_num_batched_tokens: Optional[int] = None,
+               row_aligned_blocks: bool = False,
+               top_k: Optional[int] = None) -> dict[str, Any]:
+    """Plan a preset; returns the report ``--json`` writes (without the schema envelope).
 
     ``ValueError`` (one sentence) for an invalid configuration or a plan that does not fit.
+    Planner warnings (:class:`HiSparsePlanWarning`) land in the report's ``warnings``.
     """
     geometry = get_preset(preset)
     if max_model_len is not None and max_model_len > geometry.max_model_len:
@@ -73,25 +174,37 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
                          f"context of {geometry.max_model_len:,} tokens.")
     if not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib * GIB)):
         raise ValueError(f"gpu_memory_gib must be a finite number > 0, got {gpu_memory_gib!r}.")
-    hisparse = HiSparseConfig(index_topk=geometry.index_topk,
+    hisparse = HiSparseConfig(index_topk=top_k or geometry.index_topk,
                               device_buffer_size=device_buffer_size,
                               host_pool_gib=host_pool_gib, shared_host_pool=shared_host_pool)
     config = EngineConfig(max_model_len=max_model_len or geometry.max_model_len,
-                          hisparse=hisparse, tensor_parallel_size=tp)
+                          hisparse=hisparse, tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp, num_nodes=nodes,
+                          max_num_batched_tokens=max_num_batched_tokens)
     spec = build_kv_cache_spec(geometry)
-    groups = get_hisparse_kv_cache_groups(config, spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", HiSparsePlanWarning)
+        groups = get_hisparse_kv_cache_groups(config, spec)
+    notes = [str(w.message) for w in caught if issubclass(w.category, HiSparsePlanWarning)]
+    for w in caught:
+        if not issubclass(w.category, HiSparsePlanWarning):  # pragma: no cover
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     assert groups is not None  # presets always have SPARSE and INDEXER layers
     gpu_bytes = int(gpu_memory_gib * GIB)
-    kv = get_hisparse_kv_cache_config(config, groups, gpu_bytes, hisparse.host_pool_bytes)
+    kv = get_hisparse_kv_cache_config(config, groups, gpu_bytes, hisparse.host_pool_bytes,
+                                      row_aligned_blocks=row_aligned_blocks)
+    topology = kv.hisparse_topology
+    assert topology is not None
     conc = get_hisparse_concurrency(config, kv)
     baseline = get_all_gpu_baseline_concurrency(config, spec, gpu_bytes)
+    pair = {**dict(zip(topology.resident_groups, topology.hot_groups)),
+            **dict(zip(topology.hot_groups, topology.resident_groups))}
 
     block = geometry.block_size
     group_rows = []
     host_per_token = device_per_token = 0
     for index, group in enumerate(kv.kv_cache_groups):
-        kind = group_kind(group)
-        admit = group.blocks_per_request(config)
+        kind = topology.kind_of(index).value
         steady = 0 if group.host_resident else steady_blocks_per_request(config, group)
         if kind == "source":
             host_per_token += group.page_size_bytes // block
@@ -101,10 +214,12 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
             "index": index, "role": kind, "group_role": group.role.value,
             "layers": len(group.layer_names), "layer_names": list(group.layer_names),
             "page_size_bytes": group.page_size_bytes, "host_resident": group.host_resident,
-            "blocks_per_request": admit,
+            "blocks_per_request": admission_blocks_per_request(config, group),
             "steady_blocks_per_request": steady,
+            "paired_group": pair.get(index),
         })
     bpb = kv.bytes_per_block
+    alignment = _row_alignment(list(kv.kv_cache_groups), gpu_bytes)
     return {
         "preset": geometry.name,
         "description": geometry.description,
@@ -112,7 +227,10 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
         "block_size": block,
         "index_topk": hisparse.index_topk,
         "device_buffer_size": hisparse.device_buffer_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
         "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "num_nodes": nodes,
         "shared_host_pool": kv.hisparse_shared_host_pool,
         "gpu_memory_bytes": gpu_bytes,
         "host_pool_budget_bytes": hisparse.host_pool_bytes,
@@ -121,8 +239,11 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
         "host_pool_bytes": kv.hisparse_host_num_blocks * kv.hisparse_host_block_stride,
         "num_gpu_blocks": kv.num_blocks,
         "bytes_per_block": bpb,
+        "row_aligned_blocks": kv.row_aligned_blocks,
+        "row_alignment": alignment,
         "device_pool_bytes": kv.num_blocks * bpb,
         "groups": group_rows,
+        "topology": _topology_json(topology),
         "host_bytes_per_token": host_per_token,
         "device_bytes_per_token": device_per_token,
         "all_gpu_bytes_per_token": host_per_token + device_per_token,
@@ -139,6 +260,7 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
         "limited_by": conc.limited_by,
         "baseline_concurrency": baseline,
         "concurrency_gain": conc.steady_state / baseline if baseline > 0 else None,
+        "warnings": notes,
     }
 
 
@@ -152,6 +274,18 @@ def _gib(num_bytes: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _alignment_lines(r: dict[str, Any]) -> list[str]:
+    a = r["row_alignment"]
+    rows = ", ".join(f"{x['rows_per_block']:,} rows of {x['row_bytes']:,} B"
+                     for x in a["rows_per_block"])
+    head = ("  row-aligned  on: " if r["row_aligned_blocks"]
+            else "  row-aligned  off; --row-aligned-blocks: ")
+    return [f"{head}{a['unaligned_bytes_per_block']:,} -> {a['bytes_per_block']:,} B per "
+            f"block ({rows}),",
+            f"               {a['blocks_lost']:,} fewer blocks ({a['fraction_lost']:.1%}) than "
+            f"unaligned"]
+
+
 def format_plan(report: dict[str, Any]) -> str:
     """The human-readable form of a :func:`build_plan` report."""
     r = report
@@ -160,27 +294,37 @@ def format_plan(report: dict[str, Any]) -> str:
         sharing = f"one pool shared by {tp} TP rank{'s' if tp > 1 else ''}"
     else:
         sharing = "per TP rank" if tp > 1 else "private"
+    batched = r["max_num_batched_tokens"]
     lines = [
         f"HiSparse plan: {r['preset']} ({r['description']})",
         f"  max_model_len {r['max_model_len']:,} tokens, block {r['block_size']}, "
         f"index_topk {r['index_topk']:,}, device_buffer_size {r['device_buffer_size']:,} rows, "
-        f"TP {tp}",
+        f"TP {tp}, PP {r['pipeline_parallel_size']}, nodes {r['num_nodes']}",
+        "  max_num_batched_tokens " + (f"{batched:,} (a resident group admits a request with "
+                                        f"the pages of one step)" if batched is not None else
+                                        "unset (a whole prompt per step)"),
+    ]
+    lines += [textwrap.fill(note, width=100, initial_indent="  warning: ",
+                            subsequent_indent="           ") for note in r["warnings"]]
+    lines += [
         "",
         f"  {'#':>3}  {'role':<9} {'layers':>6} {'page bytes':>12} {'blocks/req':>11} "
-        f"{'steady':>7}  where",
+        f"{'steady':>7} {'pair':>5}  where",
     ]
     for g in r["groups"]:
         where = "host (pinned)" if g["host_resident"] else "gpu"
         steady = "-" if g["host_resident"] else f"{g['steady_blocks_per_request']:,}"
+        pair = "-" if g["paired_group"] is None else str(g["paired_group"])
         lines.append(f"  {g['index']:>3}  {g['role']:<9} {g['layers']:>6} "
                      f"{g['page_size_bytes']:>12,} {g['blocks_per_request']:>11,} "
-                     f"{steady:>7}  {where}")
+                     f"{steady:>7} {pair:>5}  {where}")
     lines += [
         "",
         f"  host pool    {r['host_num_blocks']:,} blocks x {r['host_block_stride']:,} B = "
         f"{_gib(r['host_pool_bytes'])} ({sharing}; budget {_gib(r['host_pool_budget_bytes'])})",
         f"  device pool  {r['num_gpu_blocks']:,} blocks x {r['bytes_per_block']:,} B = "
         f"{_gib(r['device_pool_bytes'])} (one pool for all GPU groups)",
+        *_alignment_lines(r),
         f"  bytes/token  host {r['host_bytes_per_token']:,} B (sparse MLA), device "
         f"{r['device_bytes_per_token']:,} B (indexer + regular), all-GPU "
         f"{r['all_gpu_bytes_per_token']:,} B",
@@ -188,6 +332,10 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{_gib(r['device_bytes_per_request_admission'])} at admission, "
         f"{_gib(r['device_bytes_per_request_steady'])} at steady state "
         f"(all-GPU {_gib(r['all_gpu_bytes_per_request'])})",
+        "  why more fit: the sparse-MLA history lives in pinned host memory; per request the "
+        "GPU keeps",
+        f"  only the indexer cache, its newest {ACTIVE_TAIL_PAGES} pages (resident tail) and "
+        f"{r['device_buffer_size']:,} hot-buffer rows.",
         "",
         f"  requests at max length  HiSparse steady state {r['steady_state_concurrency']:,.1f} "
         f"(GPU {r['gpu_concurrency']:,.1f}, host {r['host_concurrency']:,.1f}: "
@@ -201,10 +349,19 @@ def format_plan(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan and print (human table, or JSON with ``--json``)."""
+    """Plan and print: the human report, and the JSON document with ``--json``.
+
+    ``--json -`` (or a bare ``--json``) prints only the JSON document on stdout (it holds
+    everything the human report shows); ``--json PATH`` writes it and prints the report.
+    """
     report = build_plan(args.preset, max_model_len=args.max_model_len,
                         gpu_memory_gib=args.gpu_memory_gib, host_pool_gib=args.host_pool_gib,
                         device_buffer_size=args.device_buffer_size, tp=args.tp,
-                        shared_host_pool=args.shared_host_pool)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+                        shared_host_pool=args.shared_host_pool, pp=args.pp, nodes=args.nodes,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        row_aligned_blocks=args.row_aligned_blocks, top_k=args.top_k)
+    if args.json is not None:
+        write_json(json_document("plan", PLAN_SCHEMA_VERSION, report), args.json)
+    if args.json != "-":
+        print(format_plan(report), file=sys.stdout)
     return 0
