@@ -13,8 +13,8 @@ of its spec (the indexer group by its role), and each class owns its rules:
 | hot | ``HotGroup`` | ``blocks_per_request`` | the request's hot region (fixed size) | at free |
 
 ``PlanGroups.from_config`` reads the plan once: the groups in config order, the resident <->
-hot pairing and the index groups (leader first), from the planner's topology when the config
-carries one. Both halves of the runtime (``HiSparseScheduler`` and ``HiSparseWorker``) build
+hot pairing and the index groups (leader first) from the planner's topology
+(``kv_cache_config.hisparse_topology``; nothing is derived from layer names). Both halves of the runtime (``HiSparseScheduler`` and ``HiSparseWorker``) build
 it from the same ``KVCacheConfig``, so they agree on every position without talking.
 """
 
@@ -27,13 +27,13 @@ from hisparse_triton.config import EngineConfig
 from hisparse_triton.layout import (
     HISPARSE_HOT_SUFFIX,
     HISPARSE_RESIDENT_SUFFIX,
-    split_index_groups,
     underlying_layer_name,
 )
 from hisparse_triton.specs import (
     FullAttentionSpec,
     HiSparseHotSpec,
     HiSparseResidentSpec,
+    HiSparseTopology,
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheGroupSpec,
@@ -222,11 +222,11 @@ class PlanGroups:
                     raise ValueError(f"device layer {name!r} has no KVCacheTensor.")
                 layer_group[name] = position
 
-        topology = getattr(kvc, "hisparse_topology", None)
-        if topology is not None:
-            index_groups, hot_of = _from_topology(topology, config_index)
-        else:
-            index_groups, hot_of = _derive_topology(groups, src_spec.kv_cache_specs)
+        if kvc.hisparse_topology is None:
+            raise ValueError("the KVCacheConfig carries no HiSparse topology (resident <-> "
+                             "hot pairing, index groups): build it with "
+                             "get_hisparse_kv_cache_config.")
+        index_groups, hot_of = _from_topology(kvc.hisparse_topology, config_index)
         resident_of_layer = {layer: ig.resident for ig in index_groups for layer in ig.layers}
         missing = [layer for layer in source_layers if layer not in resident_of_layer]
         if missing:
@@ -304,46 +304,15 @@ class PlanGroups:
         return max((g.width for g in self.hot), default=0)
 
 
-def _from_topology(topology: object, config_index: Mapping[int, int]
+def _from_topology(topology: HiSparseTopology, config_index: Mapping[int, int]
                    ) -> tuple[list[IndexGroup], dict[int, int]]:
     """Index groups and the resident -> hot pairing from the planner's topology."""
-    pairs = zip(topology.resident_groups, topology.hot_groups)  # type: ignore[attr-defined]
+    pairs = zip(topology.resident_groups, topology.hot_groups)
     hot_of = {config_index[r]: config_index[h] for r, h in pairs}
     index_groups = [
         IndexGroup(number=n, leader=ig.leader, layers=tuple(ig.layers),
                    resident=config_index[ig.resident_group], hot=config_index[ig.hot_group])
-        for n, ig in enumerate(topology.index_groups)]  # type: ignore[attr-defined]
-    return index_groups, hot_of
-
-
-def _derive_topology(groups: list[DeviceGroup], sparse_specs: Mapping[str, KVCacheSpec]
-                     ) -> tuple[list[IndexGroup], dict[int, int]]:
-    """Index groups and pairing for a config without a planner topology (built by hand)."""
-    hot_by_layers = {g.model_layer_names: g.position for g in groups if isinstance(g, HotGroup)}
-    hot_of: dict[int, int] = {}
-    resident_of_layer: dict[str, int] = {}
-    for group in groups:
-        if not isinstance(group, ResidentGroup):
-            continue
-        layers = group.model_layer_names
-        if layers not in hot_by_layers:
-            raise ValueError(f"resident group over {layers[0]!r}..{layers[-1]!r} has no hot "
-                             f"group over the same layers.")
-        hot_of[group.position] = hot_by_layers[layers]
-        for layer in layers:
-            resident_of_layer[layer] = group.position
-    index_groups = []
-    for n, layers in enumerate(split_index_groups(sparse_specs)):  # type: ignore[arg-type]
-        residents = {resident_of_layer.get(layer) for layer in layers}
-        if None in residents:
-            missing = [layer for layer in layers if layer not in resident_of_layer]
-            raise ValueError(f"source layers {missing} belong to no resident group.")
-        if len(residents) != 1:
-            raise ValueError(f"index group led by {layers[0]!r} spans {len(residents)} "
-                             f"resident groups; the planner keeps index groups whole.")
-        resident = residents.pop()
-        index_groups.append(IndexGroup(number=n, leader=layers[0], layers=tuple(layers),
-                                       resident=resident, hot=hot_of[resident]))
+        for n, ig in enumerate(topology.index_groups)]
     return index_groups, hot_of
 
 
