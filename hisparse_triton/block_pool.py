@@ -11,13 +11,66 @@ every change also records its inverse, so a caller's transaction can undo it.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from typing import Hashable, Iterable, Optional
+from collections import Counter
+from typing import Hashable, Iterable, Iterator, Optional
 
 from hisparse_triton.errors import BlockPoolError, CapacityError
 from hisparse_triton.journal import Journal
 
 NULL_BLOCK = 0
+
+
+class FreeQueue:
+    """Free block ids in reuse order: a doubly linked list over the ids ``[1, num_blocks)``
+    (id 0, the null block, is the list's sentinel). ``popleft``, ``append``, ``remove`` and
+    re-insertion (``insert_after``) are O(1), so a block can leave the queue from anywhere
+    and an undo puts it back exactly where it was."""
+
+    def __init__(self, num_blocks: int) -> None:
+        n = num_blocks
+        self._next = [*range(1, n), 0]
+        self._prev = [n - 1, *range(0, n - 1)]
+        self._in = [False] + [True] * (n - 1)
+        self._len = n - 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, block: object) -> bool:
+        return isinstance(block, int) and 0 < block < len(self._in) and self._in[block]
+
+    def __iter__(self) -> Iterator[int]:
+        node = self._next[0]
+        while node:
+            yield node
+            node = self._next[node]
+
+    def insert_after(self, prev: int, block: int) -> None:
+        """Put ``block`` right after ``prev`` (0 = at the front)."""
+        nxt = self._next[prev]
+        self._next[prev] = block
+        self._prev[block] = prev
+        self._next[block] = nxt
+        self._prev[nxt] = block
+        self._in[block] = True
+        self._len += 1
+
+    def append(self, block: int) -> None:
+        self.insert_after(self._prev[0], block)
+
+    def remove(self, block: int) -> int:
+        """Take ``block`` out; returns the block before it (0 = it was first)."""
+        prev, nxt = self._prev[block], self._next[block]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._in[block] = False
+        self._len -= 1
+        return prev
+
+    def popleft(self) -> int:
+        block = self._next[0]
+        self.remove(block)
+        return block
 
 
 class BlockPool:
@@ -37,7 +90,7 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free = FreeQueue(num_blocks)
         self.journal = journal if journal is not None else Journal()
 
     # -- queries -------------------------------------------------------------------------
@@ -74,8 +127,8 @@ class BlockPool:
                 f"{self.name} pool cannot allocate {n} blocks{who}: {len(self._free)} of "
                 f"{self.capacity} are free.", resource=f"{self.name} blocks", needed=n,
                 available=len(self._free), request_id=request_id)
-        pop = self._free.popitem
-        blocks = [pop(last=False)[0] for _ in range(n)]
+        pop = self._free.popleft
+        blocks = [pop() for _ in range(n)]
         for block in blocks:
             self._ref[block] = 1
         if self.journal.active:
@@ -85,8 +138,7 @@ class BlockPool:
     def _unallocate(self, blocks: list[int]) -> None:
         for block in reversed(blocks):
             self._ref[block] = 0
-            self._free[block] = None
-            self._free.move_to_end(block, last=False)
+            self._free.insert_after(0, block)
 
     def peek(self, n: int) -> list[int]:
         """The ``n`` blocks ``allocate(n)`` would return next (fewer if fewer are free)."""
@@ -107,15 +159,14 @@ class BlockPool:
         self._check_id(block)
         if block not in self._free:
             raise BlockPoolError(f"{self.name}: cannot take block {block}: it is not free.")
-        if self.journal.active:
-            order = list(self._free)
-            self.journal.record(lambda: self._restore_free(order, block))
-        del self._free[block]
+        prev = self._free.remove(block)
         self._ref[block] = 1
+        if self.journal.active:
+            self.journal.record(lambda: self._untake(prev, block))
 
-    def _restore_free(self, order: list[int], block: int) -> None:
+    def _untake(self, prev: int, block: int) -> None:
         self._ref[block] = 0
-        self._free = OrderedDict.fromkeys(order)
+        self._free.insert_after(prev, block)
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Add one reference to each (allocated) block, e.g. to share a page."""
@@ -151,14 +202,14 @@ class BlockPool:
         for block in counts:
             self._ref[block] -= counts[block]
             if self._ref[block] == 0:
-                self._free[block] = None
+                self._free.append(block)
                 appended.append(block)
         if self.journal.active:
             self.journal.record(lambda: self._unfree(counts, appended))
 
     def _unfree(self, counts: Counter, appended: list[int]) -> None:
         for block in reversed(appended):
-            self._free.pop(block)
+            self._free.remove(block)
         for block, times in counts.items():
             self._ref[block] += times
 

@@ -83,3 +83,8 @@ class SharedHostPoolError(HiSparseError, OSError):
 
 class RuntimeClosedError(HiSparseError, RuntimeError):
     """A call on a ``HiSparseRuntime`` (or pool) after ``close()``."""
+
+
+class UncommittedTokensError(ReservationExceededError):
+    """``append_slots`` would leave more tokens uncommitted than ``max_num_batched_tokens``
+    (chunked prefill: commit the chunk before appending the next one)."""

@@ -42,6 +42,7 @@ failing) leaves the scheduler's and the worker's tables as they were.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
@@ -50,7 +51,11 @@ import torch
 
 from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import HiSparseError, RuntimeClosedError
-from hisparse_triton.scheduler import HiSparseScheduler, check_id_list
+from hisparse_triton.scheduler import (
+    DEFAULT_FREE_BLOCK_WATERMARK,
+    HiSparseScheduler,
+    check_id_list,
+)
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.worker import BACKENDS, HiSparseWorker
 
@@ -65,11 +70,17 @@ class HiSparseStats:
     - ``h2d_bytes``: bytes gathered host -> device (misses x row bytes x layers of the index
       group); ``d2h_bytes``: bytes mirrored device -> host by ``commit()`` (0 on a rank that
       does not write a shared host pool).
-    - ``*_blocks``: blocks in use now (device pool: indexer, resident, hot, regular; host
-      pool: host), ``device_blocks_total``/``host_blocks_total``: allocatable blocks.
+    - ``*_blocks``: blocks owned now (device pool: indexer, resident, hot, regular; host
+      pool: host; a block two requests share counts for each), ``cached_device_blocks``:
+      free device blocks that still hold a readable page, ``device_blocks_total`` /
+      ``host_blocks_total``: allocatable blocks.
     - ``peak_device_blocks``/``peak_host_blocks``: the most blocks in use at any time.
-    - ``num_requests``: live requests; ``deferred_offloads``: commits at which a request
-      kept its history on the GPU because the pool had no room for its hot region.
+    - ``num_requests``: live requests; ``offloaded_requests``: those with a hot region.
+    - ``unpinned_pages``: resident pages whose block went back to the pool, still readable;
+      ``lost_pages``: those whose block was then handed to another owner (read from host
+      since); ``readopted_pages``: GPU copies adopted by a prefix hit (no transfer);
+      ``prefix_hit_tokens`` / ``prefix_query_tokens``: prompt tokens found cached / looked
+      up; ``window_released_pages``: sliding-window pages released.
     """
 
     hits: int
@@ -84,10 +95,17 @@ class HiSparseStats:
     regular_blocks: int
     device_blocks_total: int
     host_blocks_total: int
+    cached_device_blocks: int
     peak_device_blocks: int
     peak_host_blocks: int
     num_requests: int
-    deferred_offloads: int
+    offloaded_requests: int
+    unpinned_pages: int
+    lost_pages: int
+    readopted_pages: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    window_released_pages: int
 
     @property
     def device_blocks(self) -> int:
@@ -110,10 +128,12 @@ class HiSparseRuntime:
     - ``device``: where the device pool and tables live (default: CUDA if available, else
       CPU). ``backend``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` (CUDA, or
       CPU under ``TRITON_INTERPRET=1``) or ``"torch"`` (the reference ops).
-    - ``offload_threshold_pages``: a request's history leaves the GPU (and it gets its hot
-      region) once at least this many of its pages are sealed and outside the active tail;
-      default: the hot region's size in blocks, so offloading never costs more device blocks
-      than it frees. ``1`` offloads as early as possible.
+    - ``free_block_watermark``: committed pages stay on the GPU (no transfers at all) while
+      more device blocks than this are truly free (a float: fraction of the pool; an int: a
+      block count); at or below it, requests take their hot regions and let their committed
+      pages go (``HiSparseScheduler``). ``1.0``: offload every request as soon as it can.
+    - ``offload_threshold_pages``: a request that should offload does so once at least this
+      many of its pages can leave the GPU (default 1).
     - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
     - ``tp_rank``, ``host_pool_name``: for a plan with ``hisparse_shared_host_pool`` (one
       host pool per node, shared by the TP ranks), ``host_pool_name`` is required (and is
@@ -143,11 +163,13 @@ class HiSparseRuntime:
                  max_num_seqs: int, device: torch.device | str | None = None,
                  backend: str = "auto", offload_threshold_pages: Optional[int] = None,
                  host_ram_fraction: float = 0.9, tp_rank: int = 0,
-                 host_pool_name: Optional[str] = None) -> None:
+                 host_pool_name: Optional[str] = None,
+                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
         self.scheduler = HiSparseScheduler(kv_cache_config, config, max_num_seqs=max_num_seqs,
+                                           free_block_watermark=free_block_watermark,
                                            offload_threshold_pages=offload_threshold_pages)
         self.worker = HiSparseWorker(kv_cache_config, config, max_num_seqs=max_num_seqs,
                                      device=device, backend=backend, tp_rank=tp_rank,
@@ -311,15 +333,26 @@ class HiSparseRuntime:
         return self.worker.block_tables(layer_name)
 
     # ------------------------------------------------------------------ lifecycle
-    def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> None:
-        """Admit a request: reserve host pages for ``prompt_len + max_new_tokens`` and a state row.
+    def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
+                    token_ids: Optional[Sequence[int]] = None) -> int:
+        """Admit a request; returns how many prompt tokens are already cached.
 
+        Reserves host pages for ``prompt_len + max_new_tokens``, a state row and the hot
+        region. With ``token_ids`` (the prompt) the longest cached prefix is reused: the
+        request starts with that many tokens (a multiple of ``block_size``) present and the
+        caller appends (and computes) only the rest; 0 without ``token_ids``.
         ``DuplicateRequestError`` (a ``ValueError``) for a live id; ``ValueError`` for bad
-        lengths or more than ``max_model_len`` tokens; ``CapacityError`` when the host pool
-        or the state rows (``max_num_seqs``) are full. Nothing changes on error.
+        lengths or more than ``max_model_len`` tokens; ``CapacityError`` when the host pool,
+        the device pool or the state rows (``max_num_seqs``) are full. Nothing changes on
+        error.
         """
         self._check_open()
-        self.scheduler.add_request(request_id, prompt_len, max_new_tokens)
+        return self.scheduler.add_request(request_id, prompt_len, max_new_tokens, token_ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page; returns how many were dropped."""
+        self._check_open()
+        return self.scheduler.reset_prefix_cache()
 
     def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
@@ -348,11 +381,11 @@ class HiSparseRuntime:
 
         1. One copy per row size moves every new row of every source layer from its resident
            page to the host pool (write-through).
-        2. Sealed resident pages outside the last ``ACTIVE_TAIL_PAGES`` go back to the device
-           pool (their host copy is durable: see the module docstring for the ordering).
-           A request's first release also gives it its hot region; if the pool cannot hold
-           it, the request keeps its pages resident (still exact) and tries again at the
-           next commit (``stats().deferred_offloads`` counts this).
+        2. Committed pages become durable: under memory pressure (or past the admission
+           window) a request takes its hot region and unpins its committed pages outside the
+           last ``ACTIVE_TAIL_PAGES``: their blocks go back to the pool but stay readable
+           until reused (see ``HiSparseScheduler`` for the residency rules). Full prompt
+           pages are published for prefix reuse.
         3. Sliding-window groups release pages that left every future query's window.
 
         Call it once per step, after the step's attention has read the rows ``resolve``
@@ -398,7 +431,9 @@ class HiSparseRuntime:
           (outputs -1).
         - ``topk``: ``[R, K]`` integer token positions on the runtime's device, ``K <=
           device_buffer_size``; any value is allowed: negative, ``>= seq_len`` or huge
-          positions resolve to -1.
+          positions resolve to -1. ``[R, Q, K]`` for Q speculative (MTP) query tokens per
+          request: each request's Q selections resolve as one union (a shared position takes
+          one slot and one transfer), the result is ``[R, Q, K]``.
         Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for the leader and
         every follower (-1 = masked), until the next ``commit()``/``free_request()`` or the
         next resolve of this index group for the same request. Misses are gathered host ->
@@ -436,14 +471,10 @@ class HiSparseRuntime:
         it between steps, not inside the decode path."""
         self._check_open()
         s, w = self.scheduler.stats(), self.worker.stats()
-        return HiSparseStats(
-            hits=w.hits, misses=w.misses, masked=w.masked, h2d_bytes=w.h2d_bytes,
-            d2h_bytes=w.d2h_bytes, resident_blocks=s.resident_blocks, hot_blocks=s.hot_blocks,
-            host_blocks=s.host_blocks, indexer_blocks=s.indexer_blocks,
-            regular_blocks=s.regular_blocks, device_blocks_total=s.device_blocks_total,
-            host_blocks_total=s.host_blocks_total, peak_device_blocks=s.peak_device_blocks,
-            peak_host_blocks=s.peak_host_blocks, num_requests=s.num_requests,
-            deferred_offloads=s.deferred_offloads)
+        shared = {f.name: getattr(s, f.name) for f in dataclasses.fields(HiSparseStats)
+                  if hasattr(s, f.name)}
+        return HiSparseStats(hits=w.hits, misses=w.misses, masked=w.masked,
+                             h2d_bytes=w.h2d_bytes, d2h_bytes=w.d2h_bytes, **shared)
 
     def reset_stats(self) -> None:
         """Zero the hit/miss/byte counters (occupancy is not a counter)."""

@@ -477,16 +477,24 @@ class HiSparseWorker:
         return state
 
     def check_topk(self, topk: object) -> None:
-        """``ValueError`` unless ``topk`` is a 2-D integer tensor of width in
-        ``[1, device_buffer_size]``."""
-        if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
-            raise ValueError(f"topk must be a 2-D [rows, k] tensor, got "
+        """``ValueError`` unless ``topk`` is an integer ``[R, K]`` tensor, or ``[R, Q, K]``
+        (Q speculative query tokens per request, ``Q <= max_decode_query_len``), whose
+        ``Q * K`` columns fit the hot buffer (``device_buffer_size``)."""
+        if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
+            raise ValueError(f"topk must be a [rows, k] or [rows, q, k] tensor, got "
                              f"{type(topk).__name__} of shape "
                              f"{tuple(getattr(topk, 'shape', ()))}.")
         if topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
             raise ValueError(f"topk must hold integer positions, got {topk.dtype}.")
-        if not 1 <= topk.shape[1] <= self.device_buffer_size:
-            raise ValueError(f"top-k width {topk.shape[1]} must be in [1, device_buffer_size="
+        if topk.dim() == 3:
+            q = topk.shape[1]
+            limit = self.config.hisparse.max_decode_query_len
+            if not 1 <= q <= limit:
+                raise ValueError(f"topk [rows, q, k] has q={q} query tokens per request; "
+                                 f"max_decode_query_len is {limit}.")
+        width = topk.shape[-1] * (topk.shape[1] if topk.dim() == 3 else 1)
+        if not 1 <= width <= self.device_buffer_size:
+            raise ValueError(f"top-k width {width} (q x k) must be in [1, device_buffer_size="
                              f"{self.device_buffer_size}].")
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
@@ -496,7 +504,11 @@ class HiSparseWorker:
         ``state_rows``: ``[R] int32`` (the scheduler's ``state_rows(ids)``), -1 = padding;
         a row that is not live resolves against an empty request (all -1). ``topk``:
         ``[R, K]`` integer token positions, ``K <= device_buffer_size``; any value is allowed
-        (negative, ``>= seq_len`` or huge positions resolve to -1). Returns ``[R, K] int32``
+        (negative, ``>= seq_len`` or huge positions resolve to -1). Speculative decoding:
+        ``[R, Q, K]`` (``Q <= max_decode_query_len``, ``Q * K <= device_buffer_size``)
+        resolves each request's Q selections as ONE union: a position several draft tokens
+        select takes one hot slot and is gathered (and counted as a miss) once; the result
+        is ``[R, Q, K]``. Returns ``[R, K] int32``
         rows of ``device_cache(layer)`` valid for the leader and every follower (-1 =
         masked), until the next plan that releases pages or the next resolve of this index
         group for the same request. Misses are gathered host -> device into the hot rows of
@@ -506,6 +518,9 @@ class HiSparseWorker:
         self._check_open()
         group = self._index_group(leader_layer)
         self.check_topk(topk)
+        shape = tuple(topk.shape)
+        if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
+            topk = topk.reshape(shape[0], shape[1] * shape[2])
         R, K = topk.shape
         if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
                 or tuple(state_rows.shape) != (R,)):
@@ -513,7 +528,7 @@ class HiSparseWorker:
                              f"{getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
                              f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
         if R == 0:
-            return torch.empty(0, K, dtype=torch.int32, device=self.device)
+            return torch.empty(shape, dtype=torch.int32, device=self.device)
         with torch.inference_mode(False), torch.no_grad():
             state_rows = self._on_device(state_rows)
             topk = self._on_device(topk)
@@ -532,7 +547,7 @@ class HiSparseWorker:
             ops.copy_rows(group.device_table, group.host_table, result.miss_src,
                           result.miss_dst, result.miss_count, backend=self.backend)
             group.counters += result.stats.sum(dim=0)
-        return result.rows
+        return result.rows.view(shape)
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the worker's device; a CPU tensor bound for CUDA is staged through

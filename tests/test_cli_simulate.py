@@ -86,7 +86,7 @@ def _run(capsys, *argv):
     (["--locality", "2"], 2, "must be in [0, 1]"),
     (["--requests", "0"], 2, "must be an integer >= 1"),
     (["--prompt-len", "2000"], 1, "exceed the tiny preset's max context of 1024"),
-    (["--device-blocks", "3"], 1, "error: request 0: appending 100 tokens needs"),
+    (["--device-blocks", "3"], 1, "error: cannot add request 0: its hot region needs"),
     (["--host-blocks", "8"], 1, "increase host_pool_gib"),
     # both used to end in a traceback (torch's RuntimeError) or a crash (libgomp)
     (["--device", "tpu"], 1, "error: device 'tpu' is not a torch device"),

@@ -22,6 +22,8 @@ from hisparse_triton.workload import plan_for_workload
 
 B, TOPK, BUFFER, ROW = 4, 8, 16, 64
 HOT_BLOCKS = cdiv(BUFFER, B)
+#: Offload as soon as possible (most tests here exercise the host + hot-buffer path).
+EAGER = 1.0
 L0, L1, L2, L3 = (f"model.layers.{i}.self_attn.attn" for i in range(4))
 FULL, SWA = "model.layers.4.full_attn", "model.layers.5.swa"
 
@@ -41,6 +43,7 @@ def make_runtime(*, max_num_seqs=3, max_model_len=96, host_blocks=None, device_b
                              device_blocks=device_blocks)
     return HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=max_num_seqs,
                            device=device, backend=backend, offload_threshold_pages=threshold,
+                           free_block_watermark=kwargs.pop("free_block_watermark", EAGER),
                            **kwargs)
 
 
@@ -198,19 +201,52 @@ def test_append_past_reservation_changes_nothing():
 
 
 def test_device_capacity_error_changes_nothing_and_recovers():
-    # 10 pages x 4 paged groups (indexer, 2 resident, full) + SWA pages = more than 30 blocks.
+    # 31 blocks: 30 allocatable, 2 x 8 hot blocks reserved at admission -> 14 for pages;
+    # a page costs a block in each of the 5 paged groups (indexer, 2 resident, full, swa).
     with make_runtime(device_blocks=31, threshold=100) as rt:
         rt.add_request("a", 40, 0)
         rt.add_request("b", 40, 0)
-        rt.append_slots("a", 24)   # 6 pages x 5 paged groups = 30 blocks
+        assert rt.scheduler.available_device_blocks == 30 - 2 * 2 * HOT_BLOCKS
+        rt.append_slots("a", 8)    # 2 pages x 5 paged groups = 10 blocks
         before = pool_counts(rt)
         with pytest.raises(CapacityError, match=r"'b': appending 4 tokens needs 5 device "
-                                                r"blocks, 0 of 30 are free"):
+                                                r"blocks, 4 of 30 are available"):
             rt.append_slots("b", 4)
         assert pool_counts(rt) == before and rt.seq_len("b") == 0
         rt.free_request("a")
         rt.append_slots("b", 4)
         assert rt.seq_len("b") == 4
+
+
+def test_admission_reserves_the_hot_region():
+    """A request is admitted only if its hot region fits next to the others' reservations,
+    and appends never eat into a reservation: an offload can never fail for lack of
+    blocks."""
+    with make_runtime(device_blocks=1 + 3 * 2 * HOT_BLOCKS + 5, threshold=1, max_num_seqs=4,
+                      regular=False) as rt:
+        for rid in ("a", "b", "c"):
+            rt.add_request(rid, 8, 8)
+        before = rt._debug_snapshot()
+        with pytest.raises(CapacityError, match=r"'d': its hot region needs 8 device "
+                                                r"blocks, 5 of 29 are available"):
+            rt.add_request("d", 8, 8)
+        assert rt._debug_snapshot() == before
+        with pytest.raises(CapacityError, match="needs 6 device blocks, 5 of 29"):
+            rt.append_slots("a", 5)       # 2 pages x 3 groups: only 5 are not reserved
+        rt.append_slots("a", 4)
+    with make_runtime(device_blocks=1 + 2 * 2 * HOT_BLOCKS + 9, threshold=1,
+                      regular=False) as rt:
+        oracle = DenseOracle(rt)
+        rt.add_request("a", 12, 4)
+        rt.add_request("b", 4, 4)
+        oracle.add("a")
+        write_random(rt, oracle, "a", 12)  # 3 pages x 3 groups: every unreserved block
+        assert rt.scheduler.available_device_blocks == 0
+        rt.commit()                        # a offloads into its reserved region
+        stats = rt.stats()
+        assert stats.hot_blocks == 2 * HOT_BLOCKS and stats.offloaded_requests == 1
+        topk = torch.arange(TOPK, dtype=torch.int32).view(1, -1)
+        oracle.check_resolve(L0, ["a"], topk, rt.resolve(L0, ["a"], topk))
 
 
 # ----------------------------------------------------------------------------- commit
@@ -249,9 +285,8 @@ def test_release_keeps_active_tail_and_allocates_hot_region():
         assert rt.stats().resident_blocks == 2 * ACTIVE_TAIL_PAGES
 
 
-def test_default_threshold_offloads_only_when_it_saves_blocks():
-    with make_runtime(threshold=None) as rt:
-        assert rt.offload_threshold_pages == HOT_BLOCKS
+def test_offload_waits_for_the_threshold():
+    with make_runtime(threshold=HOT_BLOCKS) as rt:
         rt.add_request("a", 40, 8)
         rt.append_slots("a", (HOT_BLOCKS + 1) * B)   # HOT_BLOCKS - 1 pages outside the tail
         rt.commit()
@@ -261,24 +296,8 @@ def test_default_threshold_offloads_only_when_it_saves_blocks():
         rt.commit()
         assert rt.stats().hot_blocks == 2 * HOT_BLOCKS
         assert rt.stats().resident_blocks == 2 * ACTIVE_TAIL_PAGES
-
-
-def test_offload_is_deferred_when_the_hot_region_does_not_fit():
-    # One request of 3 pages: indexer 3 + resident 2x3 + full 3 + swa 3 = 15 blocks.
-    with make_runtime(device_blocks=16, threshold=1) as rt:
-        oracle = DenseOracle(rt)
-        rt.add_request("a", 12, 0)
-        oracle.add("a")
-        write_random(rt, oracle, "a", 12)
-        rt.commit()                       # 1 page per resident group releasable, hot needs 8
-        stats = rt.stats()
-        assert stats.deferred_offloads == 1 and stats.hot_blocks == 0
-        assert all(rt.block_table("a", L0))  # still fully resident
-        topk = torch.arange(TOPK, dtype=torch.int32).view(1, -1)
-        rows = rt.resolve(L0, ["a"], topk)
-        oracle.check_resolve(L0, ["a"], topk, rows)
-        assert rt.stats().misses == 0
-        oracle.check_pages("a")
+    with make_runtime(threshold=None) as rt:
+        assert rt.offload_threshold_pages == 1   # the hot region is reserved: no extra cost
 
 
 def test_sliding_window_pages_are_released():
@@ -354,7 +373,7 @@ def test_resolve_bad_input_raises_and_runtime_keeps_working(decoding):
         (ValueError, "top-k width 17", lambda: rt.resolve(
             L0, ["a"], torch.zeros(1, BUFFER + 1, dtype=torch.int32))),
         (ValueError, "integer positions", lambda: rt.resolve(L0, ["a", "b"], good.float())),
-        (ValueError, "2-D", lambda: rt.resolve(L0, ["a"], good[0])),
+        (ValueError, r"\[rows, k\] or", lambda: rt.resolve(L0, ["a"], good[0])),
         # a lone str id used to be split into characters ("2 rows but 1 request ids" or,
         # for a one-character id, silently accepted)
         (ValueError, "request_ids must be a list", lambda: rt.resolve(L0, "a", good[:1])),
@@ -530,21 +549,25 @@ def test_reused_state_row_and_host_blocks_start_with_an_empty_hot_buffer():
     with make_runtime(max_num_seqs=1, max_model_len=48, host_blocks=pages + 2,
                       device_blocks=60, regular=False) as rt:
         oracle = DenseOracle(rt, seed=5)
-        topk = torch.arange(TOPK, dtype=torch.int32).view(1, -1)   # offloaded pages 0-1
-        host_blocks = []
+        topk = torch.arange(5 * B, 7 * B, dtype=torch.int32).view(1, -1)  # a's pages 5-6
+        held = None
         for rid in ("a", "b"):
             rt.add_request(rid, 40, 8)
             oracle.add(rid)
             assert rt.state_row(rid) == 0
-            host_blocks.append(rt.host_block_table(rid))
             write_random(rt, oracle, rid, 40)
             rt.commit()
+            table = rt.host_block_table(rid)
+            if held is None:  # the host blocks a's hot slots will hold
+                held = table[5:7]
+            else:  # b selects exactly the positions that land in those host blocks
+                topk = torch.tensor([[table.index(h) * B + o for h in held for o in range(B)]],
+                                    dtype=torch.int32)
+                assert all(table.index(h) < cdiv(40, B) - 2 for h in held)  # offloaded
             for leader in rt.leaders:
                 oracle.check_resolve(leader, [rid], topk, rt.resolve(leader, [rid], topk))
             rt.free_request(rid)
             oracle.free(rid)
-        # b reuses a's host blocks for the same positions (the case a stale slot would hit).
-        assert host_blocks[1][1:3] == host_blocks[0][0:2]
         assert rt.stats().misses == 2 * 2 * TOPK    # b missed everything, like a did
 
 
@@ -615,12 +638,12 @@ def test_released_pages_are_reused_only_after_the_mirror_read_them(device):
     gets those blocks and overwrites them. On CUDA the stream is kept busy so the mirror
     runs late: stream order alone must keep the host copy exact (no host sync needed)."""
     layers = (L0, L1, L2, L3)
-    with make_runtime(max_num_seqs=2, device_blocks=31, regular=False, device=device,
+    # 38 allocatable: a's 40 tokens take 10 pages x 3 groups + its 8 reserved hot blocks
+    with make_runtime(max_num_seqs=2, device_blocks=39, regular=False, device=device,
                       backend="auto") as rt:
         rt.add_request("a", 40, 0)
-        rt.add_request("b", 8, 0)
         rows = rt.append_slots("a", 40)                 # the whole pool: 10 + 2 x 10 blocks
-        assert rt.device_block_pool.num_free == 0
+        assert rt.scheduler.available_device_blocks == 0   # (+ a's reserved hot region)
         data = {layer: torch.randint(0, 256, (40, ROW), dtype=torch.uint8, device=device)
                 for layer in layers}
         for layer in layers:
@@ -631,6 +654,7 @@ def test_released_pages_are_reused_only_after_the_mirror_read_them(device):
         if device == "cuda":
             torch.cuda._sleep(100_000_000)              # the mirror below waits behind this
         rt.commit()                                     # mirror enqueued, 16 blocks released
+        rt.add_request("b", 8, 0)
         rows_b = rt.append_slots("b", 8)                # reuses released resident blocks
         reused = {b for layer in (L0, L2) for b in rt.block_table("b", layer)}
         released = {b for layer in (L0, L2) for b in resident[layer][:8]}

@@ -67,7 +67,8 @@ def shared_plan(*, shared=True, tp=2, max_num_seqs=2, max_model_len=64):
 
 def make_rank(kvc, config, rank, name, **kwargs):
     return HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu", backend="torch",
-                           offload_threshold_pages=1, tp_rank=rank, host_pool_name=name,
+                           offload_threshold_pages=1, free_block_watermark=1.0,
+                           tp_rank=rank, host_pool_name=name,
                            **kwargs)
 
 
@@ -196,7 +197,8 @@ def test_two_cuda_ranks_pin_one_shared_pool():
     kvc, config = shared_plan()
     name = unique_name()
     ranks = [HiSparseRuntime(kvc, config, max_num_seqs=2, device="cuda",
-                             offload_threshold_pages=1, tp_rank=rank, host_pool_name=name)
+                             offload_threshold_pages=1, free_block_watermark=1.0,
+                             tp_rank=rank, host_pool_name=name)
              for rank in (0, 1)]
     try:
         assert all(rt._host_pool.pinned for rt in ranks)

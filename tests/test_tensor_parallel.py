@@ -123,7 +123,7 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         torch.set_num_threads(1)
         kvc, config = plan(world)
         scheduler = HiSparseScheduler(kvc, config, max_num_seqs=SEQS,
-                                      offload_threshold_pages=1) if rank == 0 else None
+                                      free_block_watermark=1.0) if rank == 0 else None
         if rank != 0:
             dist.barrier()  # rank 0 creates the pool first
         worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",

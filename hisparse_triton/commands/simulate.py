@@ -157,7 +157,8 @@ def simulate(*, preset: str = DEFAULT_PRESET, layers: Optional[int] = None, requ
     B = plan.block_size
     runtime = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=max_running,
                               device=device, backend=backend,
-                              offload_threshold_pages=offload_threshold_pages)
+                              offload_threshold_pages=offload_threshold_pages,
+                              free_block_watermark=1.0)
     try:
         leaders = runtime.leaders
         dense_bytes = max_running * max_len * sum(
@@ -274,7 +275,7 @@ def simulate(*, preset: str = DEFAULT_PRESET, layers: Optional[int] = None, requ
             "gpu_bytes_saved": all_gpu_peak - device_peak,
             "gpu_saved_fraction": (all_gpu_peak - device_peak) / all_gpu_peak
             if all_gpu_peak else 0.0,
-            "deferred_offloads": stats.deferred_offloads,
+            "unpinned_pages": stats.unpinned_pages,
             "verified": bool(verify),
             "rows_checked": oracle.rows_checked if oracle is not None else 0,
             "wall_seconds": wall,
