@@ -70,8 +70,8 @@ def shared_plan(*, shared=True, tp=2, max_num_seqs=2, max_model_len=64):
     return kvc, config
 
 
-def make_rank(kvc, config, rank, name, **kwargs):
-    return HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu", backend="torch",
+def make_rank(kvc, config, rank, name, backend="torch", **kwargs):
+    return HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu", backend=backend,
                            offload_threshold_pages=1, tp_rank=rank, host_pool_name=name,
                            **kwargs)
 
@@ -149,6 +149,31 @@ def test_two_ranks_share_one_pool_and_only_rank0_mirrors():
         rank1.close()
         rank0.close()
     assert not os.path.exists(shared_host_pool_path(name))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernels on CPU tensors (the interpreter)")
+def test_an_attached_rank_gathers_from_its_read_only_view_with_the_triton_kernels():
+    """The interpreter copies every tensor argument back after a launch: a read-only host
+    pool must survive that (torch skips a copy of a storage onto itself)."""
+    kvc, config = shared_plan()
+    name = unique_name()
+    ranks = [make_rank(kvc, config, rank, name, backend="triton") for rank in (0, 1)]
+    try:
+        assert not ranks[1]._host_pool.writable
+        oracles = [DenseOracle(rt, seed=3) for rt in ranks]
+        for rt, oracle in zip(ranks, oracles):
+            rt.add_request("a", 29, 4)
+            oracle.add("a")
+            oracle.write("a", rt.append_slots("a", 29))
+            rt.commit()
+        topk = torch.arange(TOPK, dtype=torch.int32).view(1, TOPK)
+        for rt, oracle in zip(ranks, oracles):
+            oracle.check_resolve(L0, ["a"], topk, rt.resolve(L0, ["a"], topk))
+        assert ranks[1].stats().misses > 0
+    finally:
+        for rt in reversed(ranks):
+            rt.close()
 
 
 def test_rank0_close_unlinks_while_rank1_keeps_its_mapping():
