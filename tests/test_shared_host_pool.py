@@ -76,6 +76,24 @@ def make_rank(kvc, config, rank, name, backend="torch", **kwargs):
                            **kwargs)
 
 
+def prefill_and_resolve_on_both(ranks, length, *, seed, device="cpu", barrier=None):
+    """Rank 0 and rank 1 prefill request "a" with the same calls and bytes and commit; after
+    ``barrier()``, rank 1 reads rank 0's mirror from the shared pool, and both resolve the
+    first ``TOPK`` positions exactly (checked against the dense oracle)."""
+    oracles = [DenseOracle(rt, seed=seed) for rt in ranks]
+    for rt, oracle in zip(ranks, oracles):
+        rt.add_request("a", length, 4)
+        oracle.add("a")
+        oracle.write("a", rt.append_slots("a", length))
+        rt.commit()
+    if barrier is not None:
+        barrier()
+    oracles[1].check_host("a", length)
+    topk = torch.arange(TOPK, device=device, dtype=torch.int32).view(1, TOPK)
+    for rt, oracle in zip(ranks, oracles):
+        oracle.check_resolve(L0, ["a"], topk, rt.resolve(L0, ["a"], topk))
+
+
 def bookkeeping(rt):
     """Every piece of a runtime's state except the d2h byte counter."""
     state = rt._debug_snapshot()
@@ -161,15 +179,7 @@ def test_an_attached_rank_gathers_from_its_read_only_view_with_the_triton_kernel
     ranks = [make_rank(kvc, config, rank, name, backend="triton") for rank in (0, 1)]
     try:
         assert not ranks[1]._host_pool.writable
-        oracles = [DenseOracle(rt, seed=3) for rt in ranks]
-        for rt, oracle in zip(ranks, oracles):
-            rt.add_request("a", 29, 4)
-            oracle.add("a")
-            oracle.write("a", rt.append_slots("a", 29))
-            rt.commit()
-        topk = torch.arange(TOPK, dtype=torch.int32).view(1, TOPK)
-        for rt, oracle in zip(ranks, oracles):
-            oracle.check_resolve(L0, ["a"], topk, rt.resolve(L0, ["a"], topk))
+        prefill_and_resolve_on_both(ranks, 29, seed=3)
         assert ranks[1].stats().misses > 0
     finally:
         for rt in reversed(ranks):
@@ -232,17 +242,9 @@ def test_two_cuda_ranks_pin_one_shared_pool():
              for rank in (0, 1)]
     try:
         assert all(rt._host_pool.pinned for rt in ranks)
-        oracles = [DenseOracle(rt, seed=2) for rt in ranks]
-        for rt, oracle in zip(ranks, oracles):
-            rt.add_request("a", 33, 4)
-            oracle.add("a")
-            oracle.write("a", rt.append_slots("a", 33))
-            rt.commit()
-        torch.cuda.synchronize()  # the "barrier": rank 0's mirror has landed
-        oracles[1].check_host("a", 33)
-        topk = torch.arange(TOPK, device="cuda", dtype=torch.int32).view(1, TOPK)
-        for rt, oracle in zip(ranks, oracles):
-            oracle.check_resolve(L0, ["a"], topk, rt.resolve(L0, ["a"], topk))
+        # The "barrier": rank 0's mirror has landed.
+        prefill_and_resolve_on_both(ranks, 33, seed=2, device="cuda",
+                                    barrier=torch.cuda.synchronize)
         assert ranks[1].stats().d2h_bytes == 0 and ranks[1].stats().misses > 0
     finally:
         for rt in reversed(ranks):
