@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hisparse_triton.commands.simulate",
     "hisparse_triton.commands.bench",
     "hisparse_triton.commands.tune",
+    "hisparse_triton.commands.shm",
 )
 
 

@@ -3,7 +3,7 @@
 Every error the runtime raises for a caller's mistake or a full pool is a ``HiSparseError``,
 so a serving loop can catch them all in one place; each also derives from the builtin class
 a Python programmer would expect (``ValueError``, ``LookupError``, ``MemoryError``,
-``RuntimeError``). Messages name the request and the numbers involved. A call that raises
+``RuntimeError``, ``OSError``, ``ImportError``). Messages name the request and the numbers involved. A call that raises
 leaves the runtime exactly as it was before the call.
 """
 
@@ -70,8 +70,10 @@ class BlockPoolError(HiSparseError, ValueError):
 
 
 class SharedHostPoolError(HiSparseError, OSError):
-    """A shared host pool cannot be created (its file exists) or attached (its file is
-    missing or has another size). Attribute: ``path`` (the pool's backing file)."""
+    """A shared host pool cannot be created (its file exists, no permission) or attached
+    (its file is missing, a symbolic link, not accessible, of another size or plan
+    fingerprint, or stale), or a stale-pool cleanup was refused. Attribute: ``path`` (the
+    pool's backing file)."""
 
     def __init__(self, message: str, path: str = "") -> None:
         super().__init__(message)
@@ -88,3 +90,18 @@ class RuntimeClosedError(HiSparseError, RuntimeError):
 class UncommittedTokensError(ReservationExceededError):
     """``append_slots`` would leave more tokens uncommitted than ``max_num_batched_tokens``
     (chunked prefill: commit the chunk before appending the next one)."""
+
+
+class UnsupportedVersionError(HiSparseError, ImportError):
+    """The installed torch or Triton is outside the supported range (``hisparse_triton.compat``).
+    Attributes: ``package``, ``found`` (its version, ``None`` when missing), ``supported``."""
+
+    def __init__(self, message: str, package: str, found: Optional[str],
+                 supported: str) -> None:
+        super().__init__(message)
+        self.package = package
+        self.found = found
+        self.supported = supported
+
+    def __str__(self) -> str:  # ImportError would otherwise show only the message arg anyway
+        return str(self.args[0])

@@ -8,34 +8,61 @@ pinned in place with ``cudaHostRegister`` rather than allocated with ``pin_memor
 torch's caching pinned allocator may round a huge request up (to the next power of two) and
 keeps the block cached after release, while registering an exact-size, 4 KiB-aligned buffer
 costs exactly the bytes asked for and is unpinned deliberately in ``close()``. Without CUDA
-it is plain CPU memory. Before allocating, it checks the available RAM (``MemAvailable``,
-capped by a container's cgroup memory limit) and refuses with ``HostMemoryError`` instead of
-letting the OS kill the process later.
+it is plain CPU memory. Both pools check memory before allocating (``memory.check_memory``):
+RAM for a host pool or a device pool on the CPU (``MemAvailable``, capped by a container's
+cgroup memory limit), free GPU memory for a device pool on CUDA; too little raises
+``HostMemoryError`` / ``CapacityError`` instead of an allocator error or an OOM kill later.
+``HostPool.memory_requests`` / ``DevicePool.memory_requests`` say what a pool would allocate,
+so a caller can check all of its allocations together before making any.
 
 Shared mode (``HostPool(..., shared_name=NAME, create=...)``): the pool is a file
-``<dir>/hisparse-NAME`` (``dir`` = ``/dev/shm``, else the system temp dir) mapped with
-``MAP_SHARED`` (``torch.from_file(shared=True)``), so the tensor-parallel ranks of one node
-hold ONE copy of the (identical) MLA KV history. The creating rank makes the file
-exclusively at its exact size and unlinks it in ``close()``; the other ranks attach to it.
+``<dir>/hisparse-NAME`` (``dir`` = ``/dev/shm``, else the system temp dir; see
+``hisparse_triton.shared_pool`` for its header) mapped ``MAP_SHARED``, so the
+tensor-parallel ranks of one node hold ONE copy of the (identical) MLA KV history:
+
+- the creating rank (tp_rank 0) makes the file exclusively at its exact size, writes a header
+  (its pid, the plan ``fingerprint``), maps it read-write and is the only process that ever
+  unlinks it: a process forked from it (a data-loader, a ``multiprocessing`` worker) that
+  closes or garbage-collects its copy of the pool neither unlinks the file nor unregisters
+  the creator's pinned memory;
+- the other ranks attach: the file is opened without following symbolic links, its header
+  must carry the same size and fingerprint, and its creator must still run (a pool left by a
+  killed rank 0 is refused as stale: ``hisparse-triton shm clean`` removes it). They map it
+  READ-ONLY (``PROT_READ``): they never write the pool, and a write through their view is a
+  bug that kills the process with ``SIGSEGV`` instead of corrupting the other ranks' KV. On
+  CUDA the read-only mapping is registered with ``cudaHostRegisterReadOnly`` (the GPU only
+  reads it too); where the device does not support that flag
+  (``cudaDevAttrHostRegisterReadOnlySupported`` = 0) the rank logs a warning and maps the
+  file read-write instead (``HostPool.writable`` says which).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
+import mmap
 import os
-import re
-import tempfile
+import tempfile  # noqa: F401 - shared_pool.pool_dir() falls back to tempfile.gettempdir()
+import warnings
 from typing import Optional
 
 import torch
 
-from hisparse_triton.errors import (
-    CapacityError,
-    HostMemoryError,
-    RuntimeClosedError,
-    SharedHostPoolError,
+from hisparse_triton import shared_pool
+from hisparse_triton.compat import check_versions
+from hisparse_triton.errors import HostMemoryError, RuntimeClosedError, SharedHostPoolError
+from hisparse_triton.memory import (  # noqa: F401 - re-exported: the pools' RAM helpers
+    MemoryRequest,
+    available_ram_bytes,
+    cgroup_available_bytes,
+    check_fraction,
+    check_memory,
 )
+
+check_versions()
+
+logger = logging.getLogger(__name__)
 
 #: Alignment of the host pool's first byte (one page; what DMA engines like).
 HOST_ALIGNMENT = 4096
@@ -45,106 +72,15 @@ HOST_ALIGNMENT = 4096
 #: launcher translates the host pointer with ``cuPointerGetAttribute``; with unified
 #: addressing both are equal).
 _REGISTER_FLAGS = 1 | 2
-
-
-def _meminfo_available() -> int:
-    """``MemAvailable`` from ``/proc/meminfo`` (bytes); falls back to free physical pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - exotic platforms
-        return 1 << 62
-
-
-def _read_int(path: str) -> Optional[int]:
-    try:
-        with open(path, encoding="ascii") as file:
-            text = file.read().strip()
-        return int(text) if text != "max" else None
-    except (OSError, ValueError):
-        return None
-
-
-def _stat_field(path: str, key: str) -> int:
-    try:
-        with open(path, encoding="ascii") as file:
-            for line in file:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-#: Per cgroup version: the memory controller's folder under the mount, then the files holding
-#: the limit, the usage and (in ``memory.stat``) the reclaimable inactive page cache.
-_CGROUP_FILES = {
-    2: ("", "memory.max", "memory.current", "inactive_file"),
-    1: ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-}
-
-
-def cgroup_available_bytes(proc_cgroup: str = "/proc/self/cgroup",
-                           root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Bytes this process may still use under its cgroup memory limits (v1 or v2), or
-    ``None`` when no limit applies.
-
-    A container's memory limit is invisible in ``/proc/meminfo`` (which shows the whole
-    machine) but is what the OOM killer enforces. For the process's cgroup and each ancestor
-    with a limit: ``limit - usage + inactive page cache`` (reclaimable); the smallest wins.
-    """
-    try:
-        with open(proc_cgroup, encoding="ascii") as file:
-            entries = [line.strip().split(":", 2) for line in file if line.strip()]
-    except OSError:
-        return None
-    best: Optional[int] = None
-    for entry in entries:
-        if len(entry) != 3:
-            continue
-        _, controllers, path = entry
-        if controllers == "":
-            version = 2
-        elif "memory" in controllers.split(","):
-            version = 1
-        else:
-            continue
-        folder, limit_file, usage_file, inactive_key = _CGROUP_FILES[version]
-        base = os.path.join(root, folder) if folder else root
-        parts = [part for part in path.split("/") if part]
-        for depth in range(len(parts), -1, -1):  # the cgroup, then its ancestors
-            directory = os.path.join(base, *parts[:depth])
-            limit = _read_int(os.path.join(directory, limit_file))
-            if limit is None or limit >= 1 << 60:   # "max" / v1's "unlimited"
-                continue
-            usage = _read_int(os.path.join(directory, usage_file)) or 0
-            inactive = _stat_field(os.path.join(directory, "memory.stat"), inactive_key)
-            available = max(0, limit - usage + inactive)
-            best = available if best is None else min(best, available)
-    return best
-
-
-def available_ram_bytes() -> int:
-    """RAM this process can still get (bytes): ``MemAvailable`` from ``/proc/meminfo``,
-    capped by the cgroup (container) memory limit when there is one."""
-    available = _meminfo_available()
-    limited = cgroup_available_bytes()
-    return available if limited is None else min(available, limited)
-
-
-_SHARED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+#: ``cudaHostRegisterReadOnly``: the device only reads the memory (needed to register a
+#: ``PROT_READ`` mapping).
+_REGISTER_READ_ONLY = 8
+_CPU = torch.device("cpu")
 
 
 def shared_host_pool_dir() -> str:
     """Folder of shared host pools: ``/dev/shm`` (RAM-backed), else the system temp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return shared_pool.pool_dir()
 
 
 def shared_host_pool_path(name: str) -> str:
@@ -152,20 +88,18 @@ def shared_host_pool_path(name: str) -> str:
 
     ``ValueError`` unless ``name`` is 1-201 characters of ``[A-Za-z0-9._-]`` starting with
     a letter or digit (so it is one plain file name)."""
-    if not isinstance(name, str) or _SHARED_NAME.fullmatch(name) is None:
-        raise ValueError(f"a shared host pool name must be 1-201 characters of "
-                         f"[A-Za-z0-9._-] starting with a letter or digit, got {name!r}.")
-    return os.path.join(shared_host_pool_dir(), f"hisparse-{name}")
+    return shared_pool.pool_path(name)
 
 
-def _map_file(fd: int, path: str, size: int) -> torch.Tensor:
-    """``[size] uint8`` ``MAP_SHARED`` mapping of the open file ``fd`` (page aligned).
-
-    Maps through ``/proc/self/fd/N`` where it exists, so the mapping is of the very file
-    checked through ``fd`` even if the name was replaced or unlinked meanwhile."""
-    proc = f"/proc/self/fd/{fd}"
-    source = proc if os.path.exists(proc) else path
-    return torch.from_file(source, shared=True, size=size, dtype=torch.uint8)
+def _map_fd(fd: int, nbytes: int, *, writable: bool) -> torch.Tensor:
+    """``[nbytes] uint8`` ``MAP_SHARED`` mapping of the open file ``fd`` from offset 0 (page
+    aligned), read-only unless ``writable``. The tensor keeps the mapping alive: it is
+    unmapped when the last view of it is dropped."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    with warnings.catch_warnings():  # torch warns that it cannot mark tensors read-only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _clear_cuda_last_error() -> None:
@@ -207,22 +141,29 @@ class HostPool(_Buffer):
       ``cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped)``
       through ``torch.cuda.cudart()``, which returns the ``cudaError_t`` (0 = success).
     - ``max_ram_fraction``: in ``(0, 1]``; refuse (``HostMemoryError``) if the pool needs
-      more than this fraction of the currently available RAM (``MemAvailable``).
+      more than this fraction of the currently available RAM (``check_memory``).
     - ``device``: the CUDA device whose work ``close()`` waits for before unpinning
       (default: the current device).
     - ``shared_name``: ``None`` (default: private memory of this process) or the name of a
       pool shared by the processes of one node (the TP ranks), backed by the file
-      ``shared_host_pool_path(shared_name)`` and mapped ``MAP_SHARED``.
+      ``shared_host_pool_path(shared_name)`` and mapped ``MAP_SHARED`` (see the module
+      docstring).
       ``create=True``: make that file exclusively (``SharedHostPoolError`` if it exists),
-      at exactly the rounded size (``posix_fallocate``: a too-small ``/dev/shm`` fails here
-      with ``HostMemoryError``, not with ``SIGBUS`` later); only the creator checks the RAM.
-      ``create=False``: attach to the existing file (``SharedHostPoolError`` if it is
-      missing or its size differs). ``close()`` of the creator unlinks the file; ranks still
-      attached keep their mapping (the memory lives until the last mapping goes).
+      at exactly the rounded size plus a 4 KiB header (``posix_fallocate``: a too-small
+      ``/dev/shm`` fails here with ``HostMemoryError``, not with ``SIGBUS`` later); only the
+      creator checks the RAM. ``create=False``: attach read-only to the existing file
+      (``SharedHostPoolError`` if it is missing, not a regular file, a symbolic link, not
+      accessible, of another size or fingerprint, or stale). ``close()`` of the creating
+      process unlinks the file; ranks still attached keep their mapping (the memory lives
+      until the last mapping goes).
+    - ``fingerprint``: a string identifying the plan (any text up to 2048 UTF-8 bytes, e.g.
+      a hash of the KV-cache config); the creator records it and an attaching rank must pass
+      the same one (``None`` counts as the empty string). Ignored for a private pool.
 
     ``tensor`` is the ``[size_bytes] uint8`` buffer (its contents start undefined);
-    ``close()`` waits for the device, unregisters the buffer and only then drops it; it is
-    idempotent, and ``with HostPool(...)`` closes.
+    ``writable`` is ``False`` for an attached rank's read-only view. ``close()`` waits for
+    the device, unregisters the buffer and only then drops it; it is idempotent, and
+    ``with HostPool(...)`` closes.
     """
 
     _kind = "host pool"
@@ -230,32 +171,29 @@ class HostPool(_Buffer):
     def __init__(self, size_bytes: int, *, pin: Optional[bool] = None,
                  max_ram_fraction: float = 0.9,
                  device: Optional[torch.device | str | int] = None,
-                 shared_name: Optional[str] = None, create: bool = True) -> None:
+                 shared_name: Optional[str] = None, create: bool = True,
+                 fingerprint: Optional[str] = None) -> None:
+        self._owner_pid = os.getpid()
         self._tensor: Optional[torch.Tensor] = None
         self._base: Optional[torch.Tensor] = None
+        self._unlink_path: Optional[str] = None
         self.pinned = False
+        self.writable = True
         self.shared_name = shared_name
         self.path: Optional[str] = None       # the backing file (shared mode)
         self.creator = shared_name is None or bool(create)
-        self._unlink_path: Optional[str] = None
         if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0:
             raise ValueError(f"HostPool size must be a positive number of bytes, "
                              f"got {size_bytes!r}.")
-        if (isinstance(max_ram_fraction, bool) or not isinstance(max_ram_fraction, (int, float))
-                or not 0 < max_ram_fraction <= 1):
-            raise ValueError(f"max_ram_fraction must be in (0, 1], got {max_ram_fraction!r}.")
+        check_fraction(max_ram_fraction)
         if not isinstance(create, bool):
             raise ValueError(f"HostPool.create must be True or False, got {create!r}.")
+        self.fingerprint = shared_pool.check_fingerprint(fingerprint)
         path = None if shared_name is None else shared_host_pool_path(shared_name)
         size = -(-size_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
-        available = available_ram_bytes()
-        if self.creator and size > max_ram_fraction * available:
-            raise HostMemoryError(
-                f"host pool of {size} B ({size / (1 << 30):.2f} GiB) exceeds "
-                f"{max_ram_fraction:.0%} of the available RAM ({available} B, "
-                f"{available / (1 << 30):.2f} GiB: MemAvailable, capped by the cgroup memory "
-                f"limit); lower host_pool_gib.",
-                resource="host RAM bytes", needed=size, available=available)
+        if self.creator:
+            check_memory(self.memory_requests(size, shared=path is not None),
+                         max_ram_fraction=max_ram_fraction)
         if pin is None:
             pin = torch.cuda.is_available()
         if pin and not torch.cuda.is_available():
@@ -270,96 +208,167 @@ class HostPool(_Buffer):
             shift = (-base.data_ptr()) % HOST_ALIGNMENT
             tensor = base[shift:shift + size]
         elif create:
-            base = tensor = self._create_shared(path, size)
+            base, tensor = self._create_shared(path, size)
         else:
-            base = tensor = self._attach_shared(path, size)
+            base, tensor = self._attach_shared(path, size, writable=False)
         self.size_bytes = size
         if pin:
-            cudart = torch.cuda.cudart()
-            result = cudart.cudaHostRegister(tensor.data_ptr(), size, _REGISTER_FLAGS)
-            err = int(result)
-            if err != 0:
-                _clear_cuda_last_error()
+            try:
+                base, tensor = self._pin(base, tensor)
+            except BaseException:
                 self._unlink()
-                try:
-                    reason = f" ({cudart.cudaGetErrorString(result)})"
-                except Exception:  # noqa: BLE001 - the number alone still says it
-                    reason = ""
-                raise HostMemoryError(
-                    f"cudaHostRegister of the {size} B ({size / (1 << 30):.2f} GiB) host pool "
-                    f"failed with cudaError {err}{reason}; the OS may limit locked memory "
-                    f"(ulimit -l) or the machine has too little RAM to pin it: lower "
-                    f"host_pool_gib.", resource="pinned host bytes", needed=size,
-                    available=available)
-            self.pinned = True
+                raise
         self._base, self._tensor = base, tensor
 
-    def _create_shared(self, path: str, size: int) -> torch.Tensor:
+    @staticmethod
+    def memory_requests(size_bytes: int, *, shared: bool = False,
+                        create: bool = True) -> list[MemoryRequest]:
+        """What a ``HostPool(size_bytes, ...)`` would allocate, for ``check_memory``: the
+        rounded size (plus the 4 KiB header of a shared pool) in host RAM, nothing for a rank
+        that attaches to a shared pool (``shared=True, create=False``)."""
+        if shared and not create:
+            return []
+        size = -(-size_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+        what = "shared host pool" if shared else "host pool"
+        extra = shared_pool.HEADER_BYTES if shared else 0
+        return [MemoryRequest(what, size + extra, _CPU, hint="host_pool_gib")]
+
+    def _pin(self, base: torch.Tensor, tensor: torch.Tensor) -> tuple[torch.Tensor,
+                                                                     torch.Tensor]:
+        """Register ``tensor`` with CUDA; returns the (possibly remapped) buffer."""
+        cudart = torch.cuda.cudart()
+        size = self.size_bytes
+        flags = _REGISTER_FLAGS | (0 if self.writable else _REGISTER_READ_ONLY)
+        result = cudart.cudaHostRegister(tensor.data_ptr(), size, flags)
+        if int(result) != 0 and not self.writable:
+            _clear_cuda_last_error()
+            logger.warning(
+                "cudaHostRegister with cudaHostRegisterReadOnly failed for the shared host "
+                "pool %s (cudaError %d; the device may lack "
+                "cudaDevAttrHostRegisterReadOnlySupported): this rank maps it read-write "
+                "instead. It still never writes it.", self.path, int(result))
+            base = tensor = None  # drop the read-only mapping before mapping it again
+            base, tensor = self._attach_shared(self.path, size, writable=True)
+            result = cudart.cudaHostRegister(tensor.data_ptr(), size, _REGISTER_FLAGS)
+        err = int(result)
+        if err != 0:
+            _clear_cuda_last_error()
+            try:
+                reason = f" ({cudart.cudaGetErrorString(result)})"
+            except Exception:  # noqa: BLE001 - the number alone still says it
+                reason = ""
+            available = available_ram_bytes()
+            raise HostMemoryError(
+                f"cudaHostRegister of the {size} B ({size / (1 << 30):.2f} GiB) host pool "
+                f"failed with cudaError {err}{reason}; the OS may limit locked memory "
+                f"(ulimit -l) or the machine has too little RAM to pin it: lower "
+                f"host_pool_gib.", resource="pinned host bytes", needed=size,
+                available=available)
+        self.pinned = True
+        return base, tensor
+
+    def _create_shared(self, path: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         folder = os.path.dirname(path)
+        total = shared_pool.HEADER_BYTES + size
         try:
             stat = os.statvfs(folder)
             free = stat.f_bavail * stat.f_frsize
         except OSError:  # pragma: no cover - the folder vanished
             free = None
-        if free is not None and size > free:
+        if free is not None and total > free:
             raise HostMemoryError(
-                f"shared host pool of {size} B ({size / (1 << 30):.2f} GiB) does not fit the "
-                f"{free} B free in {folder} (a container's /dev/shm is often small: raise "
+                f"shared host pool of {total} B ({total / (1 << 30):.2f} GiB) does not fit "
+                f"the {free} B free in {folder} (a container's /dev/shm is often small: raise "
                 f"--shm-size); lower host_pool_gib.", resource="shared memory bytes",
-                needed=size, available=free)
+                needed=total, available=free)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, flags, 0o600)
         except FileExistsError:
+            raise SharedHostPoolError(self._exists_message(path), path) from None
+        except PermissionError:
             raise SharedHostPoolError(
-                f"shared host pool {self.shared_name!r} already exists ({path}): another "
-                f"runtime created it (one creator, tp_rank 0, per name) or a crashed one left "
-                f"it behind; remove the file or pick another host_pool_name.", path) from None
+                f"permission denied creating the shared host pool {path}: this user may not "
+                f"write to {folder}.", path) from None
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, total)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise HostMemoryError(
-                        f"shared host pool of {size} B ({size / (1 << 30):.2f} GiB) could not "
-                        f"be allocated in {folder}: {exc.strerror}; lower host_pool_gib.",
-                        resource="shared memory bytes", needed=size,
+                        f"shared host pool of {total} B ({total / (1 << 30):.2f} GiB) could "
+                        f"not be allocated in {folder}: {exc.strerror}; lower host_pool_gib.",
+                        resource="shared memory bytes", needed=total,
                         available=free or 0) from None
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                os.ftruncate(fd, size)   # a file system without fallocate
-            tensor = _map_file(fd, path, size)
+                os.ftruncate(fd, total)   # a file system without fallocate
+            header = shared_pool.PoolHeader.for_this_process(size, self.fingerprint)
+            os.pwrite(fd, header.pack(), 0)
+            base = _map_fd(fd, total, writable=True)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
         os.close(fd)
         self.path = self._unlink_path = path
-        return tensor
+        return base, base[shared_pool.HEADER_BYTES:]
 
-    def _attach_shared(self, path: str, size: int) -> torch.Tensor:
+    def _exists_message(self, path: str) -> str:
+        info = shared_pool.inspect_pool(self.shared_name, os.path.dirname(path))
+        if info is not None and info.state == "stale":
+            why = (f"a crashed runtime left it behind (its creator, pid "
+                   f"{info.header.creator_pid}, is gone): remove it with `hisparse-triton shm "
+                   f"clean --name {self.shared_name}`")
+        elif info is not None and info.state == "alive":
+            why = (f"another runtime (pid {info.header.creator_pid}) created it and is "
+                   f"running: one creator (tp_rank 0) per name; pick another host_pool_name")
+        else:
+            why = ("another runtime created it or a crashed one left it behind; see "
+                   "`hisparse-triton shm list`, or pick another host_pool_name")
+        return f"shared host pool {self.shared_name!r} already exists ({path}): {why}."
+
+    def _attach_shared(self, path: str, size: int, *,
+                       writable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        fd = shared_pool.open_pool_file(
+            path, writable=writable,
+            missing=f": construct the creating runtime (tp_rank 0) first, with the same "
+                    f"host_pool_name ({self.shared_name!r})")
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise SharedHostPoolError(
-                f"shared host pool {self.shared_name!r} does not exist ({path}): construct "
-                f"the creating runtime (tp_rank 0) first, with the same host_pool_name.",
-                path) from None
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
+            header = shared_pool.read_header(fd, path)
+            wanted = self.fingerprint or ""
+            if header.fingerprint != wanted:
                 raise SharedHostPoolError(
-                    f"shared host pool {self.shared_name!r} ({path}) holds {actual} B but this "
-                    f"rank's plan needs {size} B: every rank must use the same KVCacheConfig.",
-                    path)
-            tensor = _map_file(fd, path, size)
+                    f"shared host pool {self.shared_name!r} ({path}) was created for plan "
+                    f"fingerprint {header.fingerprint!r} but this rank's plan has fingerprint "
+                    f"{wanted!r}: every rank must use the same KVCacheConfig.", path)
+            if header.data_bytes != size:
+                raise SharedHostPoolError(
+                    f"shared host pool {self.shared_name!r} ({path}) holds "
+                    f"{header.data_bytes} B but this rank's plan needs {size} B: every rank "
+                    f"must use the same KVCacheConfig.", path)
+            total = shared_pool.HEADER_BYTES + size
+            actual = os.fstat(fd).st_size
+            if actual < total:
+                raise SharedHostPoolError(
+                    f"shared host pool {self.shared_name!r} ({path}) is truncated: {actual} B "
+                    f"on disk, its header says {total} B.", path)
+            if shared_pool.creator_alive(header) is False:
+                raise SharedHostPoolError(
+                    f"shared host pool {self.shared_name!r} ({path}) is stale: its creator "
+                    f"(pid {header.creator_pid}) is gone, so nothing writes it; remove it with "
+                    f"`hisparse-triton shm clean --name {self.shared_name}` and start tp_rank "
+                    f"0 first.", path)
+            base = _map_fd(fd, total, writable=writable)
         finally:
             os.close(fd)
         self.path = path
-        return tensor
+        self.writable = writable
+        return base, base[shared_pool.HEADER_BYTES:]
 
     def _unlink(self) -> None:
         path, self._unlink_path = self._unlink_path, None
-        if path is not None:
+        if path is not None and os.getpid() == self._owner_pid:
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -380,8 +389,14 @@ class HostPool(_Buffer):
 
         Views taken earlier keep the (now unpinned) memory alive until they are dropped.
         A shared pool's creator also unlinks the backing file (attached ranks keep their
-        mapping).
+        mapping). In a process forked from the owner, ``close()`` only drops this process's
+        references: the file, the pinning and the memory belong to the owner.
         """
+        if getattr(self, "_owner_pid", None) != os.getpid():
+            self._tensor = self._base = None
+            self._unlink_path = None
+            self.pinned = False
+            return
         if getattr(self, "_tensor", None) is None:
             if getattr(self, "_unlink_path", None) is not None:
                 self._unlink()
@@ -421,30 +436,35 @@ class DevicePool(_Buffer):
 
     Every device group's layers view the same buffer at their own in-block byte offsets; the
     resident and hot views of a sparse layer are the same bytes. The buffer is zero-filled.
+    Before allocating it checks the memory (``check_memory``): the free memory of a CUDA
+    device, or ``max_ram_fraction`` of the available RAM for a pool on the CPU
+    (``CapacityError`` / ``HostMemoryError``).
     """
 
     _kind = "device pool"
 
     def __init__(self, num_blocks: int, bytes_per_block: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, max_ram_fraction: float = 0.9) -> None:
         for name, value in (("num_blocks", num_blocks), ("bytes_per_block", bytes_per_block)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"DevicePool.{name} must be a positive int, got {value!r}.")
         device = torch.device(device)
-        size = num_blocks * bytes_per_block
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            if size > free:
-                raise CapacityError(
-                    f"device pool of {num_blocks} blocks x {bytes_per_block} B = {size} B does "
-                    f"not fit the {free} B free on {device}; lower num_gpu_blocks_override or "
-                    f"the GPU memory budget.", resource="device bytes", needed=size,
-                    available=free)
+        check_memory(self.memory_requests(num_blocks, bytes_per_block, device),
+                     max_ram_fraction=max_ram_fraction)
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.device = device
-        self._tensor: Optional[torch.Tensor] = torch.zeros(size, dtype=torch.uint8,
-                                                           device=device)
+        self._tensor: Optional[torch.Tensor] = torch.zeros(num_blocks * bytes_per_block,
+                                                           dtype=torch.uint8, device=device)
+
+    @staticmethod
+    def memory_requests(num_blocks: int, bytes_per_block: int,
+                        device: torch.device | str) -> list[MemoryRequest]:
+        """What a ``DevicePool(num_blocks, bytes_per_block, device)`` would allocate, for
+        ``check_memory``."""
+        return [MemoryRequest(f"device pool ({num_blocks} blocks x {bytes_per_block} B)",
+                              num_blocks * bytes_per_block, torch.device(device),
+                              hint="num_gpu_blocks_override or the GPU memory budget")]
 
     @property
     def size_bytes(self) -> int:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hisparse_triton import pools
+from hisparse_triton import memory
 from hisparse_triton.errors import CapacityError, HostMemoryError, RuntimeClosedError
 from hisparse_triton.pools import HOST_ALIGNMENT, DevicePool, HostPool
 
@@ -20,17 +20,13 @@ def test_host_pool_is_aligned_and_rounded():
 
 
 def test_host_pool_refuses_more_than_available_ram(monkeypatch):
-    monkeypatch.setattr(pools, "available_ram_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(memory, "available_ram_bytes", lambda: 1 << 20)
     with pytest.raises(HostMemoryError, match=r"exceeds 90% of the available RAM \(1048576 B") \
             as info:
         HostPool(1 << 20, pin=False)
     assert isinstance(info.value, CapacityError)
     assert info.value.needed == 1 << 20 and info.value.available == 1 << 20
     HostPool(900_000, pin=False, max_ram_fraction=0.9).close()
-
-
-def test_available_ram_is_positive():
-    assert pools.available_ram_bytes() > 0
 
 
 def test_host_pool_close_is_idempotent_and_blocks_use():
@@ -185,41 +181,3 @@ def test_host_pool_unpinned_pool_never_calls_cuda(fake_cuda):
 def test_host_pool_bad_ram_fraction(fraction):
     with pytest.raises(ValueError, match="max_ram_fraction"):
         HostPool(4096, pin=False, max_ram_fraction=fraction)
-
-
-def _write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def test_cgroup_v2_limit_caps_available_ram(tmp_path):
-    _write(tmp_path / "proc", "0::/kubepods/pod1/ctr\n")
-    root = tmp_path / "cg"
-    _write(root / "kubepods/pod1/ctr/memory.max", "max\n")          # no limit of its own
-    _write(root / "kubepods/pod1/memory.max", "1000000\n")          # the pod's limit
-    _write(root / "kubepods/pod1/memory.current", "600000\n")
-    _write(root / "kubepods/pod1/memory.stat", "anon 500000\ninactive_file 100000\n")
-    _write(root / "kubepods/memory.max", "5000000\n")
-    _write(root / "kubepods/memory.current", "4500000\n")           # 500000 left up here
-    assert pools.cgroup_available_bytes(str(tmp_path / "proc"), str(root)) == 500_000
-
-
-def test_cgroup_v1_limit_and_unlimited(tmp_path):
-    _write(tmp_path / "proc", "12:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n")
-    root = tmp_path / "cg"
-    _write(root / "memory/docker/abc/memory.limit_in_bytes", "2000000\n")
-    _write(root / "memory/docker/abc/memory.usage_in_bytes", "1500000\n")
-    _write(root / "memory/docker/abc/memory.stat", "cache 1\ntotal_inactive_file 250000\n")
-    _write(root / "memory/memory.limit_in_bytes", "9223372036854771712\n")   # unlimited
-    assert pools.cgroup_available_bytes(str(tmp_path / "proc"), str(root)) == 750_000
-    _write(root / "memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n")
-    assert pools.cgroup_available_bytes(str(tmp_path / "proc"), str(root)) is None
-    assert pools.cgroup_available_bytes(str(tmp_path / "missing"), str(root)) is None
-
-
-def test_available_ram_is_the_smaller_of_meminfo_and_cgroup(monkeypatch):
-    monkeypatch.setattr(pools, "_meminfo_available", lambda: 10 << 30)
-    monkeypatch.setattr(pools, "cgroup_available_bytes", lambda: 3 << 30)
-    assert pools.available_ram_bytes() == 3 << 30
-    monkeypatch.setattr(pools, "cgroup_available_bytes", lambda: None)
-    assert pools.available_ram_bytes() == 10 << 30
