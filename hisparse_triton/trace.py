@@ -27,13 +27,15 @@ of the runtime.
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+
+from hisparse_triton.fileio import write_atomically
 
 #: ``format`` of a trace file.
 TRACE_FORMAT = "hisparse-triton/topk-trace"
@@ -219,19 +221,9 @@ def save_trace(trace: TopkTraceFile, path: str) -> None:
         "positions": trace.positions.astype(np.int32),
         "metadata": np.asarray(json.dumps(trace.metadata, sort_keys=True)),
     }
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".hisparse-", suffix=".npz", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez_compressed(handle, **arrays)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    write_atomically(path, buffer.getvalue(), suffix=".npz")
 
 
 def load_trace(path: str) -> TopkTraceFile:
