@@ -106,6 +106,8 @@ def _bytes(n: float) -> str:
 
 def format_advice(p: dict[str, Any]) -> str:
     """The human-readable sweep and recommendation."""
+    from hisparse_triton.advisor import RECOMMEND_TOLERANCE
+
     lines = [
         f"hisparse-triton advise: {p['preset']} ({p['sparse_layers']} sparse layers, "
         f"{p['index_groups']} index groups, {p['row_bytes']} B rows), {p['context_len']} tokens "
@@ -139,7 +141,9 @@ def format_advice(p: dict[str, Any]) -> str:
         lines.append(f"recommended: block_size {best['block_size']}, device_buffer_size "
                      f"{best['device_buffer_size']}: about {best['tokens_per_s']:,.0f} "
                      f"tokens/s at batch {best['batch']} (miss rate "
-                     f"{100 * best['miss_rate']:.1f}%)")
+                     f"{100 * best['miss_rate']:.1f}%; estimates within "
+                     f"{100 * RECOMMEND_TOLERANCE:g}% of the best count as equal, the least GPU "
+                     f"memory per request wins)")
     else:
         lines.append("recommended: none: no setting of the sweep fits the budget")
     lines.append(f"formula: {p['formula']}")
