@@ -709,6 +709,7 @@ class RunSpec:
     spec_tokens: int = 1
     device_blocks: Optional[int] = None
     offload_threshold_pages: Optional[int] = None
+    free_block_watermark: Optional[float] = None
     backend: str = "torch"
     device: str = "cpu"
     seed: int = 0
@@ -740,7 +741,9 @@ def build_runtime(spec: RunSpec) -> HiSparseRuntime:
                              device_blocks=spec.device_blocks)
     return HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=running,
                            device=spec.device, backend=spec.backend,
-                           offload_threshold_pages=spec.offload_threshold_pages)
+                           offload_threshold_pages=spec.offload_threshold_pages,
+                           **({} if spec.free_block_watermark is None else
+                              {"free_block_watermark": spec.free_block_watermark}))
 
 
 def all_gpu_blocks(runtime: HiSparseRuntime, spec: RunSpec) -> int:

@@ -7,7 +7,14 @@ module level (``plan`` has to start fast): import heavy dependencies inside ``ru
 
 Bad flags (argparse errors) exit 2, and a ``ValueError`` raised by a command (invalid
 configuration, a plan that does not fit) exits 1; both print ONE line on stderr and no
-traceback.
+traceback. ``hisparse-triton`` without a command prints the help and exits 0.
+
+Conventions every command follows: ``--top-k`` (``--topk`` is a hidden alias), ``--json
+PATH|-`` (``commands.output``: a bare ``--json`` or ``-`` writes to stdout, every document
+carries ``schema`` and ``schema_version``), ``--seed`` in ``[0, 2**32 - 1]``, numbers out of
+their plausible range rejected with the flag and the range named (``commands.argtypes``),
+``--progress/--no-progress`` for one tqdm bar style with an ETA
+(``benchmarks.progress``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hisparse_triton.commands.bench",
     "hisparse_triton.commands.tune",
     "hisparse_triton.commands.shm",
+    "hisparse_triton.commands.advise",
 )
 
 
@@ -48,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Hierarchical sparse-attention KV offload "
                      "(HiSparse) on Triton: plan, run and measure.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=False,
                                        parser_class=_Parser)
     for module_name in COMMAND_MODULES:
         module = importlib.import_module(module_name)
@@ -71,6 +79,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0
+    if args.command is None:  # bare `hisparse-triton`: the help, not an error
+        parser.print_help()
+        return 0
     try:
         return int(args._run(args) or 0)
     except ValueError as exc:

@@ -487,6 +487,15 @@ class HiSparseScheduler:
                 f"{self.host_block_pool.capacity} are free.", resource="host blocks",
                 needed=new_host, available=self.host_block_pool.num_free - free_hits,
                 request_id=request_id)
+        j = self.journal
+        with j.transaction():
+            self._reclaim(self._hot_cost + len(hits) * len(self._paged))
+            return self._admit(request_id, prompt_len, max_new_tokens, token_ids is not None,
+                               hashes, hits, new_host)
+
+    def _admit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
+               with_tokens: bool, hashes: list[bytes], hits: list[_PrefixEntry],
+               new_host: int) -> int:
         adopted_free = sum(1 for e in hits for b in e.blocks.values()
                            if b and self.device_block_pool.is_free(b))
         available = self.available_device_blocks - adopted_free
@@ -513,7 +522,7 @@ class HiSparseScheduler:
             for page, block in enumerate(host_blocks):
                 j.setitem(self._writes, host_col + page, block)
             j.setattr(self, "_hot_reserved", self._hot_reserved + self._hot_cost)
-            self._count("prefix_query_tokens", prompt_len if token_ids is not None else 0)
+            self._count("prefix_query_tokens", prompt_len if with_tokens else 0)
             if hits:
                 self._adopt_device(req, hits)
             self._track_peaks()
@@ -620,6 +629,15 @@ class HiSparseScheduler:
                 f"more.", request_id)
         new_pages = [g.new_pages(req.seq_len, new_len) for g in self._paged]
         needed = sum(new_pages)
+        j = self.journal
+        with j.transaction():
+            self._reclaim(needed)
+            return self._append(req, new_len, new_pages, needed)
+
+    def _append(self, req: _Request, new_len: int, new_pages: list[int],
+                needed: int) -> dict[str, np.ndarray]:
+        request_id = req.request_id
+        num_tokens = new_len - req.seq_len
         if needed > self.available_device_blocks:
             available = max(self.available_device_blocks, 0)
             raise CapacityError(
@@ -793,6 +811,25 @@ class HiSparseScheduler:
                 if block:
                     self._unpin(req, group, page, block)
         self.journal.setattr(req, "released_pages", limit)
+
+    def _reclaim(self, needed: int) -> None:
+        """Before an allocation of ``needed`` blocks that does not fit: offload requests
+        holding durable pages pinned (most such pages first) until it fits or none is left.
+        Their pages stay readable in the free queue; only blocks actually reused are lost."""
+        if needed <= self.available_device_blocks or not self._resident:
+            return
+        B = self.block_size
+
+        def pinned_clean(req: _Request) -> int:
+            limit = min(req.committed_len // B, cdiv(req.seq_len, B) - ACTIVE_TAIL_PAGES)
+            return limit - req.released_pages
+
+        candidates = sorted((r for r in self._requests.values() if pinned_clean(r) > 0),
+                            key=lambda r: (-pinned_clean(r), r.row))
+        for req in candidates:
+            if needed <= self.available_device_blocks:
+                break
+            self._release_resident(req, pressure=True)
 
     def _offload(self, req: _Request) -> None:
         """Give the request its hot region (reserved at admission)."""

@@ -26,12 +26,21 @@ cannot be read, is not JSON, or has another schema or version is reported with a
 is reported and skipped. Nothing here raises on a bad file.
 
 ``lookup(kernel, row_bytes, num_layers)`` is what the launch-config code calls at start-up:
-the file is read once per path and memoised (``invalidate()`` forgets it).
+the file is read once per path and memoised (``invalidate()`` forgets it). Without an entry
+for the exact shape it takes the *nearest* tuned shape of the same kernel and row size (the
+layer count nearest on a log scale: a 61-layer mirror uses the 64- or 32-layer entry rather
+than the built-in default); a config tuned for another row size is not used (the best tile
+depends on it). Each shape that is not found exactly is logged once (``logging``, logger
+``hisparse_triton.tuning_cache``): INFO when a nearest entry stands in, WARNING when the
+device has tuned entries but none for this kernel and row size, DEBUG when there is no
+cache at all.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import tempfile
@@ -49,6 +58,8 @@ SCHEMA = "hisparse-triton/tuning-cache"
 VERSION = 1
 
 T = TypeVar("T")
+
+_LOG = logging.getLogger(__name__)
 
 
 class TuningCacheWarning(UserWarning):
@@ -220,7 +231,21 @@ class TuningCache:
         return cls(path, name, problem=why)
 
     def get(self, kernel: str, row_bytes: int, num_layers: int) -> Optional[TuningEntry]:
+        """The entry of exactly this shape, or ``None``."""
         return self.entries.get(entry_key(kernel, row_bytes, num_layers))
+
+    def nearest(self, kernel: str, row_bytes: int, num_layers: int) -> Optional[TuningEntry]:
+        """The exact entry, else the entry of the same kernel and row size whose layer count
+        is nearest on a log scale (a tie goes to the larger count), else ``None``."""
+        exact = self.get(kernel, row_bytes, num_layers)
+        if exact is not None:
+            return exact
+        same = [e for e in self.entries.values()
+                if e.kernel == kernel and e.row_bytes == row_bytes]
+        if not same:
+            return None
+        return min(same, key=lambda e: (abs(math.log2(e.num_layers / max(num_layers, 1))),
+                                        -e.num_layers))
 
     def put(self, entry: TuningEntry) -> None:
         """Add or replace the entry with ``entry``'s key (in memory; ``save()`` writes)."""
@@ -260,11 +285,15 @@ def now_iso() -> str:
 
 #: Memoised caches by resolved file path (``lookup`` reads each file once).
 _MEMO: dict[Path, TuningCache] = {}
+#: Shapes already logged by ``lookup`` (one message per cache file and shape).
+_LOGGED: set[tuple[Path, str]] = set()
 
 
 def invalidate() -> None:
-    """Forget the memoised caches: the next ``lookup`` reads the file again."""
+    """Forget the memoised caches (and which shapes were logged): the next ``lookup`` reads
+    the file again."""
     _MEMO.clear()
+    _LOGGED.clear()
 
 
 def load_current(device_name: Optional[str] = None) -> TuningCache:
@@ -278,17 +307,46 @@ def load_current(device_name: Optional[str] = None) -> TuningCache:
     return cache
 
 
-def lookup(kernel: str, row_bytes: int, num_layers: int, *,
-           device_name: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """The tuned launch config of ``kernel`` for rows of ``row_bytes`` and ``num_layers``
-    layers per launch on the current device, or ``None`` when none is cached (exact key match).
+def _log_once(cache: TuningCache, key: str, level: int, message: str) -> None:
+    if (cache.path, key) in _LOGGED:
+        return
+    _LOGGED.add((cache.path, key))
+    _LOG.log(level, message)
 
+
+def lookup(kernel: str, row_bytes: int, num_layers: int, *,
+           device_name: Optional[str] = None, nearest: bool = True) -> Optional[dict[str, Any]]:
+    """The tuned launch config of ``kernel`` for rows of ``row_bytes`` and ``num_layers``
+    layers per launch on the current device, or ``None`` (the built-in default applies).
+
+    ``nearest`` (default): without an exact entry, the nearest tuned shape of the same
+    kernel and row size (``TuningCache.nearest``); every inexact answer is logged once.
     Never raises because of the file: a bad file warns once (per path) and yields ``None``.
     """
     if disabled():
         return None
-    entry = load_current(device_name).get(kernel, row_bytes, num_layers)
-    return dict(entry.config) if entry is not None else None
+    cache = load_current(device_name)
+    key = entry_key(kernel, row_bytes, num_layers)
+    entry = cache.get(kernel, row_bytes, num_layers)
+    if entry is not None or not nearest:
+        return dict(entry.config) if entry is not None else None
+    entry = cache.nearest(kernel, row_bytes, num_layers)
+    if entry is not None:
+        _log_once(cache, key, logging.INFO,
+                  f"hisparse-triton: no tuned launch config for {key} in {cache.path}; using "
+                  f"the nearest tuned shape {entry.key}.")
+        return dict(entry.config)
+    if cache.entries:
+        _log_once(cache, key, logging.WARNING,
+                  f"hisparse-triton: no tuned launch config for {kernel} with {row_bytes} B "
+                  f"rows in {cache.path} (it has {', '.join(sorted(cache.entries))}); the "
+                  f"built-in default is used for {key}. `hisparse-triton tune --kernel "
+                  f"{kernel} --row-bytes {row_bytes}` tunes it.")
+    else:
+        _log_once(cache, key, logging.DEBUG,
+                  f"hisparse-triton: no tuning cache at {cache.path}; the built-in default is "
+                  f"used for {key}.")
+    return None
 
 
 def config_from_entry(cls: type[T], config: Mapping[str, Any], *,

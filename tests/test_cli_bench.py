@@ -49,7 +49,7 @@ def test_tiny_sweep_writes_json_and_table(tiny_run):
     rc, stdout, stderr, out = tiny_run
     assert rc == 0, stderr
     result = json.loads((out / "r.json").read_text())
-    assert result["schema"] == bm.SCHEMA and result["version"] == bm.VERSION
+    assert result["schema"] == bm.SCHEMA and result["schema_version"] == bm.VERSION
     assert result["device"] == "cpu" and result["kernel_timings"] is False
     assert any("kernel timings need a GPU" in n for n in result["notes"])
     assert "kernel timings need a GPU" in stdout  # the table says it too
@@ -534,3 +534,23 @@ def test_run_bench_checkpoints_after_every_case():
     assert len(seen) == 4  # 2 sizes x gather, backup
     assert all(not r["finished"] for r in seen) and result["finished"] is True
     assert [len(r["transfers"]) for r in seen] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("preset, layers, row_bytes", [
+    ("deepseek-v3.2-fp8", (1, 61), 656),      # one layer per index group; the 61-layer mirror
+    ("glm-5-indexshare", (4, 78), 656),       # a leader and 3 followers; the 78-layer mirror
+    ("deepseek-v3.2-bf16", (1, 61), 1152),
+])
+def test_preset_covers_the_model_shapes(preset, layers, row_bytes):
+    from hisparse_triton.cli import build_parser
+    from hisparse_triton.commands import bench
+
+    args = build_parser().parse_args(["bench", "--preset", preset, "--device", "cpu"])
+    settings = bench.settings_from_args(args, torch.device("cpu"))
+    assert settings.layers == layers and settings.row_bytes == (row_bytes,)
+    assert settings.top_k == 2048 and settings.hot_slots >= 4096
+    # explicit flags still win
+    args = build_parser().parse_args(["bench", "--preset", preset, "--device", "cpu",
+                                      "--layers", "2", "--topk", "64"])
+    settings = bench.settings_from_args(args, torch.device("cpu"))
+    assert settings.layers == (2,) and settings.top_k == 64 and settings.row_bytes == (row_bytes,)

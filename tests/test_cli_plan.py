@@ -99,7 +99,6 @@ def test_human_output_shared_pool(capsys):
     (["plan", "--host-pool-gib", "lots"], 2, "argument --host-pool-gib: expected a number"),
     (["plan", "--preset", "llama"], 2, "argument --preset: invalid choice: 'llama'"),
     (["plan", "--bogus"], 2, "unrecognized arguments: --bogus"),
-    ([], 2, "the following arguments are required: COMMAND"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     (["plan", "--host-pool-gib", "1"], 1,
      "host pool has 419 blocks but one request at max_model_len=163840 needs 2562"),

@@ -1,4 +1,5 @@
-"""``hisparse-triton simulate``: both output forms, the numbers' consistency, bad input."""
+"""``hisparse-triton simulate``: both output forms, the numbers' consistency, defaults scaled
+to the preset, the cannot-miss warning, policies, bad input."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import torch
 from hisparse_triton.cli import main
 
 SMALL = ["simulate", "--requests", "3", "--max-running", "2", "--prompt-len", "100",
-         "--output-len", "6"]
+         "--output-len", "6", "--free-block-watermark", "1"]
 
 
 @pytest.fixture(autouse=True)
@@ -26,12 +27,13 @@ def run_json(capsys, *flags):
 
 def test_json_report_is_consistent(capsys):
     r = run_json(capsys)
+    assert r["schema"] == "hisparse-triton/simulate" and r["schema_version"] == 1
     assert r["preset"] == "tiny" and r["device"] == "cpu" and r["verified"]
     assert r["decode_steps"] == 2 * 6 and r["resolves"] == r["decode_steps"] * 4
     assert r["resolved_rows"] == 3 * 6 * 4
-    assert r["hits"] + r["misses"] + r["masked"] == r["resolved_rows"] * r["topk"]
+    assert r["hits"] + r["misses"] + r["masked"] == r["resolved_rows"] * r["top_k"]
     assert r["misses"] > 0 and r["masked"] == 0
-    assert r["rows_checked"] == (r["resolved_rows"] * r["topk"] - r["masked"]) * 2
+    assert r["rows_checked"] == (r["resolved_rows"] * r["top_k"] - r["masked"]) * 2
     assert r["h2d_bytes"] == r["misses"] * 64 * 2       # 64 B rows, leader + follower
     assert r["d2h_bytes"] == 3 * (100 + 6) * 8 * 64     # every token of 8 sparse layers
     assert r["h2d_seconds"] == pytest.approx(r["h2d_bytes"] / 50e9)
@@ -41,13 +43,20 @@ def test_json_report_is_consistent(capsys):
     assert r["gpu_saved_fraction"] == pytest.approx(
         r["gpu_bytes_saved"] / r["all_gpu_peak_bytes"])
     assert 0 < r["hit_rate"] < 1
+    assert r["warnings"] == [] and r["workload"] == "calibrated" and not r["sampled"]
+    # the policies replay the same positions: LRU is the runtime's rule, Belady the optimum
+    p = r["policies"]
+    assert r["lru_matches_runtime"] and p["lru"]["misses"] == r["misses"]
+    assert p["belady"]["misses"] <= min(p["lru"]["misses"], p["fifo"]["misses"])
 
 
 def test_human_report(capsys):
     assert main([*SMALL, "--link-gbps", "25"]) == 0
     out = capsys.readouterr().out
     for text in ("hisparse-triton simulate: preset tiny", "hit rate", "at 25 GB/s",
-                 "GPU memory saved", "verify: exact", "wall time"):
+                 "GPU memory saved", "verify: exact", "wall time", "lru", "fifo", "belady",
+                 "the runtime's rule: equals its", "calibration: LRU miss rate",
+                 "published GLM-5.1"):
         assert text in out
 
 
@@ -62,7 +71,8 @@ def test_locality_raises_the_hit_rate(capsys):
 def test_progress_bar_goes_to_stderr(capsys):
     assert main([*SMALL, "--progress", "--no-verify", "--json"]) == 0
     captured = capsys.readouterr()
-    assert "simulate [" in captured.err and "12/12 steps" in captured.err
+    assert "simulate: 100%" in captured.err and "12/12" in captured.err
+    assert "<00:00" in captured.err  # elapsed<remaining: the ETA
     json.loads(captured.out)
 
 
@@ -72,7 +82,9 @@ def test_triton_backend(capsys):
               and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
     r = json.loads(_run(capsys, "simulate", "--layers", "4", "--requests", "1",
                         "--prompt-len", "80", "--output-len", "1", "--topk", "16",
-                        "--backend", "triton", "--device", device, "--json"))
+                        "--backend", "triton", "--device", device,
+                        "--free-block-watermark", "1", "--json"))
+    assert r["top_k"] == 16  # --topk: the hidden old spelling of --top-k
     assert r["backend"] == "triton" and r["verified"] and r["misses"] > 0
     assert r["device"].startswith(device)
 
@@ -84,7 +96,19 @@ def _run(capsys, *argv):
 
 @pytest.mark.parametrize("flags,code,message", [
     (["--locality", "2"], 2, "must be in [0, 1]"),
-    (["--requests", "0"], 2, "must be an integer >= 1"),
+    (["--requests", "0"], 2, "argument --requests: must be an integer in [1, "),
+    # used to be a traceback from the allocator; now refused with the flag and its range
+    (["--device-blocks", "99999999999999"], 2,
+     "argument --device-blocks: must be an integer in [2, 2147483647]"),
+    (["--device-blocks", "2000000000"], 1, "(--device-blocks): the device pool would take"),
+    (["--host-blocks", "2000000000"], 1, "(--host-blocks): the host pool would take"),
+    (["--seed", "-1"], 2, "argument --seed: must be an integer in [0, 4294967295]"),
+    (["--seed", "4294967296"], 2, "argument --seed: must be an integer in [0, 4294967295]"),
+    (["--link-gbps", "5e10"], 2, "argument --link-gbps: must be a number in [0.001, 10000] GB/s"),
+    (["--top-k", "0"], 2, "argument --top-k: must be an integer in [1, 32768]"),
+    (["--layers", "9"], 1, "--layers 9 exceeds the tiny preset's 8 sparse layers"),
+    (["--workload", "calibrated", "--locality", "0.5"], 1, "--locality applies to"),
+    (["--trace", "/nonexistent.npz"], 2, "argument --trace: '/nonexistent.npz' is not a file"),
     (["--prompt-len", "2000"], 1, "exceed the tiny preset's max context of 1024"),
     (["--device-blocks", "3"], 1, "error: cannot add request 0: its hot region needs"),
     (["--host-blocks", "8"], 1, "increase host_pool_gib"),
@@ -103,3 +127,59 @@ def test_bad_input_one_line(capsys, flags, code, message):
 def test_cuda_device_without_cuda(capsys):
     assert main([*SMALL, "--device", "cuda"]) == 1
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_workload_that_cannot_miss_warns(capsys):
+    # every history (20 + 4 tokens) is shorter than top-k (32): each step selects it all
+    assert main(["simulate", "--requests", "2", "--prompt-len", "20", "--output-len", "4",
+                 "--no-verify", "--json"]) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)
+    assert len(r["warnings"]) == 1 and "cannot miss" in r["warnings"][0]
+    assert "simulate: warning: every request's history" in captured.err
+    # the hot buffer (256 rows) holds every history (150 tokens): only first touches miss
+    assert main(["simulate", "--requests", "2", "--prompt-len", "140", "--output-len", "10",
+                 "--device-buffer-size", "256", "--no-verify", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert len(r["warnings"]) == 1 and "holds every request's whole history" in r["warnings"][0]
+
+
+def test_defaults_scale_with_the_preset():
+    from hisparse_triton.simulation import SimSettings, with_defaults
+
+    s = with_defaults(SimSettings(preset="deepseek-v3.2-fp8"))
+    assert s.top_k == 2048 and s.prompt_len == 32768 and s.output_len == 64
+    assert s.prompt_len > s.top_k  # misses can happen
+    assert s.layers == 4 and s.sampled and s.prefill_chunk == 8192
+    glm = with_defaults(SimSettings(preset="glm-5-indexshare"))
+    assert glm.layers == 16 and glm.sampled  # 4 index groups of a leader and 3 followers
+    tiny = with_defaults(SimSettings(preset="tiny"))
+    assert tiny.layers == 8 and not tiny.sampled and tiny.prompt_len == 16 * 32
+    assert tiny.prompt_len + tiny.output_len <= 1024
+
+
+def test_sampled_preset_run_scales_to_the_model(capsys):
+    """A big preset at small sizes: a sample of index groups, scaled to the model's count;
+    the device pool is a steady state (indexer + hot region + tail), not whole histories."""
+    r = json.loads(_run(capsys, "simulate", "--preset", "deepseek-v3.2-fp8", "--layers", "2",
+                        "--requests", "2", "--max-running", "2", "--prompt-len", "4608",
+                        "--output-len", "3", "--top-k", "256", "--prefill-chunk", "2048",
+                        "--json"))
+    assert r["sampled"] and r["index_groups"] == 2 and r["model_index_groups"] == 61
+    assert r["misses"] > 0 and r["lru_matches_runtime"]
+    assert r["h2d_bytes_per_step_model"] == pytest.approx(
+        r["h2d_bytes"] / r["decode_steps"] * 61 / 2)
+    assert r["device_pool_bytes"] < r["all_gpu_peak_bytes"]
+    out = _run(capsys, "simulate", "--preset", "deepseek-v3.2-fp8", "--layers", "2",
+               "--requests", "1", "--prompt-len", "4608", "--output-len", "2", "--top-k", "256",
+               "--policies", "none")
+    assert "2 of 61 sparse layers simulated" in out and "scaled to 61 index groups" in out
+    assert "hot-buffer policies" not in out
+
+
+def test_command_choices_match_the_library():
+    from hisparse_triton import policies, workload
+    from hisparse_triton.commands import simulate
+
+    assert simulate.POLICIES == policies.POLICIES
+    assert simulate.WORKLOADS == workload.WORKLOADS

@@ -240,3 +240,16 @@ def test_interrupted_tune_keeps_the_finished_searches(monkeypatch, tmp_path, cap
     assert report["interrupted"] is True and len(report["results"]) == 1
     cache = tuning_cache.TuningCache.load(path)
     assert cache.get("gather", 656, 1) is not None and cache.get("gather", 656, 4) is None
+
+
+def test_preset_tunes_the_model_shapes(capsys):
+    rc = main(["tune", "--dry-run", "--preset", "deepseek-v3.2-fp8", "--kernel", "gather,backup",
+               "--quick", "--json", "-"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    data = json.loads(captured.out)
+    assert data["schema"] == "hisparse-triton/tune" and data["schema_version"] == tune.SCHEMA_VERSION
+    assert data["preset"] == "deepseek-v3.2-fp8" and data["row_bytes"] == 656
+    assert {(s["kernel"], s["num_layers"]) for s in data["spaces"]} == {
+        ("gather", 1), ("gather", 61), ("backup", 1), ("backup", 61)}
+    assert "backup, 656 B spans, 61 layers" in captured.err  # the listing went to stderr

@@ -167,7 +167,8 @@ def test_the_check_is_not_vacuous(dense, tamper):
 @pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="needs CUDA or TRITON_INTERPRET=1")
 def test_triton_backend_bit_identical_small():
     spec = tiny_dsa.RunSpec(num_requests=2, num_layers=2, prompt_len_range=(70, 100),
-                            max_new_tokens=2, offload_threshold_pages=1, backend="triton")
+                            max_new_tokens=2, offload_threshold_pages=1,
+                            free_block_watermark=1.0, backend="triton")
     result, stats, log, *_ = run_hisparse(spec)
     assert tiny_dsa.compare(tiny_dsa.run_dense(spec), result) == []
     assert stats.misses > 0

@@ -72,7 +72,11 @@ def test_round_trip(tmp_path):
 
     assert tc.lookup("backup", 132, 1, device_name="NVIDIA H200") == {
         "num_warps": 8, "vec_bytes": 16, "flag": True, "name": "x"}
-    assert tc.lookup("backup", 132, 4, device_name="NVIDIA H200") is None
+    # another layer count: the nearest tuned shape of the kernel and row size stands in
+    assert tc.lookup("backup", 132, 4, device_name="NVIDIA H200", nearest=False) is None
+    assert tc.lookup("backup", 132, 4, device_name="NVIDIA H200") == {
+        "num_warps": 8, "vec_bytes": 16, "flag": True, "name": "x"}
+    assert tc.lookup("backup", 656, 1, device_name="NVIDIA H200") is None  # other row size
     assert tc.lookup("gather", 656, 4, device_name="another gpu") is None
 
 
@@ -168,7 +172,8 @@ def test_lookup_config():
     cache.put(tc.TuningEntry("gather", 656, 4, {"block_rows": 32}))
     cache.save()
     assert tc.lookup_config(_Config, "gather", 656, 4) == _Config(4, 32)
-    assert tc.lookup_config(_Config, "gather", 656, 2) is None
+    assert tc.lookup_config(_Config, "gather", 656, 2) == _Config(4, 32)  # nearest shape
+    assert tc.lookup_config(_Config, "gather", 132, 4) is None
 
 
 def test_entry_validation():
@@ -201,7 +206,9 @@ def test_tuned_entry_reaches_the_launch_config(tmp_path, monkeypatch):
     tuning.default_config.cache_clear()
     try:
         assert tuning.default_config("gather", 656, 4) == tuning.CopyConfig(**tuned)
-        assert tuning.default_config("gather", 656, 1) == tuning.builtin_config("gather", 656, 1)
+        # the nearest tuned shape (4 layers) serves 1 layer; another row size keeps the default
+        assert tuning.default_config("gather", 656, 1) == tuning.CopyConfig(**tuned)
+        assert tuning.default_config("gather", 132, 4) == tuning.builtin_config("gather", 132, 4)
         (tmp_path / "tuned.json").write_text("{broken")
         tc.invalidate()
         tuning.default_config.cache_clear()
@@ -210,3 +217,39 @@ def test_tuned_entry_reaches_the_launch_config(tmp_path, monkeypatch):
         assert config == tuning.builtin_config("gather", 656, 4)
     finally:
         tuning.default_config.cache_clear()
+
+
+def test_nearest_shape_by_layer_count():
+    cache = tc.TuningCache.load(device_name="gpu")
+    for layers, warps in ((1, 1), (4, 2), (64, 4)):
+        cache.put(_entry("backup", 656, layers, num_warps=warps))
+    cache.put(_entry("gather", 656, 61, num_warps=8))
+    cache.save()
+    assert cache.nearest("backup", 656, 61).num_layers == 64  # the 61-layer mirror
+    assert cache.nearest("backup", 656, 2).num_layers == 4    # log2 tie: the larger count
+    assert cache.nearest("backup", 656, 3).num_layers == 4
+    assert cache.nearest("backup", 656, 1).num_layers == 1    # exact
+    assert cache.nearest("backup", 132, 4) is None
+    assert cache.nearest("spill", 656, 4) is None
+    assert tc.lookup("backup", 656, 61, device_name="gpu") == {"num_warps": 4}
+
+
+def test_inexact_lookups_are_logged_once(caplog):
+    cache = tc.TuningCache.load(device_name="gpu")
+    cache.put(_entry("backup", 656, 4, num_warps=2))
+    cache.save()
+    with caplog.at_level("DEBUG", logger="hisparse_triton.tuning_cache"):
+        for _ in range(3):
+            tc.lookup("backup", 656, 61, device_name="gpu")   # nearest: INFO
+            tc.lookup("gather", 656, 1, device_name="gpu")    # nothing for gather: WARNING
+            tc.lookup("backup", 656, 4, device_name="gpu")    # exact: silent
+    records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(records) == 2
+    assert records[0][0] == "INFO" and "backup:656:61" in records[0][1] \
+        and "backup:656:4" in records[0][1]
+    assert records[1][0] == "WARNING" and "gather" in records[1][1] \
+        and "built-in default" in records[1][1]
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="hisparse_triton.tuning_cache"):
+        assert tc.lookup("gather", 656, 1, device_name="no-such-gpu") is None
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]  # no cache file at all

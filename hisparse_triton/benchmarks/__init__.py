@@ -1,7 +1,7 @@
 """The measurement library behind ``hisparse-triton bench`` (and ``tune``,
 ``bench/gpu_check.py`` and the pytest-benchmark suites under ``bench/``).
 
-What is measured (DESIGN.md section 9; docs/benchmarking.md has the user's view):
+What is measured (docs/benchmarking.md has the user's view):
 
 - transfers (``transfers``): ``gather`` / ``backup`` rows and ``restore`` / ``spill`` pages in
   GB/s of payload, for the Triton kernels (per launch, and replayed from a CUDA graph), the
@@ -10,7 +10,7 @@ What is measured (DESIGN.md section 9; docs/benchmarking.md has the user's view)
   ceiling);
 - ``resolve`` (``resolve``): latency of one decode step from the same warm state each call,
   at a prescribed miss ratio;
-- where the DESIGN.md targets stand (``targets``).
+- where the H200 performance targets stand (``targets``).
 
 Modules, one job each: ``settings`` (the sweep), ``environment`` (GPU, driver, versions),
 ``timing`` (medians, L2 flush, rotation, CUDA graphs), ``workloads`` (pools, plans, resolve

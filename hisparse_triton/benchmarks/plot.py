@@ -1,4 +1,5 @@
-"""``--plot``: a PNG of GB/s against rows moved (needs matplotlib, the ``bench`` extra)."""
+"""``--plot``: PNGs of ``bench`` (GB/s against rows moved) and ``advise`` (the sweep); they
+need matplotlib, the ``bench`` extra."""
 
 from __future__ import annotations
 
@@ -19,10 +20,8 @@ def plot_available() -> bool:
     return True
 
 
-def write_plot(result: dict[str, Any], path: str) -> None:
-    """PNG of GB/s vs rows moved (log-log), one panel per (op, row size), one line per method
-    and layer count; the kernel methods at the largest miss ratio of the run, built-in launch
-    configs (tuned ones as their own line)."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``MissingPlotDependency``."""
     try:
         import matplotlib
 
@@ -32,6 +31,14 @@ def write_plot(result: dict[str, Any], path: str) -> None:
         raise MissingPlotDependency(
             "--plot needs matplotlib: pip install 'hisparse-triton[bench]' "
             "(or pip install matplotlib)") from exc
+    return plt
+
+
+def write_plot(result: dict[str, Any], path: str) -> None:
+    """PNG of GB/s vs rows moved (log-log), one panel per (op, row size), one line per method
+    and layer count; the kernel methods at the largest miss ratio of the run, built-in launch
+    configs (tuned ones as their own line)."""
+    plt = pyplot()
     figs = [f for f in result.get("transfers", []) if f.get("gbps") is not None]
     if not figs:
         raise ValueError("--plot needs transfer figures, and this run measured none.")
@@ -71,6 +78,42 @@ def write_plot(result: dict[str, Any], path: str) -> None:
             ax.set_ylabel("GB/s (log)")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def write_advise_plot(payload: dict[str, Any], path: str) -> None:
+    """PNG of an ``advise`` sweep against the hot-buffer size, one line per block size: miss
+    rate, GPU memory per request, steady-state concurrency and the throughput estimate."""
+    plt = pyplot()
+    rows = [r for r in payload["settings"] if "error" not in r]
+    if not rows:
+        raise ValueError("--plot: no setting of the sweep fits the budget.")
+    panels = (("miss_rate", "miss rate", 100.0, "%"),
+              ("gpu_bytes_per_request", "GPU memory / request", 1 / 2**20, "MiB"),
+              ("concurrency", "steady-state requests", 1.0, ""),
+              ("tokens_per_s", "decode tokens/s (estimate)", 1.0, ""))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.4), squeeze=False)
+    fig.suptitle(f"hisparse-triton advise: {payload['preset']}, {payload['context_len']} "
+                 f"tokens/request, {payload['gpu_memory_gib']:g} GiB GPU")
+    best = payload.get("recommended") or {}
+    for ax, (key, title, scale, unit) in zip(axes[0], panels):
+        for block in sorted({r["block_size"] for r in rows}):
+            pts = sorted((r["device_buffer_size"], r[key] * scale) for r in rows
+                         if r["block_size"] == block)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"block {block}")
+        if best:
+            mine = next(r for r in rows if r["block_size"] == best["block_size"]
+                        and r["device_buffer_size"] == best["device_buffer_size"])
+            ax.plot([mine["device_buffer_size"]], [mine[key] * scale], marker="*",
+                    markersize=14, color="tab:red", linestyle="none", label="recommended")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("device_buffer_size (rows)")
+        ax.set_title(title + (f" ({unit})" if unit else ""), fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

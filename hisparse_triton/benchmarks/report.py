@@ -65,7 +65,7 @@ def resolve_lines(resolves: list[dict[str, Any]]) -> list[str]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The report of a ``run_bench`` result: environment, notes, transfers, resolve and, on a
-    GPU run, the DESIGN.md section 9 targets."""
+    GPU run, where the H200 performance targets stand."""
     env = result.get("environment", {})
     where = env.get("gpu") or f"CPU ({env.get('cpu') or 'unknown'})"
     lines = [f"hisparse-triton bench on {where}: torch {env.get('torch')}, "
@@ -80,7 +80,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines += resolve_lines(result["resolve"])
     targets = result.get("targets", [])
     if targets and result.get("kernel_timings"):
-        lines += ["", "DESIGN.md section 9 targets (worst case over matching figures; ratio >= 1 "
+        lines += ["", "H200 performance targets (worst case over matching figures; ratio >= 1 "
                   "= met)"]
         lines += target_lines(targets)
     lines += ["", f"({result.get('wall_s', 0):.1f} s on {result.get('device')})"]

@@ -60,7 +60,7 @@ def _result(settings: BenchSettings, device: torch.device, env: dict[str, Any],
         notes.append("in progress: a checkpoint of the figures measured so far")
     result = {
         "schema": SCHEMA,
-        "version": VERSION,
+        "schema_version": VERSION,
         "device": str(device),
         "kernel_timings": device.type == "cuda" and "triton" in settings.methods,
         "interrupted": interrupted,

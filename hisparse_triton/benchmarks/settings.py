@@ -11,9 +11,10 @@ from typing import Any
 
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
 
-#: ``schema`` / ``version`` of the JSON ``bench`` writes.
+#: ``schema`` / ``schema_version`` of the JSON ``bench`` writes (3: the version key is
+#: ``schema_version``, as in every JSON document of the CLI).
 SCHEMA = "hisparse-triton/bench"
-VERSION = 2
+VERSION = 3
 
 TRANSFER_OPS = ("gather", "backup", "restore", "spill")
 ROW_OPS = ("gather", "backup")
@@ -32,7 +33,7 @@ DIRECTION = {"gather": "h2d", "backup": "d2h", "restore": "h2d", "spill": "d2h"}
 BLOCK_SIZE = 64
 #: Pages at the tail of a request that stay resident on the device.
 TAIL_PAGES = ACTIVE_TAIL_PAGES
-#: Miss ratios of DESIGN.md section 9 (GLM-5.1 trace, LRU): cold, buffer = k, buffer = 4k.
+#: Miss ratios of the published GLM-5.1 LRU curve: cold, buffer = k, buffer = 4k.
 DEFAULT_MISS_RATIOS = (1.0, 0.3, 0.067)
 
 KERNELS_NEED_GPU = ("kernel timings need a GPU: no CUDA device here, so only the torch "

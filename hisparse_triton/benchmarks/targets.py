@@ -1,4 +1,4 @@
-"""Where a result stands against the targets of DESIGN.md section 9 (H200).
+"""Where a result stands against the H200 performance targets (docs/benchmarking.md).
 
 Each target is evaluated on the worst case over the figures it covers (``worst``; ``ratio`` =
 worst / goal for throughput, goal / worst for latency: >= 1 means met). Transfer targets use
@@ -70,7 +70,7 @@ def _values(figs: list[dict[str, Any]], name: str) -> list[float]:
 
 
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every DESIGN.md section 9 target with ``status`` ``met`` / ``missed`` / ``not
+    """Every performance target with ``status`` ``met`` / ``missed`` / ``not
     measured`` over the figures of ``result`` (a ``run_bench`` result, or several merged)."""
 
     def transfer(ops: tuple[str, ...], name: str, method: str = "triton",

@@ -143,3 +143,32 @@ def bounded_int(low: int, high: int, unit: str = "") -> Callable[[str], int]:
         return value
 
     return parse
+
+
+#: Largest seed any command takes (numpy and torch seeds are 32-bit here).
+SEED_MAX = 2**32 - 1
+
+#: ``--seed``: an integer in ``[0, 2**32 - 1]``.
+seed = bounded_int(0, SEED_MAX)
+
+
+def bounded_int_list(low: int, high: int, unit: str = "") -> Callable[[str], tuple[int, ...]]:
+    """Like ``int_list``, every value in ``[low, high]`` (the message names the range)."""
+    one = bounded_int(low, high, unit)
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p for p in text.replace(" ", "").split(",") if p]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+        return tuple(dict.fromkeys(one(p) for p in parts))
+
+    return parse
+
+
+def existing_file(text: str) -> str:
+    """A path to a readable file (checked when the flags are parsed)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable")
+    return text

@@ -16,26 +16,41 @@ import sys
 from typing import Any
 
 from hisparse_triton.commands.argtypes import (
+    bounded_int,
+    bounded_int_list,
+    bounded_number,
     choice_list,
-    int_list,
     output_path,
-    output_path_or_stdout,
-    positive_float,
-    positive_int,
     ratio_list,
 )
-from hisparse_triton.commands.output import write_json  # noqa: F401 (tune imports it here)
+from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add_top_k_flag
+from hisparse_triton.commands.output import add_json_flag, write_json
+from hisparse_triton.presets import list_presets
 
 OPS = ("gather", "backup", "restore", "spill", "resolve")
 METHODS = ("triton", "torch", "eager", "contiguous")
 
 
+#: Plausible ranges of the numeric flags (a value outside is rejected with the range named).
+MAX_ROWS = 2**31 - 1
+MAX_LAYERS = 1024
+TIME_MS = bounded_number(0.001, 1e6, " ms")
+
+
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="PATH|-", default=None, type=output_path_or_stdout,
-                        help="write the full result as JSON to PATH ('-' = stdout, the table "
-                             "then goes to stderr)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar on stderr")
+    """``--json PATH|-`` and ``--progress/--no-progress`` (``bench`` and ``tune``)."""
+    add_json_flag(parser, "the full result")
+    add_progress_flag(parser)
+
+
+def preset_shapes(preset: str) -> tuple[int, tuple[int, ...]]:
+    """``(row_bytes, layer counts)`` of a preset's transfers: its MLA row, and the layers of
+    one index group (a gather fills the leader and its followers) and of the whole-step
+    mirror (every sparse layer in one launch)."""
+    from hisparse_triton.presets import get_preset
+
+    g = get_preset(preset)
+    return g.mla_row_bytes, tuple(sorted({g.index_share, g.num_layers}))
 
 
 # ----------------------------------------------------------------- the command
@@ -49,23 +64,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "CUDA only the torch paths run, on tiny defaults: kernel timings need a GPU.")
     sweep = parser.add_argument_group(
         "sweep", "defaults: the full sweep on CUDA, a tiny one on CPU (docs/benchmarking.md)")
-    sweep.add_argument("--row-bytes", type=int_list, default=None, metavar="LIST",
-                       help="row sizes in bytes (GPU default 132,656,1152)")
-    sweep.add_argument("--rows", type=int_list, default=None, metavar="LIST",
-                       help="rows moved per launch per layer, e.g. 512,4k,256k "
-                            "(GPU default 512,2k,8k,32k,128k,256k)")
-    sweep.add_argument("--layers", type=int_list, default=None, metavar="LIST",
-                       help="layers per launch (GPU default 1,4)")
+    sweep.add_argument("--preset", choices=list_presets(), default=None,
+                       help="a model's real shapes: its MLA row size, top-k, and the layer "
+                            "counts of one index group and of the whole-step mirror (e.g. 1 "
+                            "and 61 on DeepSeek-V3.2); explicit flags still win")
+    sweep.add_argument("--row-bytes", type=bounded_int_list(1, 1 << 20), default=None,
+                       metavar="LIST", help="row sizes in bytes (GPU default 132,656,1152)")
+    sweep.add_argument("--rows", type=bounded_int_list(1, MAX_ROWS), default=None,
+                       metavar="LIST", help="rows moved per launch per layer, e.g. 512,4k,256k "
+                                            "(GPU default 512,2k,8k,32k,128k,256k)")
+    sweep.add_argument("--layers", type=bounded_int_list(1, MAX_LAYERS), default=None,
+                       metavar="LIST", help="layers per launch (GPU default 1,4)")
     sweep.add_argument("--miss-ratios", type=ratio_list, default=None, metavar="LIST",
                        help="valid fraction of each [R, top_k] plan row, also the target "
                             "miss ratio of resolve (GPU default 1,0.3,0.067)")
-    sweep.add_argument("--batch", type=int_list, default=None, metavar="LIST",
-                       help="resolve batch sizes (GPU default 1,4,16,64,256)")
-    sweep.add_argument("--top-k", type=positive_int, default=None, metavar="N",
-                       help="top-k columns per plan row / resolve row (default 2048)")
-    sweep.add_argument("--hot-slots", type=positive_int, default=None, metavar="N",
+    sweep.add_argument("--batch", type=bounded_int_list(1, 1 << 16), default=None,
+                       metavar="LIST", help="resolve batch sizes (GPU default 1,4,16,64,256)")
+    add_top_k_flag(sweep, type=bounded_int(1, 32768), default=None,
+                   help="top-k columns per plan row / resolve row (default 2048)")
+    sweep.add_argument("--hot-slots", type=bounded_int(1, 32768), default=None, metavar="N",
                        help="hot-buffer slots per request for resolve (default 4096)")
-    sweep.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
+    sweep.add_argument("--seq-len", type=bounded_int(1, 1 << 22), default=None, metavar="N",
                        help="tokens per request for resolve (default 32768)")
     sweep.add_argument("--ops", type=choice_list(OPS), default=None, metavar="LIST",
                        help=f"what to measure: {','.join(OPS)} (default all)")
@@ -77,16 +96,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     timing = parser.add_argument_group("timing")
     timing.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where to run (default: cuda when available)")
-    timing.add_argument("--warmup-ms", type=positive_float, default=None,
+    timing.add_argument("--warmup-ms", type=TIME_MS, default=None,
                         help="warm-up per figure in ms")
-    timing.add_argument("--rep-ms", type=positive_float, default=None,
+    timing.add_argument("--rep-ms", type=TIME_MS, default=None,
                         help="measurement time per figure in ms (the median is reported)")
     timing.add_argument("--no-verify", action="store_true",
                         help="skip checking the moved rows / resolve outputs against the "
                              "source rows / the torch reference")
     timing.add_argument("--no-graph", action="store_true",
                         help="skip the CUDA-graph replays of the Triton kernels")
-    timing.add_argument("--seed", type=int, default=0, help="random seed of the workloads")
+    add_seed_flag(timing, what="the workloads")
     out = parser.add_argument_group("output")
     add_output_flags(out)
     out.add_argument("--plot", metavar="PATH", default=None, type=output_path,
@@ -109,6 +128,13 @@ def settings_from_args(args: argparse.Namespace, device: Any) -> Any:
     from hisparse_triton.benchmarks.settings import min_seq_len
 
     base = BenchSettings.for_device(device, quick=args.quick)
+    if args.preset is not None:
+        row_bytes, layers = preset_shapes(args.preset)
+        from hisparse_triton.presets import get_preset
+
+        top_k = get_preset(args.preset).index_topk
+        base = override(base, row_bytes=(row_bytes,), layers=layers, top_k=top_k,
+                        hot_slots=max(base.hot_slots, 2 * top_k))
     settings = override(base, row_bytes=args.row_bytes, rows=args.rows, layers=args.layers,
                         miss_ratios=args.miss_ratios, batch=args.batch, top_k=args.top_k,
                         hot_slots=args.hot_slots, seq_len=args.seq_len, ops=args.ops,
@@ -154,20 +180,24 @@ def run(args: argparse.Namespace) -> int:
                          "on this machine choose from torch, eager, contiguous.")
     if device.type != "cuda" and "triton" in settings.methods:
         print(f"hisparse-triton bench: {bm.KERNELS_NEED_GPU}.", file=sys.stderr)
+    from hisparse_triton.benchmarks.progress import default_enabled
+
     progress = bm.Progress(bm.count_steps(settings, device), "bench",
-                           enabled=not args.no_progress)
+                           enabled=default_enabled(args.progress))
     checkpoint = None
     if args.json and args.json != "-":
         checkpoint = (lambda partial: write_json(partial, args.json))
     try:
         result = bm.run_bench(settings, device, progress=progress, checkpoint=checkpoint)
-    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+    except (MemoryError, RuntimeError) as exc:
+        progress.close()  # torch.OutOfMemoryError is a RuntimeError
         text = " ".join(str(exc).split())
         if not isinstance(exc, MemoryError) and not any(
                 needle in text for needle in ("allocate", "out of memory")):
             raise
         raise ValueError(f"out of memory for this sweep ({text}); shrink it with --rows, "
                          f"--layers, --row-bytes, --batch or --hot-slots.") from None
+    progress.close()
     table = bm.format_table(result)
     print(table, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:

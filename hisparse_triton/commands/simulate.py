@@ -1,288 +1,142 @@
-"""``hisparse-triton simulate``: replay a synthetic decode workload through the real runtime.
+"""``hisparse-triton simulate``: replay a decode workload through the real runtime.
 
-Builds a preset's layout with pools sized for the workload (``workload.plan_for_workload``),
-creates a ``HiSparseRuntime`` on the current device (CPU by default; CUDA when asked or
-available with ``--device auto``), then runs continuous batching: requests are admitted up to
-``--max-running`` at a time, prefilled in one chunk (append + write + commit), and decoded
-one token per step; every step resolves a top-k trace with temporal locality
-(``workload.TopkTrace``) for every index group, gathers the misses and mirrors the new rows.
-
-With ``--verify`` (on by default when the dense copy is small) a ``DenseOracle`` writes random
-KV bytes and checks every row ``resolve`` points at against a dense copy, for the leader and
-all followers; the run fails (exit 1) on the first mismatch.
-
-Reported: hit rate, bytes moved each way and what they cost at ``--link-gbps``, and the GPU
-memory HiSparse needs against keeping every layer's history on the GPU. Imports torch only
-inside ``run``.
+The simulator itself is ``hisparse_triton.simulation`` (``run_simulation``); this module is
+its command line and report. Defaults scale with the preset (top-k, prompts of 16 x top-k
+tokens, a few index groups of a large model); the device pool is sized like a deployment at
+steady state, so the runtime works under memory pressure and misses happen. ``--trace FILE``
+replays recorded top-k positions, ``--record FILE`` writes the run's positions in that
+format (``hisparse_triton.trace``), ``--policies`` compares the runtime's LRU with FIFO and
+the offline optimum on the same positions. Imports torch only inside ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from collections import deque
-from typing import Any, Optional
+from typing import Any
 
 from hisparse_triton.commands.argtypes import (
+    bounded_int,
+    bounded_number,
+    existing_file,
     fraction,
-    nonnegative_int,
-    positive_float,
+    output_path,
     positive_int,
 )
-from hisparse_triton.presets import build_kv_cache_spec, get_preset, list_presets
+from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add_top_k_flag
+from hisparse_triton.commands.output import (
+    add_json_flag,
+    json_document,
+    report_stream,
+    write_json,
+)
+from hisparse_triton.presets import list_presets
 
 DEFAULT_PRESET = "tiny"
-#: ``--verify auto`` checks runs whose dense copy stays under this many bytes.
-VERIFY_AUTO_MAX_BYTES = 256 << 20
+#: ``policies.POLICIES`` and ``workload.WORKLOADS``, spelled here so that building the parser
+#: does not import numpy (a test checks they agree).
+POLICIES = ("lru", "fifo", "belady")
+WORKLOADS = ("calibrated", "locality")
+#: ``schema_version`` of ``simulate --json``.
+SCHEMA_VERSION = 1
+MAX_BLOCKS = 2**31 - 1
+#: Flags that size a synthetic workload (a trace brings its own schedule).
+SYNTHETIC_FLAGS = ("requests", "max_running", "prompt_len", "output_len", "workload",
+                   "locality")
 
 
-
-
+def _policy_list(text: str) -> tuple[str, ...]:
+    names = [p for p in text.replace(" ", "").split(",") if p]
+    if names == ["none"]:
+        return ()
+    if names == ["all"]:
+        return POLICIES
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(bad) or 'empty list'}; choose "
+                                         f"from {', '.join(POLICIES)}, all or none")
+    return tuple(dict.fromkeys(names))
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``simulate`` and its flags."""
     parser = subparsers.add_parser(
-        "simulate", help="replay a synthetic decode workload through the runtime",
-        description="Replay a synthetic decode workload (continuous batching, a top-k trace "
-                    "with temporal locality) through the real HiSparse runtime and report "
-                    "hit rate, bytes moved, transfer time and GPU memory saved; --verify "
-                    "checks every resolved row against a dense copy.")
+        "simulate", help="replay a decode workload through the runtime",
+        description="Replay a decode workload (continuous batching; a calibrated synthetic "
+                    "top-k trace, or a recorded one) through the real HiSparse runtime and "
+                    "report hit rate, bytes moved, transfer time and GPU memory saved, the "
+                    "runtime's LRU next to FIFO and the offline optimum; --verify checks "
+                    "every resolved row against a dense copy. Defaults scale with the preset.")
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=list_presets(),
                         help=f"model geometry (default {DEFAULT_PRESET})")
-    parser.add_argument("--layers", type=positive_int, default=None,
-                        help="sparse layers to simulate (default: the preset's)")
-    parser.add_argument("--requests", type=positive_int, default=8,
-                        help="requests in the workload (default 8)")
-    parser.add_argument("--max-running", type=positive_int, default=4,
-                        help="requests decoded together (default 4)")
-    parser.add_argument("--prompt-len", type=positive_int, default=768,
-                        help="prompt tokens per request (default 768)")
-    parser.add_argument("--output-len", type=positive_int, default=64,
-                        help="generated tokens per request (default 64)")
-    parser.add_argument("--topk", type=positive_int, default=None,
-                        help="positions selected per step (default: the preset's index_topk)")
-    parser.add_argument("--device-buffer-size", type=positive_int, default=None,
-                        help="hot-buffer rows per request (default 2 x topk)")
-    parser.add_argument("--locality", type=fraction, default=0.8,
-                        help="fraction of each step's top-k repeated from the previous step "
-                             "(default 0.8)")
-    parser.add_argument("--offload-threshold-pages", type=positive_int, default=None,
-                        help="offload a request's history once this many pages are sealed "
-                             "outside the active tail (default: the hot region's blocks)")
-    parser.add_argument("--host-blocks", type=positive_int, default=None,
-                        help="host pool blocks (default: every request's reservation)")
-    parser.add_argument("--device-blocks", type=positive_int, default=None,
-                        help="device pool blocks (default: sized for --max-running requests)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="trace seed")
-    parser.add_argument("--device", default="cpu",
-                        help="cpu (default), cuda, cuda:N or auto (cuda when available)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                        help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
-    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--layers", type=bounded_int(1, 1024), default=None,
+                        help="sparse layers to simulate (default: all of a preset with at "
+                             "most 8, else 4 index groups: a sample, scaled to the model)")
+    work = parser.add_argument_group("workload (defaults from the preset)")
+    work.add_argument("--requests", type=bounded_int(1, 1 << 20), default=None,
+                      help="requests in the workload (default 8)")
+    work.add_argument("--max-running", type=bounded_int(1, 4096), default=None,
+                      help="requests decoded together (default 4)")
+    work.add_argument("--prompt-len", type=bounded_int(1, 1 << 22), default=None,
+                      help="prompt tokens per request (default 16 x top-k, within the "
+                           "preset's context)")
+    work.add_argument("--output-len", type=bounded_int(1, 1 << 20), default=None,
+                      help="generated tokens per request (default 64)")
+    add_top_k_flag(work, type=bounded_int(1, 32768), default=None,
+                   help="positions selected per step (default: the preset's index_topk)")
+    work.add_argument("--device-buffer-size", type=bounded_int(1, 32768), default=None,
+                      help="hot-buffer rows per request (default 2 x top-k)")
+    work.add_argument("--workload", choices=WORKLOADS, default=None,
+                      help="top-k generator: calibrated (default: reproduces the published "
+                           "GLM-5.1 LRU miss curve) or locality (--locality)")
+    work.add_argument("--locality", type=fraction, default=None,
+                      help="for --workload locality (implied): fraction of each step's top-k "
+                           "repeated from the previous step (default 0.8)")
+    work.add_argument("--trace", metavar="FILE", type=existing_file, default=None,
+                      help="replay recorded top-k positions (.npz, see docs/tools.md) instead "
+                           "of a generator; the trace sets requests, lengths and top-k")
+    work.add_argument("--record", metavar="FILE", type=output_path, default=None,
+                      help="write this run's top-k positions as a trace (.npz)")
+    work.add_argument("--prefill-chunk", type=bounded_int(1, 1 << 22), default=None,
+                      help="prompt tokens appended and committed at a time (default 8192)")
+    add_seed_flag(work, what="the trace and the KV bytes")
+    pools = parser.add_argument_group("pools and runtime")
+    pools.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
+                       help="fraction of the device pool that must stay truly free before "
+                            "requests offload; below it committed pages leave the GPU "
+                            "(default 0.1; 1 = pure HiSparse: every committed page outside "
+                            "the active tail is read through the hot buffer)")
+    pools.add_argument("--offload-threshold-pages", type=bounded_int(1, 1 << 20), default=None,
+                       help="a request that should offload does so once this many of its "
+                            "pages can leave the GPU (default 1)")
+    pools.add_argument("--host-blocks", type=bounded_int(2, MAX_BLOCKS), default=None,
+                       help="host pool blocks (default: every running request's reservation)")
+    pools.add_argument("--device-blocks", type=bounded_int(2, MAX_BLOCKS), default=None,
+                       help="device pool blocks (default: steady state of --max-running "
+                            "requests: indexer, hot region and resident tail each, plus one "
+                            "prefill chunk)")
+    pools.add_argument("--device", default="cpu",
+                       help="cpu (default), cuda, cuda:N or auto (cuda when available)")
+    pools.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                       help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
+    pools.add_argument("--threads", type=positive_int, default=1,
+                       help="CPU threads for torch (default 1: the ops are small)")
+    report = parser.add_argument_group("report")
+    report.add_argument("--policies", type=_policy_list, default=POLICIES, metavar="LIST",
+                        help=f"hot-buffer policies to compare on the same positions: "
+                             f"{','.join(POLICIES)}, all (default) or none")
+    report.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                         help="check every resolved row against a dense copy (default: on "
                              "when the dense copy is under 256 MiB)")
-    parser.add_argument("--link-gbps", type=positive_float, default=50.0,
+    report.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
+                                                           "decimal GB/s, not bytes/s"),
+                        default=50.0,
                         help="host<->device bandwidth for the transfer-time estimate, GB/s "
                              "(default 50)")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="CPU threads for torch (default 1: the ops are small)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar on stderr (default: when stderr is a terminal)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_progress_flag(report)
+    add_json_flag(report, "the report")
     return parser
-
-
-class _Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.done, self._last = max(total, 1), enabled, 0, -1.0
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
-            width = 30
-            filled = int(width * self.done / self.total)
-            print(f"\rsimulate [{'#' * filled}{'.' * (width - filled)}] "
-                  f"{self.done}/{self.total} steps", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr, flush=True)
-
-
-def simulate(*, preset: str = DEFAULT_PRESET, layers: Optional[int] = None, requests: int = 8,
-             max_running: int = 4, prompt_len: int = 768, output_len: int = 64,
-             topk: Optional[int] = None, device_buffer_size: Optional[int] = None,
-             locality: float = 0.8, offload_threshold_pages: Optional[int] = None,
-             host_blocks: Optional[int] = None, device_blocks: Optional[int] = None,
-             seed: int = 0, device: str = "cpu", backend: str = "auto",
-             verify: Optional[bool] = None, link_gbps: float = 50.0,
-             progress: bool = False) -> dict[str, Any]:
-    """Run the workload; returns the report as a dict (see ``hisparse-triton simulate``).
-
-    Raises ``ValueError`` for a bad configuration, ``HiSparseError`` when the pools cannot
-    hold the workload, ``oracle.OracleMismatch`` when verification fails.
-    """
-    import numpy as np
-    import torch
-
-    from hisparse_triton.config import ACTIVE_TAIL_PAGES
-    from hisparse_triton.oracle import DenseOracle
-    from hisparse_triton.runtime import HiSparseRuntime
-    from hisparse_triton.specs import cdiv
-    from hisparse_triton.workload import TopkTrace, plan_for_workload
-
-    geometry = get_preset(preset)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine.")
-    topk = geometry.index_topk if topk is None else topk
-    max_len = prompt_len + output_len
-    if max_len > geometry.max_model_len:
-        raise ValueError(f"prompt {prompt_len} + output {output_len} = {max_len} tokens exceed "
-                         f"the {preset} preset's max context of {geometry.max_model_len}.")
-    max_running = min(max_running, requests)
-    spec = build_kv_cache_spec(geometry, num_layers=layers)
-    plan = plan_for_workload(spec, max_model_len=max_len, num_requests=max_running, topk=topk,
-                             device_buffer_size=device_buffer_size, prompt_len=prompt_len,
-                             host_blocks=host_blocks, device_blocks=device_blocks)
-    B = plan.block_size
-    runtime = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=max_running,
-                              device=device, backend=backend,
-                              offload_threshold_pages=offload_threshold_pages,
-                              free_block_watermark=1.0)
-    try:
-        leaders = runtime.leaders
-        dense_bytes = max_running * max_len * sum(
-            runtime.device_cache(layer).shape[-1] for layer in runtime.device_layers)
-        if verify is None:
-            verify = dense_bytes <= VERIFY_AUTO_MAX_BYTES
-        oracle = DenseOracle(runtime, seed=seed) if verify else None
-        trace = TopkTrace(topk, locality, seed=seed)
-        waiting = deque(range(requests))
-        running: dict[int, int] = {}  # request -> tokens generated
-        total_steps = cdiv(requests, max_running) * output_len
-        bar = _Progress(total_steps, progress)
-        all_gpu_peak = device_peak_blocks = 0
-        decode_steps = resolves = resolved_rows = 0
-        start = time.perf_counter()
-        while waiting or running:
-            while waiting and len(running) < max_running:
-                rid = waiting.popleft()
-                runtime.add_request(rid, prompt_len, output_len)
-                rows = runtime.append_slots(rid, prompt_len)
-                if oracle is not None:
-                    oracle.add(rid)
-                    oracle.write(rid, rows)
-                runtime.commit()
-                running[rid] = 0
-            ids = list(running)
-            for rid in ids:
-                rows = runtime.append_slots(rid, 1)
-                if oracle is not None:
-                    oracle.write(rid, rows)
-            # Working set of this step, both ways: every running request's full history on
-            # the GPU vs the blocks the runtime holds now (before this step's commit).
-            all_gpu_peak = max(all_gpu_peak, sum(cdiv(runtime.seq_len(rid), B)
-                                                 for rid in ids) * plan.all_gpu_bytes_per_page)
-            device_peak_blocks = max(device_peak_blocks, runtime.device_block_pool.num_used)
-            for leader in leaders:
-                positions = np.stack([trace.next((rid, leader), runtime.seq_len(rid))
-                                      for rid in ids])
-                topk_t = torch.from_numpy(positions)
-                if runtime.device.type == "cuda":  # what an indexer would hand over
-                    topk_t = topk_t.pin_memory().to(runtime.device, non_blocking=True)
-                out = runtime.resolve(leader, ids, topk_t)
-                if oracle is not None:
-                    oracle.check_resolve(leader, ids, topk_t, out)
-                resolves += 1
-                resolved_rows += len(ids)
-            runtime.commit()
-            decode_steps += 1
-            bar.step()
-            for rid in ids:
-                running[rid] += 1
-                if running[rid] == output_len:
-                    if oracle is not None:
-                        oracle.check_pages(rid)
-                        oracle.check_host(rid, runtime.seq_len(rid))
-                        oracle.free(rid)
-                    runtime.free_request(rid)
-                    trace.forget(rid)
-                    del running[rid]
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        wall = time.perf_counter() - start
-        bar.close()
-        stats = runtime.stats()
-        leaked = stats.device_blocks + stats.host_blocks
-        if leaked:
-            raise RuntimeError(f"{leaked} blocks still in use after every request was freed.")
-        kvc = plan.kv_cache_config
-        host_block_bytes = sum(runtime.host_cache(layer).shape[1] *
-                               runtime.host_cache(layer).shape[2]
-                               for layer in runtime.source_layers)
-        device_peak = device_peak_blocks * kvc.bytes_per_block
-        host_peak = stats.peak_host_blocks * host_block_bytes
-        link = link_gbps * 1e9
-        groups = {"resident": sum(1 for g in kvc.kv_cache_groups
-                                  if type(g.kv_cache_spec).__name__ == "HiSparseResidentSpec")}
-        report: dict[str, Any] = {
-            "preset": preset,
-            "sparse_layers": len(runtime.source_layers),
-            "index_groups": len(leaders),
-            "resident_groups": groups["resident"],
-            "device": str(runtime.device),
-            "backend": backend,
-            "requests": requests,
-            "max_running": max_running,
-            "prompt_len": prompt_len,
-            "output_len": output_len,
-            "block_size": B,
-            "topk": topk,
-            "device_buffer_size": runtime.device_buffer_size,
-            "locality": locality,
-            "offload_threshold_pages": runtime.offload_threshold_pages,
-            "active_tail_pages": ACTIVE_TAIL_PAGES,
-            "decode_steps": decode_steps,
-            "resolves": resolves,
-            "resolved_rows": resolved_rows,
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "masked": stats.masked,
-            "hit_rate": stats.hit_rate,
-            "h2d_bytes": stats.h2d_bytes,
-            "d2h_bytes": stats.d2h_bytes,
-            "link_gbps": link_gbps,
-            "h2d_seconds": stats.h2d_bytes / link,
-            "d2h_seconds": stats.d2h_bytes / link,
-            "h2d_seconds_per_step": stats.h2d_bytes / link / max(decode_steps, 1),
-            "all_gpu_peak_bytes": all_gpu_peak,
-            "device_peak_bytes": device_peak,
-            "device_peak_bytes_with_prefill": stats.peak_device_blocks * kvc.bytes_per_block,
-            "host_peak_bytes": host_peak,
-            "device_pool_bytes": kvc.num_blocks * kvc.bytes_per_block,
-            "host_pool_bytes": runtime.kv_cache_config.hisparse_host_num_blocks
-            * host_block_bytes,
-            "gpu_bytes_saved": all_gpu_peak - device_peak,
-            "gpu_saved_fraction": (all_gpu_peak - device_peak) / all_gpu_peak
-            if all_gpu_peak else 0.0,
-            "unpinned_pages": stats.unpinned_pages,
-            "verified": bool(verify),
-            "rows_checked": oracle.rows_checked if oracle is not None else 0,
-            "wall_seconds": wall,
-        }
-        return report
-    finally:
-        runtime.close()
 
 
 def _bytes(n: float) -> str:
@@ -301,29 +155,63 @@ def _seconds(s: float) -> str:
     return f"{s:.2f} s"
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report."""
+    sampled = (f"{r['sparse_layers']} of {r['model_sparse_layers']} sparse layers simulated "
+               f"({r['index_groups']} of {r['model_index_groups']} index groups, a sample)"
+               if r["sampled"] else f"{r['sparse_layers']} sparse layers, "
+               f"{r['index_groups']} index groups")
+    source = {"trace": f"recorded trace {r['trace']}",
+              "calibrated": "calibrated synthetic top-k trace",
+              "locality": f"synthetic top-k trace, locality {r['locality']}"}[r["workload"]]
     lines = [
-        f"hisparse-triton simulate: preset {r['preset']} ({r['sparse_layers']} sparse layers, "
-        f"{r['index_groups']} index groups, {r['resident_groups']} resident + "
-        f"{r['resident_groups']} hot groups), device {r['device']}, backend {r['backend']}",
-        f"workload: {r['requests']} requests x ({r['prompt_len']} prompt + {r['output_len']} "
-        f"output) tokens, {r['max_running']} running at a time; top-k {r['topk']}, hot buffer "
-        f"{r['device_buffer_size']} rows, locality {r['locality']:.2f}",
+        f"hisparse-triton simulate: preset {r['preset']} ({sampled}; {r['resident_groups']} "
+        f"resident + {r['resident_groups']} hot groups), device {r['device']}, backend "
+        f"{r['backend']}",
+        f"workload: {source}; {r['requests']} requests x ({r['prompt_len']} prompt + "
+        f"{r['output_len']} output) tokens, {r['max_running']} running at a time, prefill "
+        f"chunks of {r['prefill_chunk']}; top-k {r['top_k']}, hot buffer "
+        f"{r['device_buffer_size']} rows",
+        f"device pool: {r['device_pool_blocks']} blocks ({_bytes(r['device_pool_bytes'])}: "
+        f"steady state of {r['max_running']} requests, under memory pressure); host pool "
+        f"{_bytes(r['host_pool_bytes'])}",
         f"decode: {r['decode_steps']} steps, {r['resolves']} resolve calls, "
-        f"{r['resolved_rows']} rows x {r['topk']} columns",
+        f"{r['resolved_rows']} rows x {r['top_k']} columns",
         f"top-k columns: {r['hits']} hits, {r['misses']} misses (gathered), {r['masked']} "
-        f"masked -> hit rate {100 * r['hit_rate']:.1f}%",
+        f"masked -> hit rate {_pct(r['hit_rate'])} (miss rate {_pct(r['miss_rate'])})",
+    ]
+    policies = r.get("policies")
+    if policies:
+        lines.append(f"hot-buffer policies on the same positions ({r['device_buffer_size']} "
+                     f"slots, {r['buffer_lookups']} lookups of pages not on the GPU):")
+        notes = {"lru": "the runtime's rule" + (
+                     f": equals its {r['misses']} misses" if r.get("lru_matches_runtime")
+                     else f": MISMATCH with the runtime's {r['misses']} misses"),
+                 "fifo": "", "belady": "offline optimum (needs the future)"}
+        for name, v in policies.items():
+            lines.append(f"  {name:<7}{v['misses']:>12} misses  {_pct(v['miss_rate']):>6}  "
+                         f"{notes[name]}".rstrip())
+    cal = r.get("calibration")
+    if cal:
+        ours = " / ".join(_pct(x) for x in cal["lru_miss_rates"])
+        published = " / ".join(_pct(x) for x in cal["published_miss_rates"])
+        lines.append(f"calibration: LRU miss rate at buffer k / 2k / 4k = {ours} (this "
+                     f"generator, top-k {cal['top_k']}, {cal['history']}-token history, steady "
+                     f"state); published GLM-5.1 at k = 2048: {published}")
+    scale = (f" (scaled to {r['model_index_groups']} index groups)" if r["sampled"] else "")
+    lines += [
         f"bytes moved: host->device {_bytes(r['h2d_bytes'])} (misses), device->host "
         f"{_bytes(r['d2h_bytes'])} (write-through of every new row)",
-        f"at {r['link_gbps']:g} GB/s: host->device {_seconds(r['h2d_seconds'])} "
-        f"({_seconds(r['h2d_seconds_per_step'])} per decode step), device->host "
-        f"{_seconds(r['d2h_seconds'])}",
-        f"GPU memory (decode working set, peak): all layers on GPU "
+        f"at {r['link_gbps']:g} GB/s: host->device {_seconds(r['h2d_seconds_per_step_model'])}"
+        f" per decode step{scale}, {_bytes(r['h2d_bytes_per_step_model'])}",
+        f"GPU memory (decode working set, peak, simulated layers): all layers on GPU "
         f"{_bytes(r['all_gpu_peak_bytes'])}, HiSparse {_bytes(r['device_peak_bytes'])} "
         f"+ host {_bytes(r['host_peak_bytes'])} -> {_bytes(r['gpu_bytes_saved'])} of GPU "
-        f"memory saved ({100 * r['gpu_saved_fraction']:.0f}%); peak with one-chunk prefills "
-        f"{_bytes(r['device_peak_bytes_with_prefill'])}",
+        f"memory saved ({100 * r['gpu_saved_fraction']:.0f}%)",
     ]
     if r["verified"]:
         lines.append(f"verify: exact ({r['rows_checked']} resolved rows checked against the "
@@ -342,29 +230,58 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """``SimSettings`` of the parsed flags (``ValueError`` for flags that do not combine)."""
+    from hisparse_triton.simulation import SimSettings
+
+    if args.trace is not None:
+        given = [f"--{name.replace('_', '-')}" for name in SYNTHETIC_FLAGS
+                 if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with --trace: the trace "
+                             f"sets the requests, their lengths and the positions.")
+    workload = args.workload
+    if workload is None:
+        workload = "locality" if args.locality is not None else "calibrated"
+    if args.locality is not None and workload != "locality":
+        raise ValueError(f"--locality applies to --workload locality, not {workload}.")
+    return SimSettings(
+        preset=args.preset, layers=args.layers, requests=args.requests,
+        max_running=args.max_running, prompt_len=args.prompt_len, output_len=args.output_len,
+        top_k=args.top_k, device_buffer_size=args.device_buffer_size, workload=workload,
+        locality=args.locality if args.locality is not None else 0.8, trace=args.trace,
+        record=args.record, policies=args.policies, prefill_chunk=args.prefill_chunk,
+        offload_threshold_pages=args.offload_threshold_pages,
+        free_block_watermark=args.free_block_watermark, host_blocks=args.host_blocks,
+        device_blocks=args.device_blocks, seed=args.seed, device=args.device,
+        backend=args.backend, verify=args.verify, link_gbps=args.link_gbps)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton simulate``."""
-    import torch
-
-    from hisparse_triton.errors import HiSparseError
-    from hisparse_triton.oracle import OracleMismatch
-
     cpus = available_cpus()
     if args.threads > cpus:  # thousands of OpenMP threads fail to start or crash the process
         raise ValueError(f"--threads {args.threads} exceeds the {cpus} CPUs available to this "
                          f"process.")
+    settings = settings_from_args(args)
+    import torch
+
+    from hisparse_triton.benchmarks.progress import Progress, default_enabled
+    from hisparse_triton.errors import HiSparseError
+    from hisparse_triton.oracle import OracleMismatch
+    from hisparse_triton.simulation import run_simulation
+
     torch.set_num_threads(args.threads)
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    out = report_stream(args.json)
+    bar: list[Any] = []
+
+    def on_step(done: int, total: int) -> None:
+        if not bar:
+            bar.append(Progress(total, "simulate", enabled=default_enabled(args.progress)))
+        bar[0].step()
+
     try:
-        report = simulate(
-            preset=args.preset, layers=args.layers, requests=args.requests,
-            max_running=args.max_running, prompt_len=args.prompt_len,
-            output_len=args.output_len, topk=args.topk,
-            device_buffer_size=args.device_buffer_size, locality=args.locality,
-            offload_threshold_pages=args.offload_threshold_pages,
-            host_blocks=args.host_blocks, device_blocks=args.device_blocks, seed=args.seed,
-            device=args.device, backend=args.backend, verify=args.verify,
-            link_gbps=args.link_gbps, progress=progress)
+        report = run_simulation(settings, on_step=on_step)
     except OracleMismatch as exc:
         print(f"hisparse-triton simulate: verify FAILED: {' '.join(str(exc).split())}",
               file=sys.stderr)
@@ -373,8 +290,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"hisparse-triton simulate: error: {' '.join(str(exc).split())}",
               file=sys.stderr)
         return 1
+    finally:
+        if bar:
+            bar[0].close()
+    for warning in report["warnings"]:
+        print(f"hisparse-triton simulate: warning: {warning}.", file=sys.stderr)
+    print(format_report(report), file=out)
+    if report.get("lru_matches_runtime") is False:
+        print("hisparse-triton simulate: error: the LRU model disagrees with the runtime's "
+              "miss count on the same positions (a bug; please report it).", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
+        write_json(json_document("simulate", SCHEMA_VERSION, report), args.json)
     return 0

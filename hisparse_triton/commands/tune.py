@@ -30,10 +30,23 @@ import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
-from hisparse_triton.commands.argtypes import choice_list, int_list, positive_float, positive_int
-from hisparse_triton.commands.bench import add_output_flags, write_json
+from hisparse_triton.commands.argtypes import bounded_int, bounded_int_list, choice_list
+from hisparse_triton.commands.bench import (
+    MAX_LAYERS,
+    MAX_ROWS,
+    TIME_MS,
+    add_output_flags,
+    preset_shapes,
+)
+from hisparse_triton.commands.flags import add_seed_flag, add_top_k_flag
+from hisparse_triton.commands.output import json_document, report_stream, write_json
+from hisparse_triton.presets import list_presets
 
 KERNELS = ("gather", "backup", "restore", "spill")
+#: ``schema_version`` of ``tune --json``.
+SCHEMA_VERSION = 1
+DEFAULT_ROW_BYTES = 656
+DEFAULT_LAYERS = (1, 4)
 PAGE_KERNELS = ("restore", "spill")
 BLOCK_SIZE = 64
 #: Stage 1 fields (full grid) and stage 2 fields (one at a time around the stage-1 winner).
@@ -412,22 +425,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--kernel", type=choice_list(KERNELS), default=KERNELS,
                         metavar="LIST", help=f"kernels to tune: {','.join(KERNELS)} "
                                              f"(default all)")
-    parser.add_argument("--row-bytes", type=positive_int, default=656, metavar="N",
-                        help="bytes of one row of one layer (default 656; pages are 64 rows)")
-    parser.add_argument("--layers", type=int_list, default=(1, 4), metavar="LIST",
-                        help="layers per launch to tune for (default 1,4)")
-    parser.add_argument("--rows", type=positive_int, default=16384, metavar="N",
+    parser.add_argument("--preset", choices=list_presets(), default=None,
+                        help="tune for a model's real shapes: its MLA row size and the layer "
+                             "counts of one index group and of the whole-step mirror (e.g. 1 "
+                             "and 61 on DeepSeek-V3.2); --row-bytes / --layers still win")
+    parser.add_argument("--row-bytes", type=bounded_int(1, 1 << 20), default=None, metavar="N",
+                        help=f"bytes of one row of one layer (default {DEFAULT_ROW_BYTES}, or "
+                             f"the preset's; pages are 64 rows)")
+    parser.add_argument("--layers", type=bounded_int_list(1, MAX_LAYERS), default=None,
+                        metavar="LIST", help="layers per launch to tune for (default 1,4, or "
+                                             "the preset's)")
+    parser.add_argument("--rows", type=bounded_int(1, MAX_ROWS), default=16384, metavar="N",
                         help="rows moved per timed launch (default 16384; pages: N/64)")
-    parser.add_argument("--top-k", type=positive_int, default=2048, metavar="N",
-                        help="plan width of the row kernels (default 2048)")
+    add_top_k_flag(parser, type=bounded_int(1, 32768), default=2048,
+                   help="plan width of the row kernels (default 2048)")
     parser.add_argument("--quick", action="store_true", help="a smaller candidate grid")
     parser.add_argument("--dry-run", action="store_true",
                         help="list the candidates and exit (no GPU needed)")
-    parser.add_argument("--warmup-ms", type=positive_float, default=5.0,
+    parser.add_argument("--warmup-ms", type=TIME_MS, default=5.0,
                         help="warm-up per candidate in ms (default 5)")
-    parser.add_argument("--rep-ms", type=positive_float, default=25.0,
+    parser.add_argument("--rep-ms", type=TIME_MS, default=25.0,
                         help="timing per candidate in ms, median reported (default 25)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the plans")
+    add_seed_flag(parser, what="the plans")
     parser.add_argument("--cache", metavar="PATH", default=None,
                         help="cache file to update (default: $HISPARSE_TRITON_TUNING_CACHE or "
                              "the user cache directory, one file per GPU model)")
@@ -460,15 +479,28 @@ def _dry_run(args: argparse.Namespace, spaces: list[Space], out: Any) -> int:
                         "stage1": [asdict(c) for c in space.stage1], "stage2": s2,
                         "fixed": space.fixed})
     if args.json:
-        write_json({"schema": "hisparse-triton/tune", "dry_run": True,
-                    "row_bytes": args.row_bytes, "cache": str(cache_path),
-                    "spaces": records}, args.json)
+        write_json(json_document("tune", SCHEMA_VERSION, {
+            "dry_run": True, "preset": args.preset, "row_bytes": args.row_bytes,
+            "cache": str(cache_path), "spaces": records}), args.json)
     return 0
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill ``--row-bytes`` / ``--layers`` from ``--preset`` (or the defaults) in place."""
+    row_bytes, layers = (preset_shapes(args.preset) if args.preset is not None
+                         else (DEFAULT_ROW_BYTES, DEFAULT_LAYERS))
+    if args.row_bytes is None:
+        args.row_bytes = row_bytes
+    if args.layers is None:
+        args.layers = layers
 
 
 def run(args: argparse.Namespace) -> int:
     """Tune (or, with ``--dry-run``, list) and save the winners to the cache."""
-    out = sys.stderr if args.json == "-" else sys.stdout
+    from hisparse_triton.benchmarks.progress import default_enabled
+
+    apply_preset(args)
+    out = report_stream(args.json)
     if args.rows < BLOCK_SIZE and any(k in PAGE_KERNELS for k in args.kernel):
         raise ValueError(f"--rows={args.rows} is less than one page ({BLOCK_SIZE} rows).")
     import torch
@@ -496,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         for space in spaces:
-            record = tune_one(space, args, not args.no_progress)
+            record = tune_one(space, args, default_enabled(args.progress))
             records.append(record)
             _print_record(record, space, args.row_bytes, out)
             if not args.no_save:  # each space as soon as it is tuned: a kill keeps it
@@ -510,9 +542,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"saved {len(records)} entr{'y' if len(records) == 1 else 'ies'} to {path}",
               file=out)
     if args.json:
-        write_json({"schema": "hisparse-triton/tune", "dry_run": False, "environment": env,
-                    "row_bytes": args.row_bytes, "cache": str(path), "saved": saved,
-                    "interrupted": interrupted, "results": records}, args.json)
+        write_json(json_document("tune", SCHEMA_VERSION, {
+            "dry_run": False, "preset": args.preset, "environment": env,
+            "row_bytes": args.row_bytes, "cache": str(path), "saved": saved,
+            "interrupted": interrupted, "results": records}), args.json)
     return 130 if interrupted else 0
 
 
