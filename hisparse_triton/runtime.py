@@ -119,6 +119,27 @@ class HiSparseStats:
         return self.hits / total if total else 1.0
 
 
+class RuntimeStatsSnapshot:
+    """Occupancy read at ``stats_async()`` time plus device counters copied in the
+    background (``HiSparseRuntime.stats_async``)."""
+
+    def __init__(self, scheduler_stats, counters) -> None:
+        self._scheduler_stats, self._counters = scheduler_stats, counters
+
+    def ready(self) -> bool:
+        return self._counters.ready()
+
+    def result(self) -> HiSparseStats:
+        return _combine(self._scheduler_stats, self._counters.result())
+
+
+def _combine(s, w) -> HiSparseStats:
+    shared = {f.name: getattr(s, f.name) for f in dataclasses.fields(HiSparseStats)
+              if hasattr(s, f.name)}
+    return HiSparseStats(hits=w.hits, misses=w.misses, masked=w.masked,
+                         h2d_bytes=w.h2d_bytes, d2h_bytes=w.d2h_bytes, **shared)
+
+
 class HiSparseRuntime:
     """One scheduler and one worker in one process, with a request-id API (module docstring).
 
@@ -470,11 +491,14 @@ class HiSparseRuntime:
         """Counters and occupancy. Reads the device counters: a device sync on CUDA, so call
         it between steps, not inside the decode path."""
         self._check_open()
-        s, w = self.scheduler.stats(), self.worker.stats()
-        shared = {f.name: getattr(s, f.name) for f in dataclasses.fields(HiSparseStats)
-                  if hasattr(s, f.name)}
-        return HiSparseStats(hits=w.hits, misses=w.misses, masked=w.masked,
-                             h2d_bytes=w.h2d_bytes, d2h_bytes=w.d2h_bytes, **shared)
+        return _combine(self.scheduler.stats(), self.worker.stats())
+
+    def stats_async(self) -> "RuntimeStatsSnapshot":
+        """``stats()`` without a device sync on the decode path: the occupancy is read now,
+        the device counters are copied in the background; ``.result()`` returns the
+        ``HiSparseStats`` (waiting only for that copy)."""
+        self._check_open()
+        return RuntimeStatsSnapshot(self.scheduler.stats(), self.worker.stats_async())
 
     def reset_stats(self) -> None:
         """Zero the hit/miss/byte counters (occupancy is not a counter)."""

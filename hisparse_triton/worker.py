@@ -29,6 +29,8 @@ rank whose ``mirror`` copies; every rank applies the same plans, so their tables
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -40,6 +42,7 @@ from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import RuntimeClosedError
 from hisparse_triton.groups import IndexGroup, PlanGroups
 from hisparse_triton.layout import underlying_layer_name
+from hisparse_triton.memory import MemoryRequest, check_memory
 from hisparse_triton.pools import DevicePool, HostPool
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.specs import KVCacheConfig
@@ -80,6 +83,26 @@ class WorkerStats:
         return self.hits / total if total else 1.0
 
 
+class StatsSnapshot:
+    """Counters being copied to the host (``HiSparseWorker.stats_async``)."""
+
+    def __init__(self, worker: "HiSparseWorker", counters: torch.Tensor,
+                 event: Optional["torch.cuda.Event"], d2h_bytes: int, plans: int) -> None:
+        self._worker, self._counters, self._event = worker, counters, event
+        self._d2h_bytes, self._plans = d2h_bytes, plans
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> WorkerStats:
+        """The counters as of the ``stats_async`` call (waits for the copy only)."""
+        if self._event is not None:
+            self._event.synchronize()
+        stats = self._worker._stats_from(self._counters.tolist())
+        return dataclasses.replace(stats, d2h_bytes=self._d2h_bytes, plans=self._plans)
+
+
 @dataclass
 class _IndexGroupState:
     """Device state of one index group: tables, row tables, hot state views, counters."""
@@ -113,6 +136,11 @@ class _MirrorSet:
     resident_of_layer: torch.Tensor  # [L] int64: row of plan.mirror_device_rows per layer
     device_table: RowTable
     host_table: RowTable
+
+
+def plan_fingerprint(kv_cache_config: KVCacheConfig) -> str:
+    """A short hash of a plan: the ranks sharing one host pool must have planned alike."""
+    return hashlib.sha256(repr(kv_cache_config).encode()).hexdigest()[:24]
 
 
 def parse_device(device: object) -> torch.device:
@@ -220,12 +248,22 @@ class HiSparseWorker:
         self._d2h_bytes = 0
         self._plans = 0
         host_bytes = max(t.offset + t.size for t in self.groups.host_tensors.values())
+        # Everything this worker will allocate, checked together before anything is.
+        check_memory([
+            *HostPool.memory_requests(host_bytes, shared=self.shared_host_pool,
+                                      create=tp_rank == 0),
+            *DevicePool.memory_requests(self.num_device_blocks, self.bytes_per_block,
+                                        self.device),
+            MemoryRequest("per-request tables and hot state", self.table_bytes, self.device,
+                          hint="max_num_seqs or device_buffer_size")],
+            max_ram_fraction=host_ram_fraction)
         # The runtime's tensors are ordinary tensors whatever the caller's mode: built
         # outside inference mode and without autograd, so in-place updates work from both.
         with torch.inference_mode(False), torch.no_grad():
             self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
                                        max_ram_fraction=host_ram_fraction, device=self.device,
-                                       shared_name=host_pool_name, create=tp_rank == 0)
+                                       shared_name=host_pool_name, create=tp_rank == 0,
+                                       fingerprint=plan_fingerprint(kv_cache_config))
             try:  # a failure below must not leave the (pinned) host pool to the GC
                 self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
                                                self.device)
@@ -240,6 +278,13 @@ class HiSparseWorker:
                     len(self.groups.index_groups), backend, self._kernel_backend)
 
     # ------------------------------------------------------------------ construction
+    @property
+    def table_bytes(self) -> int:
+        """Device bytes of the per-request tables, hot state and counters."""
+        S, H = self.max_num_seqs, self.device_buffer_size
+        G = len(self.groups.index_groups)
+        return 4 * S * self.layout.width + 2 * 4 * G * S * H + 4 * H + 8 * 3 * G
+
     def _layer_row_bytes(self, name: str, host: bool) -> int:
         tensor = (self.groups.host_tensors if host else self.groups.device_tensors)[name]
         blocks = self.num_host_blocks if host else self.num_device_blocks
@@ -611,6 +656,22 @@ class HiSparseWorker:
         self._check_open()
         return self._stats_from(self._counters.tolist())
 
+    def stats_async(self) -> "StatsSnapshot":
+        """Start reading the counters without waiting for the device: the counters are
+        copied into pinned host memory on the current stream (after everything enqueued so
+        far); ``result()`` on the returned snapshot waits only for that copy. Use it from a
+        serving loop's metrics path instead of ``stats()``."""
+        self._check_open()
+        with torch.inference_mode(False), torch.no_grad():
+            if self.device.type == "cpu":
+                return StatsSnapshot(self, self._counters.clone(), None, self._d2h_bytes,
+                                     self._plans)
+            host = torch.empty(self._counters.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(self._counters, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return StatsSnapshot(self, host, event, self._d2h_bytes, self._plans)
+
     def _stats_from(self, per_group: list[list[int]]) -> WorkerStats:
         states = list(self._index_groups.values())
         hits, misses, masked = (sum(row[i] for row in per_group) for i in range(3))
@@ -659,4 +720,5 @@ class HiSparseWorker:
         self.close()
 
 
-__all__ = ["BACKENDS", "HiSparseWorker", "WorkerStats", "parse_device"]
+__all__ = ["BACKENDS", "HiSparseWorker", "StatsSnapshot", "WorkerStats", "parse_device",
+           "plan_fingerprint"]

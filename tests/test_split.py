@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hisparse_triton.worker as worker_module
-from hisparse_triton import CapacityError, HiSparseRuntime
+from hisparse_triton import CapacityError, HiSparseRuntime, HostMemoryError
 from hisparse_triton.oracle import DenseOracle, SplitView
 from hisparse_triton.scheduler import HiSparseScheduler
 from hisparse_triton.step_plan import StepPlan, TableLayout
@@ -181,6 +181,25 @@ def test_halves_driven_as_a_serving_stack_are_exact():
             assert scheduler.stats().unpinned_pages > 0
 
 
+def test_everything_a_worker_allocates_is_checked_first(monkeypatch):
+    """Host pool, device pool and per-request tables are checked together before any is
+    allocated: a clear error, never an allocator error half-way."""
+    import hisparse_triton.memory as memory
+
+    monkeypatch.setattr(memory, "available_ram_bytes", lambda: 100_000)
+    made = []
+
+    class RecordingHostPool(worker_module.HostPool):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "HostPool", RecordingHostPool)
+    with pytest.raises(HostMemoryError, match="per-request tables and hot state"):
+        make_runtime(max_num_seqs=3)
+    assert not made  # nothing was allocated
+
+
 def test_state_row_of_a_freed_request_is_reset_before_reuse():
     with make_runtime(max_num_seqs=1, regular=False) as rt:
         scheduler, worker = halves(rt)
@@ -211,11 +230,12 @@ def test_failed_construction_releases_the_host_pool(monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    def no_device_pool(*args, **kwargs):
-        raise CapacityError("device pool does not fit", resource="device bytes")
+    class NoDevicePool(worker_module.DevicePool):
+        def __init__(self, *args, **kwargs):
+            raise CapacityError("device pool does not fit", resource="device bytes")
 
     monkeypatch.setattr(worker_module, "HostPool", RecordingHostPool)
-    monkeypatch.setattr(worker_module, "DevicePool", no_device_pool)
+    monkeypatch.setattr(worker_module, "DevicePool", NoDevicePool)
     with pytest.raises(CapacityError, match="device pool does not fit"):
         make_runtime()
     assert len(made) == 1 and made[0].closed
@@ -354,3 +374,19 @@ def test_request_ids_must_be_a_sequence_and_not_nan():
             rt.add_request(float("nan"), 4, 4)
         assert rt.resolve(L2, ("a",), topk).shape == (1, TOPK)
         assert B == 4
+
+
+def test_stats_async_matches_stats():
+    with make_runtime(max_num_seqs=2, threshold=1) as rt:
+        oracle = DenseOracle(rt, seed=6)
+        rt.add_request("a", 30, 4)
+        oracle.add("a")
+        write_random(rt, oracle, "a", 30)
+        rt.commit()
+        topk = torch.arange(TOPK, dtype=torch.int32).view(1, -1)
+        rt.resolve(L0, ["a"], topk)
+        snapshot = rt.stats_async()
+        rt.resolve(L2, ["a"], topk)          # after the snapshot: not in it
+        first = snapshot.result()
+        assert snapshot.ready() and first.misses > 0
+        assert rt.stats().misses > first.misses
