@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One prepared GPU check: the DESIGN.md section 9 measurements, ``tune`` for 656 B rows and
+"""One prepared GPU check: the performance-target measurements, ``tune`` for 656 B rows and
 the test suite on CUDA, in priority order inside one time budget, written as ONE JSON file
 (plus logs) under ``$OUT``.
 
@@ -35,7 +35,7 @@ step that cannot start inside the budget is recorded as skipped):
 Output (at most 5 files, inside the device tool's limits): ``$OUT/<gpu>-<YYYY-MM-DD>.json``
 (commit it as ``bench/results/<gpu>-<YYYY-MM-DD>.json``) with the environment (GPU name,
 driver, clocks, torch, triton, CUDA), every step's exit code, time, output tail and summary,
-the merged bench result, the tune result and where each DESIGN.md section 9 target stands;
+the merged bench result, the tune result and where each performance target stands;
 ``bench.png`` (when matplotlib is there), ``logs.txt`` (every step's full output) and
 ``tuning-cache.json``. The JSON is rewritten after every step, and a running bench step
 checkpoints its own ``<step>.json`` after every case, so a run killed from outside still
@@ -300,7 +300,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if bench:
         lines += _ceilings(bench)
     if report.get("targets"):
-        lines.append("DESIGN.md section 9 targets (ratio >= 1 = met):")
+        lines.append("performance targets (ratio >= 1 = met):")
         lines += target_lines(report["targets"])
     return lines
 

@@ -37,8 +37,6 @@ KNOWN_BROKEN: dict[str, str] = {
         "docs/kernels.md: the copy_rows / copy_pages signatures fenced as python",
     "1b773e7efe579998af43eba6ba95a5c27e931d5c1822c0a6ec0a14b5e7f6d0c9":
         "docs/resolve.md: a resolve() call on undefined inputs",
-    "cfc9ea034d34e15f9bf77ea4da4a3acdb53a281b6fa11450b3dd2b9d16fe8e06":
-        "docs/runtime.md: the HiSparseRuntime signature fenced as python",
 }
 
 
