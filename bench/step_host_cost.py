@@ -1,7 +1,8 @@
 """Host (Python) cost of one decode step's bookkeeping at DeepSeek-V3.2 structure, batch 64.
 
-Times ``append_slots(r, 1)`` for every running request + ``commit()`` (the facade) per decode
-step on CPU tensors, with the row-copy launches (the write-through mirror) replaced by
+Times, per decode step on CPU tensors, the facade (``append_slots(r, 1)`` for every running
+request + ``commit()``) and a serving stack's path through the two halves
+(``scheduler.append_decode`` + ``scheduler.step()`` + ``worker.apply`` + ``worker.mirror``), with the row-copy launches (the write-through mirror) replaced by
 no-ops, so what is left is what the host pays: allocation, table updates, plan building.
 Times are the thread's CPU time (``time.thread_time``), so other load on the machine
 inflates them little. Also counts the torch operations one step issues on the runtime's tensors (on a GPU each is a
@@ -72,31 +73,47 @@ def build(batch: int, prompt: int, new_tokens: int) -> tuple[HiSparseRuntime, li
     return rt, ids
 
 
+def _time(step, steps: int) -> dict:
+    for _ in range(3):
+        step()
+    counter = _OpCounter()
+    with counter:
+        step()
+    times = []
+    for _ in range(steps):  # thread CPU time: robust to other load on the machine
+        start = time.thread_time()
+        step()
+        times.append(time.thread_time() - start)
+    times.sort()
+    return {"median_ms": 1e3 * times[len(times) // 2],
+            "mean_ms": 1e3 * sum(times) / len(times), "torch_ops_per_step": counter.count}
+
+
 def measure(batch: int = 64, steps: int = 200, prompt: int = 1024) -> dict:
+    """Bookkeeping per decode step: the facade (``append_slots`` per request + ``commit``)
+    and a serving stack's path (``append_decode`` + ``step`` + ``apply`` + ``mirror``)."""
+    result: dict = {"batch": batch, "steps": steps, "layers": GEOMETRY.num_layers}
     with stubbed_copies():
-        rt, ids = build(batch, prompt, steps + 8)
+        rt, ids = build(batch, prompt, 2 * steps + 16)
         try:
-            def step() -> None:
+            def facade_step() -> None:
                 for rid in ids:
                     rt.append_slots(rid, 1)
                 rt.commit()
 
-            for _ in range(3):
-                step()
-            counter = _OpCounter()
-            with counter:
-                step()
-            torch_ops = counter.count
-            times = []
-            for _ in range(steps):  # thread CPU time: robust to other load on the machine
-                start = time.thread_time()
-                step()
-                times.append(time.thread_time() - start)
+            scheduler, worker = rt.scheduler, rt.worker
+
+            def split_step() -> None:
+                scheduler.append_decode(ids)
+                plan = scheduler.step()
+                worker.apply(plan)
+                worker.mirror(plan)
+
+            result["facade"] = _time(facade_step, steps)
+            result["split"] = _time(split_step, steps)
         finally:
             rt.close()
-    times.sort()
-    return {"batch": batch, "steps": steps, "median_ms": 1e3 * times[len(times) // 2],
-            "mean_ms": 1e3 * sum(times) / len(times), "torch_ops_per_step": torch_ops}
+    return result
 
 
 def main() -> None:

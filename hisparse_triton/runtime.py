@@ -198,6 +198,7 @@ class HiSparseRuntime:
                                      host_ram_fraction=host_ram_fraction)
         self._closed = False
         self._journal = self.scheduler.journal
+        self._row_names = self.scheduler.row_layer_names
         self.config = config
         self.kv_cache_config = kv_cache_config
 
@@ -386,16 +387,11 @@ class HiSparseRuntime:
         """
         self._check_open()
         with self._journal.transaction():
-            rows = self.scheduler.append_slots(request_id, num_tokens)
-            # One copy for all groups: the distinct arrays (one per group) stacked.
-            slot: dict[int, int] = {}
-            arrays = []
-            for array in rows.values():
-                if id(array) not in slot:
-                    slot[id(array)] = len(arrays)
-                    arrays.append(array)
-            views = self.worker.to_device(np.stack(arrays), torch.int64).unbind(0)
-            return {layer: views[slot[id(array)]] for layer, array in rows.items()}
+            per_group = self.scheduler.append_group_rows(request_id, num_tokens)
+            # One copy for all groups: their rows stacked, one view per group.
+            views = self.worker.to_device(np.stack(per_group), torch.int64).unbind(0)
+            return {name: view for view, names in zip(views, self._row_names)
+                    for name in names}
 
     def commit(self) -> None:
         """Mirror rows appended since the last commit to host; release pages that are done.

@@ -153,6 +153,7 @@ class _Request:
     host_blocks: list[int]
     pages: dict[int, np.ndarray]       # paged group position -> [width] int64 block ids
     page_hashes: list[bytes] = field(default_factory=list)  # full prompt pages' hashes
+    host_array: np.ndarray = field(default=None, repr=False)  # host_blocks as int64
     published_pages: int = 0           # pages [0, published) considered for the prefix cache
     seq_len: int = 0
     scheduled_len: int = 0             # tokens whose mirror is in an emitted plan
@@ -160,6 +161,10 @@ class _Request:
     released_pages: int = 0            # resident pages [0, released_pages) are unpinned
     window_freed: dict[int, int] = field(default_factory=dict)  # sliding group -> pages freed
     hot: Optional[dict[int, list[int]]] = None  # hot group position -> blocks (None: not offloaded)
+
+    def __post_init__(self) -> None:
+        if self.host_array is None:
+            self.host_array = np.asarray(self.host_blocks, dtype=np.int64)
 
     @property
     def reserved_tokens(self) -> int:
@@ -295,8 +300,12 @@ class HiSparseScheduler:
                               else cdiv(config.in_flight_tokens, self.block_size))
         # Prefix reuse needs every page of every full-history group; a sliding window
         # drops pages, so a model with one gets no prefix hits.
-        self.prefix_caching = not self.groups.of_kind(SlidingWindowGroup)
+        self._windowed = self.groups.of_kind(SlidingWindowGroup)
+        self.prefix_caching = not self._windowed
         self._prefix_groups = [g for g in self._paged if not isinstance(g, ResidentGroup)]
+        # A token at a position that is a multiple of none of these starts no page anywhere
+        # (the decode fast path).
+        self._block_sizes = sorted({g.block_size for g in self._paged})
         # The names append_slots reports rows under, per paged group (model layer names).
         self._row_names = [group.model_layer_names if isinstance(group, ResidentGroup)
                            else group.layer_names for group in self._paged]
@@ -611,6 +620,19 @@ class HiSparseScheduler:
         ``max_num_batched_tokens`` tokens since the request's last plan; ``CapacityError``
         when the device pool is full. Nothing changes on error.
         """
+        per_group = self.append_group_rows(request_id, num_tokens)
+        return {name: rows for rows, names in zip(per_group, self._row_names)
+                for name in names}
+
+    @property
+    def row_layer_names(self) -> list[tuple[str, ...]]:
+        """The layers of each paged group, in the order ``append_group_rows`` returns their
+        rows (sparse layers under their model names)."""
+        return list(self._row_names)
+
+    def append_group_rows(self, request_id: Hashable, num_tokens: int) -> list[np.ndarray]:
+        """``append_slots`` with one ``[num_tokens] int64`` array of rows per paged group (in
+        ``row_layer_names`` order) instead of a dict per layer (cheaper on the decode path)."""
         self._check_open()
         req = self._request(request_id, "append_slots")
         num_tokens = _int_at_least(f"request {request_id!r}: num_tokens", num_tokens, 0)
@@ -627,6 +649,9 @@ class HiSparseScheduler:
                 f"{new_len - req.scheduled_len} tokens uncommitted, more than "
                 f"max_num_batched_tokens={limit}; commit (step) the chunk before appending "
                 f"more.", request_id)
+        if num_tokens == 1 and all(req.seq_len % b for b in self._block_sizes):
+            return [np.array([row], dtype=np.int64)        # the decode step: no new page
+                    for row in self._advance_in_page(req)]
         new_pages = [g.new_pages(req.seq_len, new_len) for g in self._paged]
         needed = sum(new_pages)
         j = self.journal
@@ -634,8 +659,38 @@ class HiSparseScheduler:
             self._reclaim(needed)
             return self._append(req, new_len, new_pages, needed)
 
+    def _advance_in_page(self, req: _Request) -> list[int]:
+        """Append one token that starts no page: its row in every paged group."""
+        pos = req.seq_len
+        rows = [int(req.pages[g.position][pos // g.block_size]) * g.block_size
+                + pos % g.block_size for g in self._paged]
+        j = self.journal
+        j.setattr(req, "seq_len", pos + 1)
+        j.setitem(self._writes, req.row * self.layout.width + TableLayout.SEQ_LEN_COL, pos + 1)
+        return rows
+
+    def append_decode(self, request_ids: Sequence[Hashable]) -> dict[str, np.ndarray]:
+        """``append_slots(id, 1)`` for every request of a decode batch, in one call:
+        ``{layer: int64 [R]}`` rows, row ``r`` for ``request_ids[r]`` (layers of one group
+        share one array). All-or-nothing; the same errors as ``append_slots``."""
+        self._check_open()
+        check_id_list(request_ids)
+        table = np.empty((len(self._paged), len(request_ids)), dtype=np.int64)
+        with self.journal.transaction():
+            for r, request_id in enumerate(request_ids):
+                req = self._request(request_id, "append_decode")
+                if all(req.seq_len % b for b in self._block_sizes) \
+                        and req.seq_len < req.reserved_tokens \
+                        and (self.max_num_batched_tokens is None
+                             or req.seq_len + 1 - req.scheduled_len <= self.max_num_batched_tokens):
+                    table[:, r] = self._advance_in_page(req)
+                else:
+                    table[:, r] = [int(rows[0])
+                                   for rows in self.append_group_rows(request_id, 1)]
+        return {name: table[i] for i, names in enumerate(self._row_names) for name in names}
+
     def _append(self, req: _Request, new_len: int, new_pages: list[int],
-                needed: int) -> dict[str, np.ndarray]:
+                needed: int) -> list[np.ndarray]:
         request_id = req.request_id
         num_tokens = new_len - req.seq_len
         if needed > self.available_device_blocks:
@@ -646,10 +701,10 @@ class HiSparseScheduler:
                 f"(free minus reserved hot regions).", resource="device blocks",
                 needed=needed, available=available, request_id=request_id)
         j = self.journal
-        out: dict[str, np.ndarray] = {}
+        out: list[np.ndarray] = []
         with j.transaction():
             base = req.row * self.layout.width
-            for group, count, names in zip(self._paged, new_pages, self._row_names):
+            for group, count in zip(self._paged, new_pages):
                 pages = req.pages[group.position]
                 if count:
                     first = group.pages(req.seq_len)
@@ -658,9 +713,7 @@ class HiSparseScheduler:
                     col = base + self.layout.group_cols[group.position] + first
                     for i, block in enumerate(blocks):
                         j.setitem(self._writes, col + i, block)
-                rows = self._rows(pages, req.seq_len, new_len, group.block_size)
-                for name in names:
-                    out[name] = rows
+                out.append(self._rows(pages, req.seq_len, new_len, group.block_size))
             j.setattr(req, "seq_len", new_len)
             j.setitem(self._writes, base + TableLayout.SEQ_LEN_COL, new_len)
             self._track_peaks()
@@ -765,19 +818,33 @@ class HiSparseScheduler:
         """Host rows and per-resident-group device rows of every token not yet in a mirrored
         plan; marks them scheduled."""
         B = self.block_size
-        host_rows, device_rows = [], []
+        resident = [g.position for g in self._resident]
+        host_rows: list[np.ndarray] = []
+        device_rows: list[np.ndarray] = []
+        single_host: list[int] = []              # the decode step: one token per request
+        single_device: list[list[int]] = []
         for req in self._requests.values():
-            if req.seq_len == req.scheduled_len:
+            start, end = req.scheduled_len, req.seq_len
+            if start == end:
                 continue
-            pos = np.arange(req.scheduled_len, req.seq_len, dtype=np.int64)
-            page, offset = pos // B, pos % B
-            host_rows.append(np.asarray(req.host_blocks, dtype=np.int64)[page] * B + offset)
-            device_rows.append(np.stack([req.pages[g.position][page] * B + offset
-                                         for g in self._resident])
-                               if self._resident else np.zeros((0, pos.size), np.int64))
-            self.journal.setattr(req, "scheduled_len", req.seq_len)
+            if end - start == 1:
+                page, offset = divmod(start, B)
+                single_host.append(req.host_blocks[page] * B + offset)
+                single_device.append([int(req.pages[g][page]) * B + offset for g in resident])
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                page, offset = pos // B, pos % B
+                host_rows.append(req.host_array[page] * B + offset)
+                device_rows.append(np.stack([req.pages[g][page] * B + offset
+                                             for g in resident])
+                                   if resident else np.zeros((0, pos.size), np.int64))
+            self.journal.setattr(req, "scheduled_len", end)
+        if single_host:
+            host_rows.append(np.asarray(single_host, dtype=np.int64))
+            device_rows.append(np.asarray(single_device, dtype=np.int64).reshape(
+                len(single_host), len(resident)).T)
         if not host_rows:
-            return np.zeros(0, np.int32), np.zeros((len(self._resident), 0), np.int32)
+            return np.zeros(0, np.int32), np.zeros((len(resident), 0), np.int32)
         return (np.concatenate(host_rows).astype(np.int32),
                 np.concatenate(device_rows, axis=1).astype(np.int32))
 
@@ -877,7 +944,7 @@ class HiSparseScheduler:
     def _release_window(self, req: _Request) -> None:
         j = self.journal
         base = req.row * self.layout.width
-        for group in self._paged:
+        for group in self._windowed:
             limit = group.releasable_pages(req.committed_len)
             first = req.window_freed.get(group.position, 0)
             if limit <= first:

@@ -16,6 +16,7 @@ import torch
 
 import hisparse_triton.worker as worker_module
 from hisparse_triton import CapacityError, HiSparseRuntime, HostMemoryError
+from hisparse_triton.errors import ReservationExceededError
 from hisparse_triton.oracle import DenseOracle, SplitView
 from hisparse_triton.scheduler import HiSparseScheduler
 from hisparse_triton.step_plan import StepPlan, TableLayout
@@ -390,3 +391,25 @@ def test_stats_async_matches_stats():
         first = snapshot.result()
         assert snapshot.ready() and first.misses > 0
         assert rt.stats().misses > first.misses
+
+
+def test_append_decode_equals_append_slots_per_request():
+    with make_runtime(max_num_seqs=3, regular=True) as rt:
+        one, batch = halves(rt)[0], halves(rt)[0]
+        for scheduler in (one, batch):
+            for rid, n in (("a", 5), ("b", 8), ("c", 13)):
+                scheduler.add_request(rid, n, 20)
+                scheduler.append_slots(rid, n)
+            scheduler.step()
+        ids = ["c", "a", "b"]
+        for step in range(20):
+            expected = [one.append_slots(rid, 1) for rid in ids]
+            got = batch.append_decode(ids)
+            for r, rows in enumerate(expected):
+                for layer, row in rows.items():
+                    assert int(got[layer][r]) == int(row[0]), (step, layer)
+            assert one.step() == batch.step()
+        before = batch._debug_snapshot()
+        with pytest.raises(ReservationExceededError):   # a's reservation ends first
+            batch.append_decode(["b", "c", "a"] * 1 + ["a"])
+        assert batch._debug_snapshot() == before
