@@ -292,6 +292,7 @@ class HiSparseRuntime:
 
     def index_group(self, leader_layer: str) -> tuple[str, ...]:
         """The sparse layers (leader first) whose hot rows ``resolve(leader_layer)`` fills."""
+        self._check_open()
         return self.worker._index_group(leader_layer).layers
 
     # ------------------------------------------------------------------ request state

@@ -360,6 +360,7 @@ class HiSparseScheduler:
         return self._step
 
     def has_request(self, request_id: Hashable) -> bool:
+        self._check_open()
         try:
             return request_id in self._requests
         except TypeError:
@@ -1060,6 +1061,7 @@ class HiSparseScheduler:
         return self._closed
 
     def _request(self, request_id: Hashable, what: str = "") -> _Request:
+        self._check_open()
         try:
             return self._requests[request_id]
         except (KeyError, TypeError):

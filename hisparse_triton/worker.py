@@ -575,8 +575,8 @@ class HiSparseWorker:
         if R == 0:
             return torch.empty(shape, dtype=torch.int32, device=self.device)
         with torch.inference_mode(False), torch.no_grad():
-            state_rows = self._on_device(state_rows)
-            topk = self._on_device(topk)
+            state_rows = self._on_device(state_rows, "state_rows")
+            topk = self._on_device(topk, "topk")
             if topk.dtype != torch.int32:
                 if topk.dtype.itemsize < 4:
                     topk = topk.to(torch.int32)           # lossless
@@ -594,11 +594,15 @@ class HiSparseWorker:
             group.counters += result.stats.sum(dim=0)
         return result.rows.view(shape)
 
-    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         """``tensor`` on the worker's device; a CPU tensor bound for CUDA is staged through
-        pinned memory (no host sync)."""
+        pinned memory (no host sync). ``ValueError`` naming the device for a tensor on a
+        device the worker cannot read (meta, another accelerator or CUDA device)."""
         if tensor.device == self.device:
             return tensor
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name} is on {tensor.device}; this worker runs on "
+                             f"{self.device} (pass it there, or on the CPU).")
         if tensor.device.type == "cpu" and self.device.type == "cuda":
             staged = tensor if tensor.is_pinned() else tensor.pin_memory()
             return staged.to(self.device, non_blocking=True)

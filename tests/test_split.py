@@ -413,3 +413,38 @@ def test_append_decode_equals_append_slots_per_request():
         with pytest.raises(ReservationExceededError):   # a's reservation ends first
             batch.append_decode(["b", "c", "a"] * 1 + ["a"])
         assert batch._debug_snapshot() == before
+
+
+def test_every_call_after_close_raises_runtime_closed_error():
+    import inspect
+
+    from hisparse_triton.errors import RuntimeClosedError
+
+    rt = make_runtime()
+    rt.add_request("a", 4, 4)
+    rt.close()
+    args = {"request_id": "a", "prompt_len": 4, "max_new_tokens": 4, "num_tokens": 1,
+            "layer_name": L0, "leader_layer": L0, "request_ids": ["a"],
+            "topk": torch.zeros(1, TOPK, dtype=torch.int32),
+            "state_rows": torch.zeros(1, dtype=torch.int32)}
+    called = 0
+    for name, fn in inspect.getmembers(type(rt), inspect.isfunction):
+        if name.startswith("_") or name == "close":
+            continue
+        params = list(inspect.signature(fn).parameters)[1:]
+        with pytest.raises(RuntimeClosedError):
+            getattr(rt, name)(**{p: args[p] for p in params if p in args})
+        called += 1
+    assert called >= 15
+    rt.close()  # idempotent
+
+
+def test_tensors_on_a_device_the_worker_cannot_read_are_refused():
+    with make_runtime() as rt:
+        rt.add_request("a", 4, 4)
+        meta = torch.zeros(1, TOPK, dtype=torch.int32, device="meta")
+        with pytest.raises(ValueError, match="topk is on meta"):
+            rt.resolve(L0, ["a"], meta)
+        with pytest.raises(ValueError, match="state_rows is on meta"):
+            rt.resolve_rows(L0, torch.zeros(1, dtype=torch.int32, device="meta"),
+                            torch.zeros(1, TOPK, dtype=torch.int32))
