@@ -54,15 +54,17 @@ from hisparse_triton.errors import HiSparseError, RuntimeClosedError
 from hisparse_triton.scheduler import (
     DEFAULT_FREE_BLOCK_WATERMARK,
     HiSparseScheduler,
+    SchedulerStats,
     check_id_list,
 )
 from hisparse_triton.specs import KVCacheConfig
-from hisparse_triton.worker import BACKENDS, HiSparseWorker
+from hisparse_triton.worker import BACKENDS, HiSparseWorker, WorkerStats
 
 
 @dataclass(frozen=True)
-class HiSparseStats:
-    """Counters and pool occupancy of a runtime (``HiSparseRuntime.stats()``).
+class HiSparseStats(SchedulerStats):
+    """Counters and pool occupancy of a runtime (``HiSparseRuntime.stats()``): every
+    ``SchedulerStats`` field (occupancy and residency) plus the worker's transfer counters.
 
     - ``hits``: resolved top-k columns served from a resident page or a hot slot;
       ``misses``: distinct host rows gathered (once per index group, however many follower
@@ -70,17 +72,6 @@ class HiSparseStats:
     - ``h2d_bytes``: bytes gathered host -> device (misses x row bytes x layers of the index
       group); ``d2h_bytes``: bytes mirrored device -> host by ``commit()`` (0 on a rank that
       does not write a shared host pool).
-    - ``*_blocks``: blocks owned now (device pool: indexer, resident, hot, regular; host
-      pool: host; a block two requests share counts for each), ``cached_device_blocks``:
-      free device blocks that still hold a readable page, ``device_blocks_total`` /
-      ``host_blocks_total``: allocatable blocks.
-    - ``peak_device_blocks``/``peak_host_blocks``: the most blocks in use at any time.
-    - ``num_requests``: live requests; ``offloaded_requests``: those with a hot region.
-    - ``unpinned_pages``: resident pages whose block went back to the pool, still readable;
-      ``lost_pages``: those whose block was then handed to another owner (read from host
-      since); ``readopted_pages``: GPU copies adopted by a prefix hit (no transfer);
-      ``prefix_hit_tokens`` / ``prefix_query_tokens``: prompt tokens found cached / looked
-      up; ``window_released_pages``: sliding-window pages released.
     """
 
     hits: int
@@ -88,29 +79,6 @@ class HiSparseStats:
     masked: int
     h2d_bytes: int
     d2h_bytes: int
-    resident_blocks: int
-    hot_blocks: int
-    host_blocks: int
-    indexer_blocks: int
-    regular_blocks: int
-    device_blocks_total: int
-    host_blocks_total: int
-    cached_device_blocks: int
-    peak_device_blocks: int
-    peak_host_blocks: int
-    num_requests: int
-    offloaded_requests: int
-    unpinned_pages: int
-    lost_pages: int
-    readopted_pages: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    window_released_pages: int
-
-    @property
-    def device_blocks(self) -> int:
-        """Device blocks in use over all groups."""
-        return self.indexer_blocks + self.resident_blocks + self.hot_blocks + self.regular_blocks
 
     @property
     def hit_rate(self) -> float:
@@ -133,11 +101,14 @@ class RuntimeStatsSnapshot:
         return _combine(self._scheduler_stats, self._counters.result())
 
 
-def _combine(s, w) -> HiSparseStats:
-    shared = {f.name: getattr(s, f.name) for f in dataclasses.fields(HiSparseStats)
-              if hasattr(s, f.name)}
-    return HiSparseStats(hits=w.hits, misses=w.misses, masked=w.masked,
-                         h2d_bytes=w.h2d_bytes, d2h_bytes=w.d2h_bytes, **shared)
+def _combine(s: SchedulerStats, w: WorkerStats) -> HiSparseStats:
+    return HiSparseStats(**dataclasses.asdict(s), hits=w.hits, misses=w.misses,
+                         masked=w.masked, h2d_bytes=w.h2d_bytes, d2h_bytes=w.d2h_bytes)
+
+
+def _delegate(half: str, name: str, doc: str = "") -> property:
+    """A read-only attribute of the facade that is ``self.<half>.<name>``."""
+    return property(lambda self: getattr(getattr(self, half), name), doc=doc or None)
 
 
 class HiSparseRuntime:
@@ -203,92 +174,31 @@ class HiSparseRuntime:
         self.kv_cache_config = kv_cache_config
 
     # ------------------------------------------------------------------ plain attributes
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
-
-    @property
-    def backend(self) -> str:
-        return self.worker.backend
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.scheduler.max_num_seqs
-
-    @property
-    def max_model_len(self) -> int:
-        return self.scheduler.max_model_len
-
-    @property
-    def device_buffer_size(self) -> int:
-        return self.scheduler.device_buffer_size
-
-    @property
-    def block_size(self) -> int:
-        return self.scheduler.block_size
-
-    @property
-    def num_device_blocks(self) -> int:
-        return self.scheduler.num_device_blocks
-
-    @property
-    def num_host_blocks(self) -> int:
-        return self.scheduler.num_host_blocks
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.worker.bytes_per_block
-
-    @property
-    def offload_threshold_pages(self) -> int:
-        return self.scheduler.offload_threshold_pages
-
-    @property
-    def hot_blocks_per_request(self) -> int:
-        return self.scheduler.hot_blocks_per_request
-
-    @property
-    def shared_host_pool(self) -> bool:
-        return self.worker.shared_host_pool
-
-    @property
-    def mirrors_to_host(self) -> bool:
-        """Whether ``commit()`` writes the device->host mirror (rank 0 of a shared pool)."""
-        return self.worker.mirrors_to_host
-
-    @property
-    def tp_rank(self) -> int:
-        return self.worker.tp_rank
-
-    @property
-    def host_pool_name(self) -> Optional[str]:
-        return self.worker.host_pool_name
-
-    @property
-    def device_block_pool(self):
-        return self.scheduler.device_block_pool
-
-    @property
-    def host_block_pool(self):
-        return self.scheduler.host_block_pool
-
-    @property
-    def source_layers(self) -> tuple[str, ...]:
-        return self.scheduler.source_layers
-
-    @property
-    def index_groups(self) -> list[tuple[str, ...]]:
-        return self.scheduler.index_groups
-
-    @property
-    def device_layers(self) -> list[str]:
-        """Layer names ``append_slots`` returns rows for (model layer names)."""
-        return self.scheduler.device_layers
-
-    @property
-    def leaders(self) -> list[str]:
-        """Index-group leader layers (what ``resolve`` takes), in model order."""
-        return self.scheduler.leaders
+    device = _delegate("worker", "device")
+    backend = _delegate("worker", "backend")
+    max_num_seqs = _delegate("scheduler", "max_num_seqs")
+    max_model_len = _delegate("scheduler", "max_model_len")
+    device_buffer_size = _delegate("scheduler", "device_buffer_size")
+    block_size = _delegate("scheduler", "block_size")
+    num_device_blocks = _delegate("scheduler", "num_device_blocks")
+    num_host_blocks = _delegate("scheduler", "num_host_blocks")
+    bytes_per_block = _delegate("worker", "bytes_per_block")
+    offload_threshold_pages = _delegate("scheduler", "offload_threshold_pages")
+    hot_blocks_per_request = _delegate("scheduler", "hot_blocks_per_request")
+    shared_host_pool = _delegate("worker", "shared_host_pool")
+    mirrors_to_host = _delegate("worker", "mirrors_to_host",
+                                "Whether ``commit()`` writes the device->host mirror (rank 0 "
+                                "of a shared pool).")
+    tp_rank = _delegate("worker", "tp_rank")
+    host_pool_name = _delegate("worker", "host_pool_name")
+    device_block_pool = _delegate("scheduler", "device_block_pool")
+    host_block_pool = _delegate("scheduler", "host_block_pool")
+    source_layers = _delegate("scheduler", "source_layers")
+    index_groups = _delegate("scheduler", "index_groups")
+    device_layers = _delegate("scheduler", "device_layers",
+                              "Layer names ``append_slots`` returns rows for (model names).")
+    leaders = _delegate("scheduler", "leaders",
+                        "Index-group leader layers (what ``resolve`` takes), in model order.")
 
     def index_group(self, leader_layer: str) -> tuple[str, ...]:
         """The sparse layers (leader first) whose hot rows ``resolve(leader_layer)`` fills."""

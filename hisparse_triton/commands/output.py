@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from typing import Any, Mapping
 
 from hisparse_triton.commands.argtypes import output_path_or_stdout
+from hisparse_triton.fileio import write_atomically
 
 #: Prefix of every schema name.
 SCHEMA_PREFIX = "hisparse-triton/"
@@ -55,19 +54,7 @@ def write_json(document: Mapping[str, Any], target: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".hisparse-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(target, text, suffix=".json")
 
 
 __all__ = ["SCHEMA_PREFIX", "add_json_flag", "json_document", "report_stream", "write_json"]
