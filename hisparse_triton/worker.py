@@ -272,10 +272,25 @@ class HiSparseWorker:
                 self.close()
                 raise
         logger.info("HiSparseWorker rank %d on %s: %d device blocks x %d B, %d host blocks "
-                    "(%.2f GiB%s), %d index groups, backend %s (%s)", tp_rank, self.device,
+                    "(%.2f GiB%s), %d index groups, backend %s (%s); %s", tp_rank, self.device,
                     self.num_device_blocks, self.bytes_per_block, self.num_host_blocks,
                     host_bytes / (1 << 30), ", shared" if self.shared_host_pool else "",
-                    len(self.groups.index_groups), backend, self._kernel_backend)
+                    len(self.groups.index_groups), backend, self._kernel_backend,
+                    self._launch_config_source())
+
+    def _launch_config_source(self) -> str:
+        """Where the transfer kernels' launch configs come from, for the start-up log."""
+        if self._kernel_backend != "triton" or self.device.type != "cuda":
+            return "launch configs: not used (reference ops)" \
+                if self._kernel_backend != "triton" else "launch configs: built-in defaults"
+        from hisparse_triton import tuning_cache
+
+        if tuning_cache.disabled():
+            return "launch configs: built-in defaults (tuning cache disabled)"
+        cache = tuning_cache.load_current()
+        if cache.entries:
+            return f"launch configs: tuned ({len(cache.entries)} entries in {cache.path})"
+        return f"launch configs: built-in defaults (no tuning cache at {cache.path})"
 
     # ------------------------------------------------------------------ construction
     @property
