@@ -58,6 +58,7 @@ Run it::
 
 from __future__ import annotations
 
+import abc
 import argparse
 import dataclasses
 import json
@@ -76,7 +77,12 @@ import numpy as np
 import torch
 
 from hisparse_triton import HiSparseRuntime
-from hisparse_triton.commands.argtypes import bounded_int, nonnegative_int, positive_int
+from hisparse_triton.commands.argtypes import (
+    bounded_int,
+    bounded_number,
+    nonnegative_int,
+    positive_int,
+)
 from hisparse_triton.errors import HiSparseError
 from hisparse_triton.layout import group_kind
 from hisparse_triton.presets import (
@@ -530,7 +536,7 @@ class _PoolSelection:
         return data.view(torch.float32)
 
 
-class _PoolStore:
+class _PoolStore(abc.ABC):
     """What the pooled stores share: rows written as their bytes (``float32`` viewed as
     ``uint8``) into the device cache at the rows the scheduler handed out, indexer keys read
     through a block table, selections resolved into row ids. Subclasses provide the
@@ -547,24 +553,26 @@ class _PoolStore:
         self.resolve_shapes: list[tuple[str, tuple[int, ...]]] = []
 
     # Subclass hooks ------------------------------------------------------------------
+    @abc.abstractmethod
     def cache(self, layer: str) -> torch.Tensor:
         """``[blocks, B, row_bytes] uint8`` device cache of a layer."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _index_group(self, leader: str) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The sparse layers (leader first) whose rows a resolve of ``leader`` serves."""
 
+    @abc.abstractmethod
     def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
         """``[n] int64`` device rows of the request's tokens appended in this step."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _history(self, layer: str, request: Hashable) -> tuple[torch.Tensor, int]:
         """The layer's ``[pages] int64`` block table for the request and its length."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _resolve(self, leader: str, requests: Sequence[Optional[Hashable]],
                  topk: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Resolve ``topk`` (``[R, n]`` or ``[R, Q, K]`` int32) into device rows."""
 
     # Shared ---------------------------------------------------------------------------
     def _admitted(self, request: Hashable, cached: int) -> int:
@@ -883,7 +891,10 @@ class SplitStore(_PoolStore):
         if self._plan is None:
             raise RuntimeError("commit() without begin(): no plan was applied this step.")
         self.worker.mirror(self._plan)
-        self.link.barrier()        # rank 0's mirror is in the shared pool before any read
+        if not isinstance(self.link, LocalLink):
+            if self.worker.device.type == "cuda":
+                torch.cuda.synchronize(self.worker.device)   # the mirror has run
+            self.link.barrier()    # rank 0's mirror is in the shared pool before any read
         self._plan = None
         self._step_done()
 
@@ -944,6 +955,8 @@ class GenRequest:
             return self.prompt[self.computed:self.computed + chunk_size]
         n = len(self.tokens)
         queries = min(spec_tokens, self.max_new_tokens - n)
+        if queries > 1 and drafts is None:
+            raise ValueError(f"{self.request_id}: speculative decoding without drafts.")
         return [self.tokens[-1], *(drafts[n:n + queries - 1] if queries > 1 else [])]
 
     def accept(self, fed: Sequence[int], logits: torch.Tensor) -> None:
@@ -1265,14 +1278,18 @@ def run_tp(spec: RunSpec, world: int = 2, drafts: Optional[dict[str, list[int]]]
         deadline = time.monotonic() + timeout_s
         failed = None
         try:
-            for rank, proc in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    failed = failed if failed is not None else (rank, "timed out")
+            while True:          # the first rank to fail stops the others (no hang)
+                codes = [proc.poll() for proc in procs]
+                bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+                if bad:
+                    failed = (bad[0][0], f"exit code {bad[0][1]}")
                     break
-                if code != 0 and failed is None:
-                    failed = (rank, f"exit code {code}")
+                if all(code == 0 for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    failed = (codes.index(None), f"still running after {timeout_s:g} s")
+                    break
+                time.sleep(0.05)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -1351,6 +1368,24 @@ def _report(spec: RunSpec, kv_cache_config: Any, ranks: list[tuple[str, DecodeRe
         print(line)
 
 
+def _decode(spec: RunSpec, store: str, tp: int, drafts: Optional[dict[str, list[int]]]
+            ) -> list[tuple[str, DecodeResult, dict, Optional[dict]]]:
+    """Decode through the chosen store; per rank: name, result, worker and scheduler stats."""
+    if tp > 1:
+        return [(f"rank {r.rank}", r.result, r.worker, r.scheduler)
+                for r in run_tp(spec, tp, drafts)]
+    if store == "split":
+        scheduler, worker = build_split(spec)
+        with worker:
+            result = run(spec, SplitStore(worker, scheduler), drafts)
+            return [("worker", result, dataclasses.asdict(worker.stats()),
+                     dataclasses.asdict(scheduler.stats()))]
+    with build_runtime(spec) as runtime:
+        result = run(spec, HiSparseStore(runtime), drafts)
+        stats = dataclasses.asdict(runtime.stats())
+        return [("runtime", result, {**stats, "plans": runtime.worker.stats().plans}, stats)]
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     defaults = RunSpec()
     parser = argparse.ArgumentParser(
@@ -1382,7 +1417,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                              "perfect drafter (default 1)")
     parser.add_argument("--device-blocks", type=positive_int, default=None,
                         help="device pool blocks (default: sized for the workload)")
-    parser.add_argument("--free-block-watermark", type=float, default=None,
+    parser.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
                         help="free-block fraction below which requests offload (default: the "
                              "runtime's; 1 = every committed page read through the hot buffer)")
     parser.add_argument("--offload-threshold-pages", type=positive_int, default=None,
@@ -1430,21 +1465,11 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     dense = run_dense(spec) if args.check or spec.spec_tokens > 1 else None
     drafts = dense.tokens if dense is not None and spec.spec_tokens > 1 else None
     start = time.perf_counter()
-    if args.tp > 1:
-        ranks = [(f"rank {r.rank}", r.result, r.worker, r.scheduler)
-                 for r in run_tp(spec, args.tp, drafts)]
-    elif args.store == "split":
-        scheduler, worker = build_split(spec)
-        with worker:
-            result = run(spec, SplitStore(worker, scheduler), drafts)
-            ranks = [("worker", result, dataclasses.asdict(worker.stats()),
-                      dataclasses.asdict(scheduler.stats()))]
-    else:
-        with build_runtime(spec) as runtime:
-            result = run(spec, HiSparseStore(runtime), drafts)
-            stats = dataclasses.asdict(runtime.stats())
-            ranks = [("runtime", result, {**stats, "plans": runtime.worker.stats().plans},
-                      stats)]
+    try:
+        ranks = _decode(spec, args.store, args.tp, drafts)
+    except (HiSparseError, RuntimeError) as exc:
+        print(f"tiny_dsa: {exc}", file=sys.stderr)
+        return 1
     _report(spec, plan.kv_cache_config, ranks, time.perf_counter() - start)
     if dense is None or not args.check:
         return 0

@@ -269,6 +269,34 @@ def test_serving_options_bad_input(capsys, tmp_path, flags, code, message):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_oracle_content_is_a_function_of_the_key():
+    from hisparse_triton.oracle import DenseOracle, position_bytes
+
+    pos = torch.arange(5, 9)
+    a = position_bytes(3, 1, pos, 64)
+    assert a.shape == (4, 64) and a.dtype == torch.uint8
+    assert torch.equal(a, position_bytes(torch.full((4,), 3), 1, pos, 64))
+    assert torch.equal(a[1:], position_bytes(3, 1, pos[1:], 64))
+    assert not torch.equal(a, position_bytes(4, 1, pos, 64))
+    assert not torch.equal(a, position_bytes(3, 2, pos, 64))
+
+    class View:  # the two calls DenseOracle.__init__/add make
+        device_layers = ["L"]
+        max_num_seqs, max_model_len = 1, 8
+
+        def device_cache(self, layer):
+            return torch.zeros(2, 4, 64, dtype=torch.uint8)
+
+        def state_row(self, request_id):
+            return 0
+
+    with pytest.raises(ValueError, match="needs a content function"):
+        DenseOracle(View()).add("r", cached_tokens=4)
+    oracle = DenseOracle(View(), content=lambda rid, layer, p, n: position_bytes(7, 0, p, n))
+    oracle.add("r", cached_tokens=4)
+    assert torch.equal(oracle.dense_rows("r", "L"), position_bytes(7, 0, torch.arange(4), 64))
+
+
 def test_command_choices_match_the_library():
     from hisparse_triton import policies, workload
     from hisparse_triton.commands import simulate

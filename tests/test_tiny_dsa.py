@@ -244,6 +244,14 @@ def test_two_tensor_parallel_ranks_share_one_host_pool(serving_dense):
     assert not leftover, leftover
 
 
+def test_a_failing_rank_ends_the_tensor_parallel_run():
+    """Rank 0 cannot admit (a pool too small): it shares the refusal, every rank stops and
+    the caller gets the error, not a hang."""
+    spec = dataclasses.replace(SERVING, num_requests=1, device_blocks=5)
+    with pytest.raises(RuntimeError, match="hot region needs"):
+        tiny_dsa.run_tp(spec, 2, timeout_s=120)
+
+
 def _committed_column(runtime, request_ids, topk):
     """(row, column) of a selected position whose rows were committed before this step."""
     topk = topk.reshape(topk.shape[0], -1)
