@@ -435,6 +435,7 @@ def run_simulation(settings: SimSettings,
                 "workload": "trace" if trace is not None else s.workload, "seed": s.seed,
                 "locality": s.locality if s.workload == "locality" else None})
         log = _BufferLog(runtime, mtp, attribute=mtp > 1)
+        shared_pages = min(prefix.shared) // B if prefix is not None else 0
         chunk = s.prefill_chunk
         all_gpu_peak = device_peak_blocks = 0
         resolves = resolved_rows = generated = 0
@@ -471,10 +472,11 @@ def run_simulation(settings: SimSettings,
                         oracle.write(rid, rows)
             generated += sum(queries)
             # Working set of this step, both ways: every running request's full history on
-            # the GPU vs the blocks the runtime holds now (before this step's commit).
-            all_gpu_peak = max(all_gpu_peak, sum(cdiv(seq, B) for seq in seqs)
-                               * plan.all_gpu_bytes_per_page)
-            device_peak_blocks = max(device_peak_blocks, runtime.stats().device_blocks)
+            # the GPU (a shared prefix's pages once, as prefix caching keeps them) vs the
+            # distinct blocks the runtime holds now (before this step's commit).
+            pages = sum(cdiv(seq, B) for seq in seqs) - max(len(ids) - 1, 0) * shared_pages
+            all_gpu_peak = max(all_gpu_peak, pages * plan.all_gpu_bytes_per_page)
+            device_peak_blocks = max(device_peak_blocks, runtime.device_block_pool.num_used)
             chosen = positions.step(step, ids, seqs, len(leaders), queries, width=mtp)
             for li, leader in enumerate(leaders):
                 topk_np = np.ascontiguousarray(chosen[:, li])          # [R, Q, K]
