@@ -1,8 +1,8 @@
-"""A tiny DeepSeek-V3.2-shaped model that decodes through ``HiSparseRuntime``, bit-exact with
-the same model keeping every KV row dense.
+"""A tiny DeepSeek-V3.2-shaped model decoding through HiSparse, bit-exact with the same model
+keeping every KV row dense.
 
-The model (random weights, float32, a few layers, a small vocabulary) has the shape of
-DeepSeek-V3.2's sparse attention ("DSA"):
+The model (random weights, a few layers, a small vocabulary) has the shape of DeepSeek-V3.2's
+sparse attention ("DSA"):
 
 - every layer writes one latent KV row per token: ``kv_lora_rank`` compressed values plus
   ``rope_dim`` rotary key values, ``16 x float32 = 64 B``, exactly one row of the ``tiny``
@@ -14,51 +14,76 @@ DeepSeek-V3.2's sparse attention ("DSA"):
 - sparse MLA attention in the absorbed form: each head scores only the selected latent rows
   (``q_nope . c_kv + q_pe . k_pe``) and sums their compressed parts; followers of an index
   group reuse their leader's selection (index sharing);
-- an RMSNorm + SiLU-gated MLP per layer, an untied LM head.
+- an RMSNorm + ReLU-gated MLP per layer, an untied LM head.
 
-All KV-cache access goes through a ``KVStore`` (add, append, write, indexer keys, select,
-commit, free) with two implementations that the model and the decode loop cannot tell apart:
+Batch invariance. A token's logits do not depend on what it is batched with, so runs that
+schedule the same requests differently give the same bits: prefix reuse (a request skips its
+cached prefix, which the dense run computes) and speculative decoding (two query tokens per
+step instead of one) are compared with a plain dense run. Every matrix product sums
+integers: weights are 7-bit integers times a scale, activations are rounded to a 1/256 grid
+(10 bits) and stored KV rows to a 1/32 grid (8 bits, like DeepSeek's fp8 cache) before they
+are multiplied, and attention weights to a 1/1024 grid before they weigh rows, with every
+partial sum below 2**24, so float32 adds them exactly in any order; the rotary tables are
+computed once; the remaining float work is element-wise or per row (RMSNorm, softmax, a
+stable sort for the top-k).
+
+All KV-cache access goes through a ``KVStore`` (add, append, begin, write, indexer keys,
+select, commit, free) with three implementations that the model and the decode loop cannot
+tell apart:
 
 - ``DenseStore``: every row of every layer in plain per-request tensors;
-- ``HiSparseStore``: a ``HiSparseRuntime`` (or anything with its API, e.g. a facade over a
-  scheduler + worker pair): rows written as bytes into ``device_cache(layer)`` at the rows
-  ``append_slots`` returns, the indexer keys read back through the indexer block table, and
-  the latent rows of a selection read ONLY at the row ids ``resolve`` returns.
+- ``SplitStore``: a ``HiSparseScheduler`` + ``HiSparseWorker`` pair driven as a serving stack
+  drives them: scheduling calls (``add_request`` with the prompt's token ids for prefix
+  reuse, ``append_slots``, ``free_request``), then ``plan = scheduler.step()``,
+  ``worker.apply(plan)``, the forward (KV written at the rows ``append_slots`` returned, the
+  indexer keys read through the worker's block table, the latent rows of a selection read
+  ONLY at the rows ``resolve_rows`` returns), ``worker.mirror(plan)``. With ``--tp 2`` two
+  processes (gloo) run it: rank 0 schedules and broadcasts each plan (``broadcast_plan``)
+  and the step's rows; both ranks hold the model (same seed) and a worker over one shared
+  host pool in ``/dev/shm``, and compute the same tokens;
+- ``HiSparseStore``: the same over the in-process ``HiSparseRuntime`` facade.
 
-The model is exact by construction: both stores hand the model the same float32 tensors, of
-the same shapes, in the same order (selected rows in top-k column order, masked columns as
-zeros excluded by a ``-inf`` score), so every later op computes the same bits. ``--check``
-runs both and asserts that tokens and logits are identical.
-
-Decoding: greedy, continuous batching of requests with different prompt lengths, chunked
-prefill (one ``commit()`` after every step, so a prompt streams through the device pool a
-chunk at a time). Each step resolves, per index group, one row per request over the whole
-batch: the union of the positions its queries selected (one query when decoding, a chunk's
-queries in prefill; a union wider than the hot buffer takes more than one resolve).
-
-Hooks for what comes next: ``KVStore.add`` returns how many prompt tokens are already cached
-(prefix reuse; ``Workload.shared_prefix_len`` makes prompts share a prefix), ``spec_tokens``
-(query tokens per decode step, speculative decoding; only 1 is enabled), and ``RuntimeLike``
-(what ``HiSparseStore`` needs of a runtime, so a facade over a scheduler + worker pair fits).
+Decoding: greedy, continuous batching of requests with different prompt lengths, prefill in
+chunks (``max_num_batched_tokens`` makes the runtime refuse a larger uncommitted chunk), a
+shared prompt prefix reused from the prefix cache, and speculative decoding with ``Q``
+query tokens per decode step (the last accepted token and ``Q - 1`` draft tokens from a
+perfect drafter, the dense greedy continuation): their top-k selections resolve as ONE
+``[R, Q, K]`` union per index group and every draft is accepted.
 
 Run it::
 
     python examples/tiny_dsa.py --requests 4 --check
+    python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 --check
 """
 
 from __future__ import annotations
 
+import abc
 import argparse
+import dataclasses
+import json
 import math
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Optional, Protocol, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Hashable, Iterable, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from hisparse_triton import HiSparseRuntime
-from hisparse_triton.commands.argtypes import nonnegative_int, positive_int
+from hisparse_triton.commands.argtypes import (
+    bounded_int,
+    bounded_number,
+    nonnegative_int,
+    positive_int,
+)
+from hisparse_triton.errors import HiSparseError
 from hisparse_triton.layout import group_kind
 from hisparse_triton.presets import (
     INDEXER_LAYER_NAME,
@@ -66,11 +91,21 @@ from hisparse_triton.presets import (
     build_kv_cache_spec,
     get_preset,
 )
+from hisparse_triton.scheduler import HiSparseScheduler
 from hisparse_triton.specs import cdiv
-from hisparse_triton.workload import plan_for_workload
+from hisparse_triton.step_plan import StepPlan
+from hisparse_triton.worker import HiSparseWorker
+from hisparse_triton.workload import WorkloadPlan, plan_for_workload
 
 #: The preset whose cache geometry is the model's tensors (64 B rows, block 16, top-k 32).
 PRESET = "tiny"
+
+# Integer grids of the model's arithmetic (see "Batch invariance" above).
+ACT_SCALE, ACT_LIMIT = 256.0, 1023.0    # activations entering a product: 1/256 steps, 10 bits
+KV_SCALE, KV_LIMIT = 32.0, 127.0        # stored KV and indexer rows: 1/32 steps, 8 bits
+PROB_SCALE = 1024.0                     # attention weights: 1/1024 steps
+WEIGHT_SCALE, WEIGHT_LIMIT = 16.0, 63.0  # weights: 7-bit integers
+EXACT_LIMIT = 2 ** 24                   # float32 adds integers below this exactly
 
 
 # ============================================================================ the model
@@ -82,7 +117,8 @@ class TinyDSAConfig:
     - indexer key row: ``index_dim`` float32 (``16 x 4 = 64 B``), ``index_rope_dim`` of them
       rotary;
     - ``index_share``: sparse layers per indexer (layers ``i % index_share == 0`` lead);
-    - ``topk``: positions the indexer selects per query.
+    - ``topk``: positions the indexer selects per query;
+    - ``max_positions``: positions the rotary tables cover (the preset's context).
     """
 
     num_layers: int = 4
@@ -98,6 +134,7 @@ class TinyDSAConfig:
     topk: int = 32
     index_share: int = 2
     rope_theta: float = 10_000.0
+    max_positions: int = 1024
 
     @property
     def latent_dim(self) -> int:
@@ -109,7 +146,7 @@ class TinyDSAConfig:
         """A config whose rows are exactly the preset's rows (``ValueError`` otherwise)."""
         geometry = get_preset(name)
         values = {"topk": geometry.index_topk, "index_share": geometry.index_share,
-                  **overrides}
+                  "max_positions": geometry.max_model_len, **overrides}
         config = cls(**values)
         for what, floats, row_bytes in (
                 ("latent KV", config.latent_dim, geometry.mla_row_bytes),
@@ -143,22 +180,29 @@ class Selection(Protocol):
 class KVStore(Protocol):
     """Every KV-cache access of the model and the decode loop.
 
-    Rows are ``[n, d] float32``; ``d`` is the layer's row width. Layer names are the
-    preset's sparse (``model.layers.{i}.self_attn.attn``) and indexer
-    (``model.layers.{i}.self_attn.indexer``) names.
+    A step: ``add`` / ``append`` / ``free`` (scheduling), ``begin()``, the forward
+    (``write``, ``indexer_keys``, ``select``), ``commit()``. Rows are ``[n, d] float32``;
+    ``d`` is the layer's row width. Layer names are the preset's sparse
+    (``model.layers.{i}.self_attn.attn``) and indexer (``model.layers.{i}.self_attn.indexer``)
+    names.
     """
 
-    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int) -> int:
+    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int,
+            token_ids: Optional[Sequence[int]] = None) -> int:
         """Admit a request; returns how many prompt tokens are already cached (prefix
-        reuse: their KV need not be computed)."""
+        reuse by ``token_ids``: their KV is there and must not be computed again)."""
         ...
 
     def append(self, request: Hashable, num_tokens: int) -> None:
         """Make room for the request's next ``num_tokens`` tokens in every layer."""
         ...
 
+    def begin(self) -> None:
+        """Every scheduling call of the step is done; the forward starts."""
+        ...
+
     def write(self, layer: str, request: Hashable, rows: torch.Tensor) -> None:
-        """Store ``[n, d] float32`` rows of the ``n`` tokens appended last."""
+        """Store ``[n, d] float32`` rows of the ``n`` tokens appended in this step."""
         ...
 
     def indexer_keys(self, layer: str, request: Hashable) -> torch.Tensor:
@@ -180,57 +224,105 @@ class KVStore(Protocol):
         ...
 
 
+def _grid(x: torch.Tensor, scale: float, limit: float) -> torch.Tensor:
+    """Integer-valued float32 ``round(x * scale)`` clamped to ``[-limit, limit]``."""
+    return torch.round(x * scale).clamp_(-limit, limit)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate the pairs of the last dim of ``x [..., n]`` by ``positions [...]`` (int64)."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angle = positions.clamp(min=0).to(torch.float32).unsqueeze(-1) * inv_freq
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+class _Linear:
+    """``y = x @ W`` with ``W`` 7-bit integers times ``scale`` and ``x`` rounded to the
+    activation grid: the product sums integers exactly (``[..., fan_in] -> [..., fan_out]``)."""
+
+    def __init__(self, fan_in: int, fan_out: int, gen: torch.Generator,
+                 device: torch.device) -> None:
+        if fan_in * ACT_LIMIT * WEIGHT_LIMIT >= EXACT_LIMIT:
+            raise ValueError(f"a {fan_in}-wide product of the model's grids can exceed "
+                             f"2**24: its sums would not be exact.")
+        w = torch.randn(fan_in, fan_out, generator=gen) * WEIGHT_SCALE
+        self.weight = w.round().clamp_(-WEIGHT_LIMIT, WEIGHT_LIMIT).to(device)
+        self.scale = 1.0 / (WEIGHT_SCALE * math.sqrt(fan_in) * ACT_SCALE)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (_grid(x, ACT_SCALE, ACT_LIMIT) @ self.weight) * self.scale
+
+
+class _Rope:
+    """Rotary tables for positions ``[0, max_positions)`` computed once (math.cos/sin), so
+    a position's rotation never depends on the batch it is computed in."""
+
+    def __init__(self, dim: int, theta: float, max_positions: int,
+                 device: torch.device) -> None:
+        half = dim // 2
+        freqs = [theta ** (-i / half) for i in range(half)]
+        angles = [[p * f for f in freqs] for p in range(max_positions)]
+        self.cos = torch.tensor([[math.cos(a) for a in row] for row in angles],
+                                dtype=torch.float32, device=device)
+        self.sin = torch.tensor([[math.sin(a) for a in row] for row in angles],
+                                dtype=torch.float32, device=device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate the pairs of the last dim of ``x [R, Q, (H,) n]`` by ``positions [R, Q]``."""
+        index = positions.clamp(min=0)
+        cos, sin = self.cos[index], self.sin[index]
+        while cos.dim() < x.dim():
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+def _to_kv_grid(rows: torch.Tensor) -> torch.Tensor:
+    """What the cache stores: ``rows`` rounded to the KV grid (float32 values)."""
+    return _grid(rows, KV_SCALE, KV_LIMIT) / KV_SCALE
 
 
 class TinyDSA:
-    """The model: random float32 weights drawn from ``seed``; ``forward`` runs one step."""
+    """The model: random weights drawn from ``seed``; ``forward`` runs one step."""
 
     def __init__(self, config: TinyDSAConfig, seed: int = 0,
                  device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
         gen = torch.Generator().manual_seed(seed)
-        c = config
+        c, dev = config, self.device
 
-        def weight(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen) / math.sqrt(shape[0])).to(self.device)
+        def linear(fan_in: int, fan_out: int) -> _Linear:
+            return _Linear(fan_in, fan_out, gen, dev)
 
         def norm(n: int) -> torch.Tensor:
-            return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(self.device)
+            return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dev)
 
-        self.embed = torch.randn(c.vocab_size, c.hidden, generator=gen).to(self.device)
+        self.embed = torch.randn(c.vocab_size, c.hidden, generator=gen).to(dev)
         self.layers = []
         for i in range(c.num_layers):
-            layer = {
+            layer: dict[str, Any] = {
                 "attn_norm": norm(c.hidden), "mlp_norm": norm(c.hidden),
-                "w_kv": weight(c.hidden, c.latent_dim),                   # -> c_kv | k_pe
-                "w_q": weight(c.hidden, c.num_heads * c.latent_dim),      # -> q_nope | q_pe
-                "w_o": weight(c.num_heads * c.kv_lora_rank, c.hidden),
-                "w_up": weight(c.hidden, 2 * c.ffn), "w_down": weight(c.ffn, c.hidden),
+                "w_kv": linear(c.hidden, c.latent_dim),                   # -> c_kv | k_pe
+                "w_q": linear(c.hidden, c.num_heads * c.latent_dim),      # -> q_nope | q_pe
+                "w_o": linear(c.num_heads * c.kv_lora_rank, c.hidden),
+                "w_up": linear(c.hidden, 2 * c.ffn), "w_down": linear(c.ffn, c.hidden),
             }
             if c.is_leader(i):
                 layer.update({
-                    "w_ik": weight(c.hidden, c.index_dim),
-                    "w_iq": weight(c.hidden, c.index_heads * c.index_dim),
-                    "w_iw": weight(c.hidden, c.index_heads),
+                    "w_ik": linear(c.hidden, c.index_dim),
+                    "w_iq": linear(c.hidden, c.index_heads * c.index_dim),
+                    "w_iw": linear(c.hidden, c.index_heads),
                 })
             self.layers.append(layer)
         self.final_norm = norm(c.hidden)
-        self.lm_head = weight(c.hidden, c.vocab_size)
+        self.lm_head = linear(c.hidden, c.vocab_size)
+        self.rope = _Rope(c.rope_dim, c.rope_theta, c.max_positions, dev)
+        self.index_rope = _Rope(c.index_rope_dim, c.rope_theta, c.max_positions, dev)
+        for what, width, a, b in (("indexer score", c.index_dim, ACT_LIMIT, KV_LIMIT),
+                                  ("attention score", c.latent_dim, ACT_LIMIT, KV_LIMIT),
+                                  ("attention sum", c.topk, PROB_SCALE, KV_LIMIT)):
+            if width * a * b >= EXACT_LIMIT:
+                raise ValueError(f"the {what} sums {width} products of up to {a * b:.0f}: it "
+                                 f"can exceed 2**24 and would not be exact.")
 
     # ------------------------------------------------------------------ one step
     def forward(self, store: KVStore, requests: Sequence[Hashable],
@@ -239,10 +331,12 @@ class TinyDSA:
 
         ``tokens[r]``: request ``r``'s new tokens (``Q`` = the longest; shorter rows are
         padded), at positions ``starts[r], starts[r] + 1, ...``; the store already holds
-        room for them (``append``). Logits of padded query slots are meaningless.
+        room for them (``append``, ``begin``). Logits of padded query slots are meaningless.
         """
         c = self.config
         R, Q = len(requests), max(len(t) for t in tokens)
+        if max(start + len(t) for start, t in zip(starts, tokens)) > c.max_positions:
+            raise ValueError(f"positions beyond the model's {c.max_positions}.")
         token_ids = torch.zeros(R, Q, dtype=torch.int64)
         positions = torch.full((R, Q), -1, dtype=torch.int64)
         for r, (toks, start) in enumerate(zip(tokens, starts)):
@@ -257,19 +351,18 @@ class TinyDSA:
         for i, w in enumerate(self.layers):
             name = c.sparse_layer(i)
             x = _rms_norm(h, w["attn_norm"])
-            latent = x @ w["w_kv"]                                  # [R, Q, d]
+            latent = w["w_kv"](x)                                   # [R, Q, d]
             latent = torch.cat([latent[..., :c.kv_lora_rank],
-                                _rope(latent[..., c.kv_lora_rank:], positions, c.rope_theta)],
-                               dim=-1)
-            self._write(store, name, requests, latent, counts)
+                                self.rope(latent[..., c.kv_lora_rank:], positions)], dim=-1)
+            self._write(store, name, requests, _to_kv_grid(latent), counts)
             if c.is_leader(i):
                 topk = self._indexer(store, i, x, positions, requests, counts)
                 selection = store.select(name, requests, topk)
             assert topk is not None and selection is not None
             h = h + self._attention(w, x, positions, topk, selection.gather(name))
-            gate, up = (_rms_norm(h, w["mlp_norm"]) @ w["w_up"]).chunk(2, dim=-1)
-            h = h + (torch.nn.functional.silu(gate) * up) @ w["w_down"]
-        return _rms_norm(h, self.final_norm) @ self.lm_head
+            gate, up = w["w_up"](_rms_norm(h, w["mlp_norm"])).chunk(2, dim=-1)
+            h = h + w["w_down"](torch.relu(gate) * up)
+        return self.lm_head(_rms_norm(h, self.final_norm))
 
     @staticmethod
     def _write(store: KVStore, layer: str, requests: Sequence[Hashable], rows: torch.Tensor,
@@ -280,31 +373,35 @@ class TinyDSA:
     def _indexer(self, store: KVStore, i: int, x: torch.Tensor, positions: torch.Tensor,
                  requests: Sequence[Hashable], counts: Sequence[int]) -> torch.Tensor:
         """Write this step's indexer keys, score the whole history; ``[R, Q, K] int64``
-        top-k positions in descending score order, -1 where fewer than ``K`` exist."""
+        top-k positions in descending score order (ties: lower position first), -1 where
+        fewer than ``K`` exist."""
         c, w = self.config, self.layers[i]
         R, Q = positions.shape
         nope = c.index_dim - c.index_rope_dim
-        key = x @ w["w_ik"]                                          # [R, Q, dI]
-        key = torch.cat([key[..., :nope], _rope(key[..., nope:], positions, c.rope_theta)], -1)
-        self._write(store, c.indexer_layer(i), requests, key, counts)
+        key = w["w_ik"](x)                                           # [R, Q, dI]
+        key = torch.cat([key[..., :nope], self.index_rope(key[..., nope:], positions)], -1)
+        self._write(store, c.indexer_layer(i), requests, _to_kv_grid(key), counts)
         history = [store.indexer_keys(c.indexer_layer(i), request) for request in requests]
         T = max(k.shape[0] for k in history)
         keys = torch.zeros(R, T, c.index_dim, device=self.device)
         for r, k in enumerate(history):
             keys[r, :k.shape[0]] = k
-        query = (x @ w["w_iq"]).view(R, Q, c.index_heads, c.index_dim)
-        query = torch.cat([query[..., :nope], _rope(query[..., nope:], positions, c.rope_theta)],
+        query = w["w_iq"](x).view(R, Q, c.index_heads, c.index_dim)
+        query = torch.cat([query[..., :nope], self.index_rope(query[..., nope:], positions)],
                           dim=-1)
-        weights = (x @ w["w_iw"]) * (c.index_heads * c.index_dim) ** -0.5   # [R, Q, HI]
-        logits = torch.relu(torch.einsum("rqhd,rtd->rqht", query, keys))
-        scores = (logits * weights.unsqueeze(-1)).sum(dim=2)                 # [R, Q, T]
+        weights = w["w_iw"](x)                                                # [R, Q, HI]
+        logits = torch.relu(torch.einsum("rqhd,rtd->rqht", _grid(query, ACT_SCALE, ACT_LIMIT),
+                                         keys * KV_SCALE))                    # exact
+        scores = logits[:, :, 0] * weights[..., 0:1]
+        for head in range(1, c.index_heads):                                  # fixed order
+            scores = scores + logits[:, :, head] * weights[..., head:head + 1]
         visible = torch.arange(T, device=self.device).view(1, 1, T) <= positions.unsqueeze(-1)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(c.topk, T)
-        values, index = scores.topk(k, dim=-1)
-        index = index.masked_fill(values == float("-inf"), -1)
+        values, index = torch.sort(scores, dim=-1, descending=True, stable=True)
+        values, index = values[..., :k], index[..., :k]
         topk = torch.full((R, Q, c.topk), -1, dtype=torch.int64, device=self.device)
-        topk[..., :k] = index
+        topk[..., :k] = index.masked_fill(values == float("-inf"), -1)
         return topk
 
     def _attention(self, w: dict, x: torch.Tensor, positions: torch.Tensor, topk: torch.Tensor,
@@ -312,14 +409,17 @@ class TinyDSA:
         """Sparse MLA (absorbed): ``kv [R, Q, K, d]`` are the selected latent rows."""
         c = self.config
         R, Q = positions.shape
-        q = (x @ w["w_q"]).view(R, Q, c.num_heads, c.latent_dim)
+        q = w["w_q"](x).view(R, Q, c.num_heads, c.latent_dim)
         q = torch.cat([q[..., :c.kv_lora_rank],
-                       _rope(q[..., c.kv_lora_rank:], positions, c.rope_theta)], dim=-1)
-        scores = torch.einsum("rqhd,rqkd->rqhk", q, kv) * c.latent_dim ** -0.5
+                       self.rope(q[..., c.kv_lora_rank:], positions)], dim=-1)
+        kv_int = kv * KV_SCALE                                     # integers: the stored grid
+        scores = torch.einsum("rqhd,rqkd->rqhk", _grid(q, ACT_SCALE, ACT_LIMIT), kv_int)
+        scores = scores * (c.latent_dim ** -0.5 / (ACT_SCALE * KV_SCALE))
         scores = scores.masked_fill((topk < 0).unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)     # padded queries: all masked
-        out = torch.einsum("rqhk,rqkd->rqhd", probs, kv[..., :c.kv_lora_rank])
-        return out.reshape(R, Q, c.num_heads * c.kv_lora_rank) @ w["w_o"]
+        out = torch.einsum("rqhk,rqkd->rqhd", torch.round(probs * PROB_SCALE),
+                           kv_int[..., :c.kv_lora_rank]) / (PROB_SCALE * KV_SCALE)
+        return w["w_o"](out.reshape(R, Q, c.num_heads * c.kv_lora_rank))
 
 
 # ============================================================================ the stores
@@ -350,7 +450,8 @@ class DenseStore:
         self._len: dict[Hashable, int] = {}
         self._appended: dict[Hashable, int] = {}
 
-    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int) -> int:
+    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int,
+            token_ids: Optional[Sequence[int]] = None) -> int:
         if request in self._rows:
             raise ValueError(f"request {request!r} is already in the store.")
         size = prompt_len + max_new_tokens
@@ -367,7 +468,10 @@ class DenseStore:
             raise ValueError(f"request {request!r}: {length} tokens exceed its reservation "
                              f"of {capacity}.")
         self._len[request] = length
-        self._appended[request] = num_tokens
+        self._appended[request] += num_tokens
+
+    def begin(self) -> None:
+        pass
 
     def write(self, layer: str, request: Hashable, rows: torch.Tensor) -> None:
         end = self._len[request]
@@ -389,30 +493,11 @@ class DenseStore:
         return _DenseSelection(self, requests, topk)
 
     def commit(self) -> None:
-        pass
+        self._appended = dict.fromkeys(self._appended, 0)
 
     def free(self, request: Hashable) -> None:
         for table in (self._rows, self._len, self._appended):
             del table[request]
-
-
-class RuntimeLike(Protocol):
-    """What ``HiSparseStore`` uses of a runtime: ``HiSparseRuntime``'s API. A facade over a
-    scheduler + worker pair (or over one TP rank) only needs to provide these."""
-
-    device_buffer_size: int
-
-    def index_group(self, leader_layer: str) -> tuple[str, ...]: ...
-    def add_request(self, request_id: Hashable, prompt_len: int,
-                    max_new_tokens: int) -> None: ...
-    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]: ...
-    def device_cache(self, layer_name: str) -> torch.Tensor: ...
-    def block_table(self, request_id: Hashable, layer_name: str) -> list[int]: ...
-    def seq_len(self, request_id: Hashable) -> int: ...
-    def resolve(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
-                topk: torch.Tensor) -> torch.Tensor: ...
-    def commit(self) -> None: ...
-    def free_request(self, request_id: Hashable) -> None: ...
 
 
 def _read_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -427,22 +512,22 @@ def _read_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class _HiSparseSelection:
-    """Row ids from ``resolve`` (``rows [R, Q, K] int64``, -1 = masked).
+class _PoolSelection:
+    """Row ids from a resolve (``rows [R, Q, K] int64``, -1 = masked).
 
     After one resolve (``snapshot`` None) every layer is read by id at ``gather`` time: the
     ids stay valid for the whole index group until its next resolve. When a step needed
     several resolves, each may evict the previous one's hot rows, so every layer's rows were
     copied out right after each resolve (``snapshot``); positions written in this step
-    (``fresh``: resident rows, stable until ``commit``) are read again at ``gather`` time,
-    once the layer has written them."""
+    (``fresh``: resident rows, stable until the step ends) are read again at ``gather``
+    time, once the layer has written them."""
 
-    def __init__(self, runtime: RuntimeLike, rows: torch.Tensor, fresh: torch.Tensor,
+    def __init__(self, store: "_PoolStore", rows: torch.Tensor, fresh: Optional[torch.Tensor],
                  snapshot: Optional[dict[str, torch.Tensor]]) -> None:
-        self._runtime, self._rows, self._fresh, self._snapshot = runtime, rows, fresh, snapshot
+        self._store, self._rows, self._fresh, self._snapshot = store, rows, fresh, snapshot
 
     def gather(self, layer: str) -> torch.Tensor:
-        cache = self._runtime.device_cache(layer)
+        cache = self._store.cache(layer)
         if self._snapshot is None:
             data = _read_rows(cache, self._rows)
         else:
@@ -451,64 +536,95 @@ class _HiSparseSelection:
         return data.view(torch.float32)
 
 
-class HiSparseStore:
-    """The KV rows in a HiSparse runtime's device and host pools (see ``RuntimeLike``).
+class _PoolStore(abc.ABC):
+    """What the pooled stores share: rows written as their bytes (``float32`` viewed as
+    ``uint8``) into the device cache at the rows the scheduler handed out, indexer keys read
+    through a block table, selections resolved into row ids. Subclasses provide the
+    runtime calls (``_resolve``, ``_slots``, ``_history``, ``cache``, ...)."""
 
-    Rows are written as their bytes (``float32`` viewed as ``uint8``) into
-    ``device_cache(layer)`` at the rows ``append_slots`` returned; nothing is cached across
-    requests yet, so ``add`` reports 0 cached tokens."""
+    #: Hot-buffer rows per request and query tokens one resolve may carry.
+    buffer_size: int
+    max_query_len: int
 
-    def __init__(self, runtime: RuntimeLike) -> None:
-        self.runtime = runtime
-        self._slots: dict[Hashable, dict[str, torch.Tensor]] = {}
+    def __init__(self) -> None:
         self._committed: dict[Hashable, int] = {}
         self._len: dict[Hashable, int] = {}
+        #: Resolve calls as (leader, topk shape) (what a step asked of the runtime).
+        self.resolve_shapes: list[tuple[str, tuple[int, ...]]] = []
 
-    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int) -> int:
-        self.runtime.add_request(request, prompt_len, max_new_tokens)
-        self._committed[request] = 0
-        self._len[request] = 0
-        return 0
+    # Subclass hooks ------------------------------------------------------------------
+    @abc.abstractmethod
+    def cache(self, layer: str) -> torch.Tensor:
+        """``[blocks, B, row_bytes] uint8`` device cache of a layer."""
 
-    def append(self, request: Hashable, num_tokens: int) -> None:
-        self._slots[request] = self.runtime.append_slots(request, num_tokens)
-        self._len[request] += num_tokens
+    @abc.abstractmethod
+    def _index_group(self, leader: str) -> tuple[str, ...]:
+        """The sparse layers (leader first) whose rows a resolve of ``leader`` serves."""
+
+    @abc.abstractmethod
+    def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
+        """``[n] int64`` device rows of the request's tokens appended in this step."""
+
+    @abc.abstractmethod
+    def _history(self, layer: str, request: Hashable) -> tuple[torch.Tensor, int]:
+        """The layer's ``[pages] int64`` block table for the request and its length."""
+
+    @abc.abstractmethod
+    def _resolve(self, leader: str, requests: Sequence[Optional[Hashable]],
+                 topk: torch.Tensor) -> torch.Tensor:
+        """Resolve ``topk`` (``[R, n]`` or ``[R, Q, K]`` int32) into device rows."""
+
+    # Shared ---------------------------------------------------------------------------
+    def _admitted(self, request: Hashable, cached: int) -> int:
+        self._committed[request] = self._len[request] = cached
+        return cached
 
     def write(self, layer: str, request: Hashable, rows: torch.Tensor) -> None:
-        slots = self._slots[request][layer]
-        cache = self.runtime.device_cache(layer)
+        slots = self._slots(request, layer)
+        cache = self.cache(layer)
         data = rows.contiguous().view(torch.uint8)
         if data.shape != (slots.numel(), cache.shape[2]):
             raise ValueError(f"request {request!r}, layer {layer}: rows of {data.shape[-1]} B "
                              f"for {slots.numel()} appended tokens of {cache.shape[2]} B.")
         B = cache.shape[1]
+        slots = slots.to(cache.device)
         cache[slots // B, slots % B] = data.to(cache.device)
 
     def indexer_keys(self, layer: str, request: Hashable) -> torch.Tensor:
-        cache = self.runtime.device_cache(layer)
+        cache = self.cache(layer)
         B = cache.shape[1]
-        blocks = torch.as_tensor(self.runtime.block_table(request, layer), dtype=torch.int64)
-        positions = torch.arange(self.runtime.seq_len(request))
+        blocks, length = self._history(layer, request)
+        positions = torch.arange(length)
         rows = blocks[positions // B] * B + positions % B
         return _read_rows(cache, rows).view(torch.float32)
 
     def select(self, leader: str, requests: Sequence[Optional[Hashable]],
                topk: torch.Tensor) -> Selection:
-        """Resolve, per request, the union of the positions its query slots selected (a
-        prefill chunk's queries overlap heavily), in rounds of at most
-        ``device_buffer_size`` positions (one round unless a chunk's union is wider), then
-        map the rows back to ``[R, Q, K]`` in top-k column order."""
+        """A decode step (``Q <= max_decode_query_len``) resolves ``[R, Q, K]`` at once: each
+        request's Q selections are ONE union in the hot buffer. A prefill chunk's selections
+        (more queries) are resolved per request as the union of their positions (a chunk's
+        queries overlap heavily), in rounds of at most ``buffer_size`` positions (one round
+        unless the union is wider), and mapped back to ``[R, Q, K]`` in top-k column order."""
         topk = topk.cpu()
         R, Q, K = topk.shape
-        layers = self.runtime.index_group(leader)
-        width = self.runtime.device_buffer_size
+        if Q <= self.max_query_len and Q * K <= self.buffer_size:
+            rows = self._resolve(leader, requests, topk.to(torch.int32))
+            self.resolve_shapes.append((leader, tuple(topk.shape)))
+            return _PoolSelection(self, rows.to(torch.int64), None, None)
+        return self._select_in_rounds(leader, requests, topk)
+
+    def _select_in_rounds(self, leader: str, requests: Sequence[Optional[Hashable]],
+                          topk: torch.Tensor) -> Selection:
+        R, Q, K = topk.shape
+        layers = self._index_group(leader)
+        width = self.buffer_size
         empty = torch.empty(0, dtype=torch.int64)
         unions = [torch.unique(topk[r][topk[r] >= 0]) if request is not None else empty
                   for r, request in enumerate(requests)]
         rounds = max(-(-u.numel() // width) for u in unions) if unions else 0
         union_rows = [torch.full((u.numel(),), -1, dtype=torch.int64) for u in unions]
-        row_bytes = self.runtime.device_cache(leader).shape[2]
-        device = self.runtime.device_cache(leader).device
+        row_bytes = self.cache(leader).shape[2]
+        device = self.cache(leader).device
         union_bytes = ({layer: [torch.zeros(u.numel(), row_bytes, dtype=torch.uint8,
                                             device=device) for u in unions]
                         for layer in layers} if rounds > 1 else None)
@@ -518,14 +634,15 @@ class HiSparseStore:
             for r, piece in enumerate(pieces):
                 batch[r, :piece.numel()] = piece
             ids = [request if piece.numel() else None for request, piece in zip(requests, pieces)]
-            got = self.runtime.resolve(leader, ids, batch).to("cpu", torch.int64)
+            got = self._resolve(leader, ids, batch).to("cpu", torch.int64)
+            self.resolve_shapes.append((leader, tuple(batch.shape)))
             for r, piece in enumerate(pieces):
                 span = slice(j * width, j * width + piece.numel())
                 union_rows[r][span] = got[r, :piece.numel()]
                 if union_bytes is not None:          # the next round may evict these rows
                     for layer in layers:
-                        union_bytes[layer][r][span] = _read_rows(
-                            self.runtime.device_cache(layer), got[r, :piece.numel()])
+                        union_bytes[layer][r][span] = _read_rows(self.cache(layer),
+                                                                 got[r, :piece.numel()])
         rows = torch.full((R, Q, K), -1, dtype=torch.int64)
         snapshot = ({layer: torch.zeros(R, Q, K, row_bytes, dtype=torch.uint8, device=device)
                      for layer in layers} if union_bytes is not None else None)
@@ -541,16 +658,267 @@ class HiSparseStore:
         committed = torch.tensor([self._committed[r] if r is not None else 0
                                   for r in requests], dtype=torch.int64)
         fresh = (topk >= committed.view(R, 1, 1)) & (rows >= 0)
-        return _HiSparseSelection(self.runtime, rows.to(device), fresh.to(device), snapshot)
+        return _PoolSelection(self, rows.to(device), fresh.to(device), snapshot)
+
+    def _step_done(self) -> None:
+        self._committed.update(self._len)
+
+    def _forget(self, request: Hashable) -> None:
+        for table in (self._committed, self._len):
+            table.pop(request, None)
+
+
+class RuntimeLike(Protocol):
+    """What ``HiSparseStore`` uses of a runtime: ``HiSparseRuntime``'s API."""
+
+    device_buffer_size: int
+    config: Any
+
+    def index_group(self, leader_layer: str) -> tuple[str, ...]: ...
+    def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
+                    token_ids: Optional[Sequence[int]] = None) -> int: ...
+    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]: ...
+    def device_cache(self, layer_name: str) -> torch.Tensor: ...
+    def block_table(self, request_id: Hashable, layer_name: str) -> list[int]: ...
+    def seq_len(self, request_id: Hashable) -> int: ...
+    def resolve(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
+                topk: torch.Tensor) -> torch.Tensor: ...
+    def commit(self) -> None: ...
+    def free_request(self, request_id: Hashable) -> None: ...
+
+
+class HiSparseStore(_PoolStore):
+    """The KV rows in an in-process ``HiSparseRuntime`` (the facade over one scheduler and
+    one worker): ``append_slots`` rows, ``resolve`` by request ids, ``commit()`` per step."""
+
+    def __init__(self, runtime: RuntimeLike) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.buffer_size = runtime.device_buffer_size
+        self.max_query_len = runtime.config.hisparse.max_decode_query_len
+        self._slot_rows: dict[Hashable, dict[str, torch.Tensor]] = {}
+
+    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int,
+            token_ids: Optional[Sequence[int]] = None) -> int:
+        return self._admitted(request, self.runtime.add_request(
+            request, prompt_len, max_new_tokens, token_ids))
+
+    def append(self, request: Hashable, num_tokens: int) -> None:
+        rows = self.runtime.append_slots(request, num_tokens)
+        earlier = self._slot_rows.get(request)
+        if earlier is not None:
+            rows = {layer: torch.cat([earlier[layer], r]) for layer, r in rows.items()}
+        self._slot_rows[request] = rows
+        self._len[request] += num_tokens
+
+    def begin(self) -> None:
+        pass   # the facade hands its plans to the worker when a resolve needs them
+
+    def cache(self, layer: str) -> torch.Tensor:
+        return self.runtime.device_cache(layer)
+
+    def _index_group(self, leader: str) -> tuple[str, ...]:
+        return self.runtime.index_group(leader)
+
+    def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
+        return self._slot_rows[request][layer]
+
+    def _history(self, layer: str, request: Hashable) -> tuple[torch.Tensor, int]:
+        blocks = torch.as_tensor(self.runtime.block_table(request, layer), dtype=torch.int64)
+        return blocks, self.runtime.seq_len(request)
+
+    def _resolve(self, leader: str, requests: Sequence[Optional[Hashable]],
+                 topk: torch.Tensor) -> torch.Tensor:
+        return self.runtime.resolve(leader, requests, topk)
 
     def commit(self) -> None:
         self.runtime.commit()
-        self._committed.update(self._len)
+        self._slot_rows.clear()
+        self._step_done()
 
     def free(self, request: Hashable) -> None:
         self.runtime.free_request(request)
-        for table in (self._slots, self._committed, self._len):
-            table.pop(request, None)
+        self._slot_rows.pop(request, None)
+        self._forget(request)
+
+
+# ---------------------------------------------------------------------------- split + TP
+class StepLink(Protocol):
+    """How the ranks of a tensor-parallel group share a step (rank 0 schedules)."""
+
+    rank: int
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a collective: every rank calls it)."""
+        ...
+
+    def share_plan(self, plan: Optional[StepPlan]) -> StepPlan:
+        """Rank 0's plan on every rank."""
+        ...
+
+    def barrier(self) -> None:
+        ...
+
+
+class LocalLink:
+    """One process: nothing to share."""
+
+    rank = 0
+
+    def share(self, value: Any) -> Any:
+        return value
+
+    def share_plan(self, plan: Optional[StepPlan]) -> StepPlan:
+        assert plan is not None
+        return plan
+
+    def barrier(self) -> None:
+        pass
+
+
+class GlooLink:
+    """The ranks of the default ``torch.distributed`` group (gloo: CPU tensors)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = dist.get_rank()
+
+    def share(self, value: Any) -> Any:
+        box = [value]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def share_plan(self, plan: Optional[StepPlan]) -> StepPlan:
+        from hisparse_triton.distributed import broadcast_plan
+
+        return broadcast_plan(plan, src=0)
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+
+class SplitStore(_PoolStore):
+    """The KV rows in a ``HiSparseWorker``, scheduled by a ``HiSparseScheduler``, driven by
+    the serving-stack protocol: scheduling calls -> ``plan = scheduler.step()`` -> (every
+    rank) ``worker.apply(plan)`` -> forward -> ``worker.mirror(plan)``.
+
+    Tensor parallelism (``link`` a ``GlooLink``): only rank 0 holds the ``scheduler``; it
+    shares the outcome of every ``add`` (the cached prefix), and at ``begin()`` the plan
+    (``broadcast_plan``) and the step's rows (state row of every request, device rows of the
+    tokens appended); every rank writes the same KV into its own device pool; rank 0's
+    worker mirrors into the host pool the ranks share, and the ranks meet at a barrier after
+    the mirror, before anyone reads the host pool again. The other ranks check that they
+    appended what rank 0 scheduled (``RuntimeError`` otherwise).
+    """
+
+    def __init__(self, worker: HiSparseWorker, scheduler: Optional[HiSparseScheduler] = None,
+                 link: Optional[StepLink] = None) -> None:
+        super().__init__()
+        self.worker = worker
+        self.scheduler = scheduler
+        self.link: StepLink = link if link is not None else LocalLink()
+        if (scheduler is not None) != (self.link.rank == 0):
+            raise ValueError(f"rank {self.link.rank}: the scheduler lives on rank 0 (and only "
+                             f"there).")
+        self.buffer_size = worker.device_buffer_size
+        self.max_query_len = worker.config.hisparse.max_decode_query_len
+        self._appended: dict[Hashable, list] = {}   # rank 0: slot dicts; others: counts
+        self._plan: Optional[StepPlan] = None
+        self._step_rows: dict[str, Any] = {"rows": {}, "slots": {}}
+
+    @property
+    def leads(self) -> bool:
+        return self.scheduler is not None
+
+    # ------------------------------------------------------------------ scheduling
+    def add(self, request: Hashable, prompt_len: int, max_new_tokens: int,
+            token_ids: Optional[Sequence[int]] = None) -> int:
+        outcome: Any = None
+        error: Optional[BaseException] = None
+        if self.leads:
+            try:
+                outcome = self.scheduler.add_request(request, prompt_len, max_new_tokens,
+                                                     token_ids)
+            except (HiSparseError, ValueError) as exc:
+                error, outcome = exc, f"rank 0 refused request {request!r}: {exc}"
+        outcome = self.link.share(outcome)
+        if error is not None:
+            raise error
+        if isinstance(outcome, str):
+            raise RuntimeError(outcome)
+        return self._admitted(request, int(outcome))
+
+    def append(self, request: Hashable, num_tokens: int) -> None:
+        if self.leads:
+            entry = self.scheduler.append_slots(request, num_tokens)
+        else:
+            entry = num_tokens
+        self._appended.setdefault(request, []).append(entry)
+        self._len[request] += num_tokens
+
+    def free(self, request: Hashable) -> None:
+        if self.leads:
+            self.scheduler.free_request(request)
+        self._appended.pop(request, None)
+        self._forget(request)
+
+    # ------------------------------------------------------------------ the step
+    def begin(self) -> None:
+        message = None
+        plan = None
+        if self.leads:
+            plan = self.scheduler.step()
+            slots = {request: {layer: np.concatenate([entry[layer] for entry in entries])
+                               for layer in entries[0]}
+                     for request, entries in self._appended.items()}
+            message = {"rows": {r: self.scheduler.state_row(r) for r in self.scheduler.request_ids},
+                       "slots": slots}
+        plan = self.link.share_plan(plan)
+        message = self.link.share(message)
+        if not self.leads:
+            mine = {r: sum(counts) for r, counts in self._appended.items()}
+            theirs = {r: next(iter(s.values())).size for r, s in message["slots"].items()}
+            if mine != theirs:
+                raise RuntimeError(f"rank {self.link.rank} appended {mine} in step {plan.step}, "
+                                   f"rank 0 scheduled {theirs}: the ranks diverged.")
+        self.worker.apply(plan)
+        self._plan, self._step_rows = plan, message
+        self._appended.clear()
+
+    def commit(self) -> None:
+        if self._plan is None:
+            raise RuntimeError("commit() without begin(): no plan was applied this step.")
+        self.worker.mirror(self._plan)
+        if not isinstance(self.link, LocalLink):
+            if self.worker.device.type == "cuda":
+                torch.cuda.synchronize(self.worker.device)   # the mirror has run
+            self.link.barrier()    # rank 0's mirror is in the shared pool before any read
+        self._plan = None
+        self._step_done()
+
+    # ------------------------------------------------------------------ worker side
+    def cache(self, layer: str) -> torch.Tensor:
+        return self.worker.device_cache(layer)
+
+    def _index_group(self, leader: str) -> tuple[str, ...]:
+        return self.worker._index_group(leader).layers
+
+    def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
+        return torch.from_numpy(self._step_rows["slots"][request][layer])
+
+    def _history(self, layer: str, request: Hashable) -> tuple[torch.Tensor, int]:
+        row = self._step_rows["rows"][request]
+        blocks = self.worker.block_tables(layer)[row].to("cpu", torch.int64)
+        return blocks, int(self.worker.seq_lens[row])
+
+    def _resolve(self, leader: str, requests: Sequence[Optional[Hashable]],
+                 topk: torch.Tensor) -> torch.Tensor:
+        rows = self._step_rows["rows"]
+        state_rows = torch.tensor([rows[r] if r is not None else -1 for r in requests],
+                                  dtype=torch.int32)
+        return self.worker.resolve_rows(leader, state_rows, topk)
 
 
 def dense_store_for(config: TinyDSAConfig, device: torch.device | str = "cpu") -> DenseStore:
@@ -564,6 +932,10 @@ def dense_store_for(config: TinyDSAConfig, device: torch.device | str = "cpu") -
 
 
 # ============================================================================ decoding
+class DraftRejectedError(RuntimeError):
+    """The model did not accept a draft token (this example does not roll back KV)."""
+
+
 @dataclass
 class GenRequest:
     """One request of the workload and what greedy decoding produced for it."""
@@ -575,11 +947,36 @@ class GenRequest:
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 per token
 
-    def next_chunk(self, chunk_size: int) -> list[int]:
-        """The tokens this step computes: the next prefill chunk, or the last new token."""
+    def next_tokens(self, chunk_size: int, spec_tokens: int,
+                    drafts: Optional[Sequence[int]]) -> list[int]:
+        """The tokens this step computes: the next prefill chunk, or the last generated
+        token followed by up to ``spec_tokens - 1`` draft tokens."""
         if self.computed < len(self.prompt):
             return self.prompt[self.computed:self.computed + chunk_size]
-        return [self.tokens[-1]]
+        n = len(self.tokens)
+        queries = min(spec_tokens, self.max_new_tokens - n)
+        if queries > 1 and drafts is None:
+            raise ValueError(f"{self.request_id}: speculative decoding without drafts.")
+        return [self.tokens[-1], *(drafts[n:n + queries - 1] if queries > 1 else [])]
+
+    def accept(self, fed: Sequence[int], logits: torch.Tensor) -> None:
+        """Take this step's outputs (``logits [len(fed), vocab]``): nothing mid-prefill, one
+        token after the last prompt chunk, one token per query when decoding (every draft
+        must be what the model chooses)."""
+        self.computed += len(fed)
+        if self.computed < len(self.prompt):
+            return
+        decoding = self.computed - len(fed) >= len(self.prompt)
+        outputs = range(len(fed)) if decoding else [len(fed) - 1]
+        for j in outputs:
+            token = int(logits[j].argmax())
+            if decoding and j + 1 < len(fed) and token != fed[j + 1]:
+                raise DraftRejectedError(
+                    f"{self.request_id}: draft token {fed[j + 1]} at output {len(self.tokens)} "
+                    f"was rejected (the model chose {token}); this example accepts only a "
+                    f"perfect drafter.")
+            self.logits.append(logits[j].cpu())
+            self.tokens.append(token)
 
 
 @dataclass(frozen=True)
@@ -630,74 +1027,89 @@ class Workload:
 
 @dataclass
 class DecodeResult:
-    """Per request: generated tokens and their ``[n, vocab] float32`` logits."""
+    """Per request: generated tokens and their ``[n, vocab] float32`` logits; ``steps``
+    model steps, ``cached_tokens`` prompt tokens the store reported cached (not computed),
+    ``computed_tokens`` tokens run through the model."""
 
     tokens: dict[str, list[int]]
     logits: dict[str, torch.Tensor]
     steps: int
+    cached_tokens: int = 0
+    computed_tokens: int = 0
 
 
 def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_size: int = 32,
-                  max_running: Optional[int] = None, spec_tokens: int = 1) -> DecodeResult:
+                  max_running: Optional[int] = None, spec_tokens: int = 1,
+                  drafts: Optional[dict[str, list[int]]] = None) -> DecodeResult:
     """Greedy decoding of ``workload`` through ``store`` (continuous batching).
 
-    Each step every running request computes either its next prefill chunk (at most
-    ``chunk_size`` tokens) or its last generated token; the step ends with
-    ``store.commit()``. A request is admitted when fewer than ``max_running`` (default: all)
-    run, and freed after its ``max_new_tokens``-th token. ``spec_tokens``: query tokens per
-    decode step (speculative decoding); only 1 is enabled so far.
+    A request is admitted (``store.add`` with its prompt's token ids; it starts after the
+    prefix the store reports cached) when fewer than ``max_running`` (default: all) run, and
+    freed after its ``max_new_tokens``-th token. Each step every running request computes
+    either its next prefill chunk (at most ``chunk_size`` tokens) or, decoding, its last
+    token and up to ``spec_tokens - 1`` tokens of ``drafts[request]`` (speculative
+    decoding; ``DraftRejectedError`` when the model disagrees with a draft); then
+    ``store.begin()``, the forward, ``store.commit()``.
     """
-    if spec_tokens != 1:
-        raise NotImplementedError(f"spec_tokens={spec_tokens}: speculative decoding (a "
-                                  f"drafter and one resolve of [R, Q, K]) is not enabled yet; "
-                                  f"use 1.")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if spec_tokens < 1:
+        raise ValueError(f"spec_tokens must be >= 1, got {spec_tokens}.")
+    if spec_tokens > 1 and drafts is None:
+        raise ValueError(f"spec_tokens={spec_tokens} needs drafts (a drafter's continuation "
+                         f"of every request).")
     waiting = workload.requests(model.config.vocab_size)
     max_running = len(waiting) if max_running is None else max_running
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}.")
     running: list[GenRequest] = []
     done: list[GenRequest] = []
-    steps = 0
+    steps = cached_total = computed_total = 0
     while waiting or running:
         while waiting and len(running) < max_running:
             request = waiting.pop(0)
             cached = store.add(request.request_id, len(request.prompt),
-                               request.max_new_tokens)
+                               request.max_new_tokens, request.prompt)
             if not 0 <= cached < len(request.prompt):
                 raise ValueError(f"{request.request_id}: the store reports {cached} cached "
                                  f"tokens of a {len(request.prompt)}-token prompt (the last "
                                  f"prompt token must be computed for its logits).")
             request.computed = cached
+            cached_total += cached
             running.append(request)
-        chunks = [request.next_chunk(chunk_size) for request in running]
-        for request, chunk in zip(running, chunks):
-            store.append(request.request_id, len(chunk))
-        logits = model.forward(store, [r.request_id for r in running], chunks,
+        fed = [request.next_tokens(chunk_size, spec_tokens,
+                                   drafts.get(request.request_id) if drafts else None)
+               for request in running]
+        for request, tokens in zip(running, fed):
+            store.append(request.request_id, len(tokens))
+        store.begin()
+        logits = model.forward(store, [r.request_id for r in running], fed,
                                [r.computed for r in running])
         store.commit()
         steps += 1
-        for r, (request, chunk) in enumerate(zip(running, chunks)):
-            request.computed += len(chunk)
-            if request.computed < len(request.prompt):
-                continue                                     # mid-prefill: no token yet
-            last = logits[r, len(chunk) - 1].cpu()
-            request.logits.append(last)
-            request.tokens.append(int(last.argmax()))
-        for request in [r for r in running if len(r.tokens) == r.max_new_tokens]:
+        computed_total += sum(len(tokens) for tokens in fed)
+        for r, (request, tokens) in enumerate(zip(running, fed)):
+            request.accept(tokens, logits[r, :len(tokens)])
+        for request in [r for r in running if len(r.tokens) >= r.max_new_tokens]:
             store.free(request.request_id)
             running.remove(request)
             done.append(request)
     return DecodeResult(tokens={r.request_id: r.tokens for r in done},
                         logits={r.request_id: torch.stack(r.logits) for r in done},
-                        steps=steps)
+                        steps=steps, cached_tokens=cached_total,
+                        computed_tokens=computed_total)
 
 
 # ============================================================================ set-up
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of the example: model, workload, pools and runtime options."""
+    """One run of the example: model, workload, pools and runtime options.
+
+    ``max_num_batched_tokens``: the engine's chunk limit (the runtime refuses more
+    uncommitted tokens per request; at least ``chunk_size`` and ``spec_tokens``).
+    ``spec_tokens``: query tokens per decode step (the hot buffer holds ``spec_tokens + 1``
+    top-k selections). ``free_block_watermark`` None: the runtime's default.
+    """
 
     num_requests: int = 4
     num_layers: int = 4
@@ -707,6 +1119,7 @@ class RunSpec:
     max_running: Optional[int] = None
     shared_prefix_len: int = 0
     spec_tokens: int = 1
+    max_num_batched_tokens: Optional[int] = None
     device_blocks: Optional[int] = None
     offload_threshold_pages: Optional[int] = None
     free_block_watermark: Optional[float] = None
@@ -722,51 +1135,94 @@ class RunSpec:
                                max_new_tokens=self.max_new_tokens,
                                shared_prefix_len=self.shared_prefix_len, seed=self.seed)
 
+    @property
+    def running(self) -> int:
+        return self.max_running or self.num_requests
 
-def build_runtime(spec: RunSpec) -> HiSparseRuntime:
-    """A runtime on the ``tiny`` preset cut to the model's layers, pools sized for the
-    workload: the device pool holds the running requests' working set (indexer history,
-    hot buffers, active tails) and one prefill chunk per running request, so older pages
-    must leave the GPU (``all_gpu_blocks`` is what keeping them would take)."""
+    def runtime_options(self) -> dict[str, Any]:
+        """Scheduler keyword arguments of this run."""
+        options: dict[str, Any] = {"offload_threshold_pages": self.offload_threshold_pages}
+        if self.free_block_watermark is not None:
+            options["free_block_watermark"] = self.free_block_watermark
+        return options
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> "RunSpec":
+        return cls(**{**values, "prompt_len_range": tuple(values["prompt_len_range"])})
+
+
+def plan_for_spec(spec: RunSpec, *, tensor_parallel_size: int = 1) -> WorkloadPlan:
+    """The ``tiny`` preset cut to the model's layers, pools sized for the workload: the
+    device pool holds the running requests' working set (indexer history, hot buffers,
+    active tails) and one prefill chunk per running request, so older pages must leave the
+    GPU (``all_gpu_blocks`` is what keeping them would take)."""
     config = spec.model_config()
     workload = spec.workload()
     context = get_preset(PRESET).max_model_len
     if workload.max_len > context:
         raise ValueError(f"a {max(workload.prompt_lens)}-token prompt + {workload.max_new_tokens}"
                          f" new tokens exceeds the {PRESET!r} preset's max_model_len {context}.")
-    running = spec.max_running or spec.num_requests
+    limit = spec.max_num_batched_tokens
+    if limit is not None and limit < max(spec.chunk_size, spec.spec_tokens):
+        raise ValueError(f"max_num_batched_tokens {limit} is below the prefill chunk "
+                         f"({spec.chunk_size}) or the speculative tokens per step "
+                         f"({spec.spec_tokens}): the runtime would refuse those appends.")
     kv_spec = build_kv_cache_spec(PRESET, num_layers=config.num_layers)
-    plan = plan_for_workload(kv_spec, max_model_len=workload.max_len, num_requests=running,
-                             topk=config.topk, prompt_len=spec.chunk_size * running,
-                             device_blocks=spec.device_blocks)
-    return HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=running,
-                           device=spec.device, backend=spec.backend,
-                           offload_threshold_pages=spec.offload_threshold_pages,
-                           **({} if spec.free_block_watermark is None else
-                              {"free_block_watermark": spec.free_block_watermark}))
+    return plan_for_workload(kv_spec, max_model_len=workload.max_len, num_requests=spec.running,
+                             topk=config.topk, prompt_len=spec.chunk_size * spec.running,
+                             device_blocks=spec.device_blocks, max_num_batched_tokens=limit,
+                             max_decode_query_len=spec.spec_tokens,
+                             tensor_parallel_size=tensor_parallel_size)
 
 
-def all_gpu_blocks(runtime: HiSparseRuntime, spec: RunSpec) -> int:
+def build_runtime(spec: RunSpec) -> HiSparseRuntime:
+    """The in-process facade for ``spec`` (``plan_for_spec``)."""
+    plan = plan_for_spec(spec)
+    return HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=spec.running,
+                           device=spec.device, backend=spec.backend, **spec.runtime_options())
+
+
+def build_split(spec: RunSpec) -> tuple[HiSparseScheduler, HiSparseWorker]:
+    """A scheduler + worker pair for ``spec`` (``plan_for_spec``), one process."""
+    plan = plan_for_spec(spec)
+    scheduler = HiSparseScheduler(plan.kv_cache_config, plan.config,
+                                  max_num_seqs=spec.running, **spec.runtime_options())
+    worker = HiSparseWorker(plan.kv_cache_config, plan.config, max_num_seqs=spec.running,
+                            device=spec.device, backend=spec.backend)
+    return scheduler, worker
+
+
+def all_gpu_blocks(kv_cache_config: Any, spec: RunSpec) -> int:
     """Device blocks that would hold every row of the ``max_running`` longest requests on
     the GPU (each per-request device group but the hot buffers, one block per page)."""
     workload = spec.workload()
-    groups = [g for g in runtime.kv_cache_config.kv_cache_groups
+    groups = [g for g in kv_cache_config.kv_cache_groups
               if not g.host_resident and group_kind(g) != "hot"]
-    running = spec.max_running or len(workload.prompt_lens)
-    longest = sorted(workload.prompt_lens, reverse=True)[:running]
+    longest = sorted(workload.prompt_lens, reverse=True)[:spec.running]
     return sum(cdiv(length + workload.max_new_tokens - 1, group.block_size)
                for group in groups for length in longest)
 
 
-def run(spec: RunSpec, store: KVStore) -> DecodeResult:
-    """Decode ``spec``'s workload with ``spec``'s model through ``store``."""
+def run(spec: RunSpec, store: KVStore,
+        drafts: Optional[dict[str, list[int]]] = None) -> DecodeResult:
+    """Decode ``spec``'s workload with ``spec``'s model through ``store``. With
+    ``spec.spec_tokens > 1`` the drafts default to the dense greedy continuation."""
+    if spec.spec_tokens > 1 and drafts is None:
+        drafts = run_dense(spec).tokens
     model = TinyDSA(spec.model_config(), seed=spec.seed, device=spec.device)
     return greedy_decode(model, store, spec.workload(), chunk_size=spec.chunk_size,
-                         max_running=spec.max_running, spec_tokens=spec.spec_tokens)
+                         max_running=spec.max_running, spec_tokens=spec.spec_tokens,
+                         drafts=drafts)
 
 
 def run_dense(spec: RunSpec) -> DecodeResult:
-    return run(spec, dense_store_for(spec.model_config(), spec.device))
+    """The reference: every row dense, every prompt token computed, one query token per
+    decode step."""
+    plain = dataclasses.replace(spec, spec_tokens=1)
+    return run(plain, dense_store_for(spec.model_config(), spec.device))
 
 
 def compare(expected: DecodeResult, actual: DecodeResult) -> list[str]:
@@ -785,12 +1241,157 @@ def compare(expected: DecodeResult, actual: DecodeResult) -> list[str]:
     return problems
 
 
+# ============================================================================ tensor parallel
+@dataclass
+class RankResult:
+    """What one tensor-parallel rank decoded, and its worker's (and rank 0's scheduler's)
+    counters."""
+
+    rank: int
+    result: DecodeResult
+    worker: dict[str, int]
+    scheduler: Optional[dict[str, int]]
+
+
+def run_tp(spec: RunSpec, world: int = 2, drafts: Optional[dict[str, list[int]]] = None,
+           timeout_s: float = 300.0) -> list[RankResult]:
+    """Decode ``spec`` on ``world`` tensor-parallel ranks: ``world`` processes of this
+    script join a gloo group; rank 0 schedules and broadcasts, every rank computes (see
+    ``SplitStore``). Returns every rank's result; ``RuntimeError`` with the failing rank's
+    output when a rank fails or the run outlasts ``timeout_s``."""
+    if world < 2:
+        raise ValueError(f"tensor parallelism needs world >= 2, got {world}.")
+    if spec.spec_tokens > 1 and drafts is None:
+        drafts = run_dense(spec).tokens
+    with tempfile.TemporaryDirectory(prefix="tiny-dsa-tp-") as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"spec": spec.to_json(), "drafts": drafts, "world": world,
+                                   "pool": f"tiny-dsa-{uuid.uuid4().hex[:12]}",
+                                   "dir": tmp}))
+        procs, logs = [], []
+        for rank in range(world):
+            log = open(Path(tmp) / f"rank{rank}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--tp-rank", str(rank),
+                 "--tp-job", str(job)], stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        failed = None
+        try:
+            while True:          # the first rank to fail stops the others (no hang)
+                codes = [proc.poll() for proc in procs]
+                bad = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+                if bad:
+                    failed = (bad[0][0], f"exit code {bad[0][1]}")
+                    break
+                if all(code == 0 for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    failed = (codes.index(None), f"still running after {timeout_s:g} s")
+                    break
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
+        if failed is not None:
+            rank, why = failed
+            tail = (Path(tmp) / f"rank{rank}.log").read_text()[-3000:]
+            raise RuntimeError(f"tensor-parallel rank {rank} failed ({why}):\n{tail}")
+        out = []
+        for rank in range(world):
+            saved = torch.load(Path(tmp) / f"rank{rank}.pt")
+            out.append(RankResult(rank, DecodeResult(**saved["result"]), saved["worker"],
+                                  saved["scheduler"]))
+        return out
+
+
+def _tp_rank_main(rank: int, job_path: str) -> int:
+    """One rank of ``run_tp`` (this script with ``--tp-rank``/``--tp-job``)."""
+    import torch.distributed as dist
+
+    job = json.loads(Path(job_path).read_text())
+    spec, world, tmp = RunSpec.from_json(job["spec"]), job["world"], job["dir"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    worker = None
+    try:
+        plan = plan_for_spec(spec, tensor_parallel_size=world)
+        scheduler = (HiSparseScheduler(plan.kv_cache_config, plan.config,
+                                       max_num_seqs=spec.running, **spec.runtime_options())
+                     if rank == 0 else None)
+        if rank != 0:
+            dist.barrier()                 # rank 0 creates the shared host pool first
+        worker = HiSparseWorker(plan.kv_cache_config, plan.config, max_num_seqs=spec.running,
+                                device=spec.device, backend=spec.backend, tp_rank=rank,
+                                host_pool_name=job["pool"])
+        if rank == 0:
+            dist.barrier()
+        result = run(spec, SplitStore(worker, scheduler, GlooLink()), job["drafts"])
+        dist.barrier()                     # every rank is done with the shared pool
+        torch.save({"result": dataclasses.asdict(result),
+                    "worker": dataclasses.asdict(worker.stats()),
+                    "scheduler": (dataclasses.asdict(scheduler.stats())
+                                  if scheduler is not None else None)},
+                   Path(tmp) / f"rank{rank}.pt")
+    finally:
+        if worker is not None:
+            worker.close()
+        dist.destroy_process_group()
+    return 0
+
+
 # ============================================================================ CLI
+def _report(spec: RunSpec, kv_cache_config: Any, ranks: list[tuple[str, DecodeResult, dict,
+                                                                     Optional[dict]]],
+            elapsed: float) -> None:
+    first = ranks[0][1]
+    for request, tokens in sorted(first.tokens.items()):
+        print(f"  {request}: {tokens}")
+    pool, all_gpu = kv_cache_config.num_blocks, all_gpu_blocks(kv_cache_config, spec)
+    print(f"{first.steps} steps in {elapsed:.2f} s ({first.computed_tokens} tokens computed, "
+          f"{first.cached_tokens} prompt tokens reused from the prefix cache); device pool "
+          f"{pool} blocks (every row on the GPU would take {all_gpu})")
+    for name, _, worker, scheduler in ranks:
+        total = worker["hits"] + worker["misses"]
+        line = (f"  {name}: {worker['hits']} hits, {worker['misses']} misses, hit rate "
+                f"{worker['hits'] / total if total else 1.0:.1%}, {worker['h2d_bytes']} B "
+                f"gathered, {worker['d2h_bytes']} B mirrored, {worker['plans']} plans")
+        if scheduler is not None:
+            line += (f"; {scheduler['unpinned_pages']} pages unpinned, "
+                     f"{scheduler['lost_pages']} lost, {scheduler['prefix_hit_tokens']} prefix "
+                     f"tokens hit")
+        print(line)
+
+
+def _decode(spec: RunSpec, store: str, tp: int, drafts: Optional[dict[str, list[int]]]
+            ) -> list[tuple[str, DecodeResult, dict, Optional[dict]]]:
+    """Decode through the chosen store; per rank: name, result, worker and scheduler stats."""
+    if tp > 1:
+        return [(f"rank {r.rank}", r.result, r.worker, r.scheduler)
+                for r in run_tp(spec, tp, drafts)]
+    if store == "split":
+        scheduler, worker = build_split(spec)
+        with worker:
+            result = run(spec, SplitStore(worker, scheduler), drafts)
+            return [("worker", result, dataclasses.asdict(worker.stats()),
+                     dataclasses.asdict(scheduler.stats()))]
+    with build_runtime(spec) as runtime:
+        result = run(spec, HiSparseStore(runtime), drafts)
+        stats = dataclasses.asdict(runtime.stats())
+        return [("runtime", result, {**stats, "plans": runtime.worker.stats().plans}, stats)]
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     defaults = RunSpec()
     parser = argparse.ArgumentParser(
         description="Greedy decoding of a tiny DeepSeek-V3.2-shaped model (random weights) "
-                    "through the HiSparse runtime; --check compares with a dense KV cache.")
+                    "through the HiSparse scheduler and worker; --check compares with a dense "
+                    "KV cache.")
     parser.add_argument("--requests", type=positive_int, default=defaults.num_requests,
                         help=f"requests (default {defaults.num_requests})")
     parser.add_argument("--max-running", type=positive_int, default=None,
@@ -805,13 +1406,27 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                              f"{defaults.max_new_tokens})")
     parser.add_argument("--chunk-size", type=positive_int, default=defaults.chunk_size,
                         help=f"prefill chunk in tokens (default {defaults.chunk_size})")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                        help="the engine's chunk limit: the runtime refuses more uncommitted "
+                             "tokens per request (default: unset)")
     parser.add_argument("--shared-prefix-len", type=nonnegative_int, default=0,
-                        help="tokens every prompt starts with (default 0)")
+                        help="tokens every prompt starts with, reused from the prefix cache "
+                             "(default 0)")
+    parser.add_argument("--spec-tokens", type=bounded_int(1, 8), default=1,
+                        help="query tokens per decode step: the last token and drafts from a "
+                             "perfect drafter (default 1)")
     parser.add_argument("--device-blocks", type=positive_int, default=None,
                         help="device pool blocks (default: sized for the workload)")
+    parser.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
+                        help="free-block fraction below which requests offload (default: the "
+                             "runtime's; 1 = every committed page read through the hot buffer)")
     parser.add_argument("--offload-threshold-pages", type=positive_int, default=None,
                         help="pages a request keeps before its history leaves the GPU "
                              "(default: the runtime's)")
+    parser.add_argument("--store", choices=("split", "facade"), default="split",
+                        help="split: scheduler + worker (default); facade: HiSparseRuntime")
+    parser.add_argument("--tp", type=bounded_int(1, 8), default=1,
+                        help="tensor-parallel ranks (processes, gloo); > 1 needs --store split")
     parser.add_argument("--backend", choices=("torch", "triton", "auto"), default="torch")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -819,45 +1434,57 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                         help="torch CPU threads (default 1: the ops are small)")
     parser.add_argument("--check", action="store_true",
                         help="also run the dense model and require identical tokens and logits")
+    parser.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tp-job", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(None if argv is None else list(argv))
+    if args.tp_rank is not None:
+        return _tp_rank_main(args.tp_rank, args.tp_job)
     torch.set_num_threads(args.threads)
     spec = RunSpec(num_requests=args.requests, num_layers=args.layers,
                    prompt_len_range=tuple(args.prompt_len), max_new_tokens=args.max_new_tokens,
                    chunk_size=args.chunk_size, max_running=args.max_running,
-                   shared_prefix_len=args.shared_prefix_len, device_blocks=args.device_blocks,
+                   shared_prefix_len=args.shared_prefix_len, spec_tokens=args.spec_tokens,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   device_blocks=args.device_blocks,
                    offload_threshold_pages=args.offload_threshold_pages,
+                   free_block_watermark=args.free_block_watermark,
                    backend=args.backend, device=args.device, seed=args.seed)
     try:
+        if args.tp > 1 and args.store != "split":
+            raise ValueError("--tp > 1 runs the scheduler + worker split (--store split).")
         workload = spec.workload()
-        runtime = build_runtime(spec)
+        plan = plan_for_spec(spec, tensor_parallel_size=args.tp)
     except ValueError as exc:
         print(f"tiny_dsa: {exc}", file=sys.stderr)
         return 2
     print(f"tiny_dsa: {spec.num_layers} layers, {spec.num_requests} requests, prompts "
-          f"{list(workload.prompt_lens)} tokens, {spec.max_new_tokens} new tokens each, "
-          f"prefill chunks of {spec.chunk_size}, backend {runtime.backend}")
+          f"{list(workload.prompt_lens)} tokens ({spec.shared_prefix_len} shared), "
+          f"{spec.max_new_tokens} new tokens each, prefill chunks of {spec.chunk_size}, "
+          f"{spec.spec_tokens} query token(s) per decode step, {args.store} store, "
+          f"tp {args.tp}, backend {spec.backend}")
+    dense = run_dense(spec) if args.check or spec.spec_tokens > 1 else None
+    drafts = dense.tokens if dense is not None and spec.spec_tokens > 1 else None
     start = time.perf_counter()
-    with runtime:
-        result = run(spec, HiSparseStore(runtime))
-        stats = runtime.stats()
-        pool, all_gpu = runtime.device_block_pool.capacity, all_gpu_blocks(runtime, spec)
-    elapsed = time.perf_counter() - start
-    for request, tokens in sorted(result.tokens.items()):
-        print(f"  {request}: {tokens}")
-    print(f"{result.steps} steps in {elapsed:.2f} s; device pool {pool} blocks (every row on "
-          f"the GPU would take {all_gpu}): {stats.hits} hits, {stats.misses} misses, hit rate "
-          f"{stats.hit_rate:.1%}, {stats.h2d_bytes} B gathered, {stats.d2h_bytes} B mirrored")
-    if not args.check:
-        return 0
-    problems = compare(run_dense(spec), result)
-    if problems:
-        print("check FAILED: HiSparse and dense decoding differ:")
-        for problem in problems:
-            print(f"  {problem}")
+    try:
+        ranks = _decode(spec, args.store, args.tp, drafts)
+    except (HiSparseError, RuntimeError) as exc:
+        print(f"tiny_dsa: {exc}", file=sys.stderr)
         return 1
-    print(f"check: tokens and logits bit-identical to the dense model "
-          f"({sum(len(t) for t in result.tokens.values())} tokens, {stats.misses} misses, "
-          f"hit rate {stats.hit_rate:.1%})")
+    _report(spec, plan.kv_cache_config, ranks, time.perf_counter() - start)
+    if dense is None or not args.check:
+        return 0
+    failed = False
+    for name, result, _, _ in ranks:
+        problems = compare(dense, result)
+        if problems:
+            failed = True
+            print(f"check FAILED ({name}): HiSparse and dense decoding differ:")
+            for problem in problems:
+                print(f"  {problem}")
+    if failed:
+        return 1
+    print(f"check: tokens and logits bit-identical to the dense model on "
+          f"{len(ranks)} rank(s) ({sum(len(t) for t in ranks[0][1].tokens.values())} tokens)")
     return 0
 
 

@@ -11,11 +11,17 @@ returns, as a model would), keeps a dense CPU copy of every row, and checks that
 
 It is the exactness check of ``hisparse-triton simulate --verify`` and of the tests. Checks
 read device memory (a device sync on CUDA): a verification tool, not a serving path.
+
+By default the KV bytes are random (a generator seeded by ``seed``). With prefix reuse the
+bytes of a shared position must be the same for every request sharing it (a model computes
+the same KV from the same tokens): pass ``content`` (e.g. built on ``position_bytes``), and a
+request admitted with a cached prefix starts with that prefix's rows (``add(id,
+cached_tokens)``), which the runtime adopted instead of having them written again.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -57,17 +63,36 @@ class SplitView:
         return self.worker.host_cache(layer)
 
 
+#: ``content(request_id, layer, positions [n] int64, row_bytes) -> [n, row_bytes] uint8``.
+Content = Callable[[Hashable, str, torch.Tensor, int], torch.Tensor]
+
+
+def position_bytes(key: int | torch.Tensor, layer: int, positions: torch.Tensor,
+                   row_bytes: int) -> torch.Tensor:
+    """``[n, row_bytes] uint8``: pseudo-random bytes that are a pure function of ``key``
+    (an int, or one int64 per position), ``layer`` and each position (``positions [n]``
+    int64), with no state: the same on every call, rank and request that passes the same
+    key."""
+    base = (key * 1_000_003 + layer * 7_919 + positions.to(torch.int64) * 104_729)[:, None]
+    mixed = (base * 6_364_136_223_846_793_005
+             + torch.arange(row_bytes, dtype=torch.int64) * 1_442_695_040_888_963_407)
+    return ((mixed >> 40) & 0xFF).to(torch.uint8)
+
+
 class DenseOracle:
     """Dense copies of every device layer's rows (``runtime``: a ``HiSparseRuntime``, or a
     ``SplitView`` of a scheduler and a worker).
 
     Per layer one CPU tensor ``[max_num_seqs, max_model_len, row_bytes] uint8`` indexed by
     the request's state row, so a whole batch is checked with one gather per layer.
+    ``content``: what KV bytes a (request, layer, positions) holds (module docstring);
+    default: random bytes drawn from ``seed``.
     """
 
-    def __init__(self, runtime, seed: int = 0) -> None:
+    def __init__(self, runtime, seed: int = 0, content: Optional[Content] = None) -> None:
         self.runtime = runtime
         self._gen = torch.Generator().manual_seed(seed)
+        self._content = content
         self._layers = list(runtime.device_layers)
         self._row_bytes = {layer: runtime.device_cache(layer).shape[-1] for layer in self._layers}
         shape = (runtime.max_num_seqs, runtime.max_model_len)
@@ -77,13 +102,27 @@ class DenseOracle:
         self._len: dict[Hashable, int] = {}
         self.rows_checked = 0
 
-    def add(self, request_id: Hashable) -> None:
-        """Start a dense copy for a request just added to the runtime."""
+    def add(self, request_id: Hashable, cached_tokens: int = 0) -> None:
+        """Start a dense copy for a request just added to the runtime; ``cached_tokens``:
+        the prefix ``add_request`` reported cached (its rows come from ``content``, which is
+        then required)."""
+        if cached_tokens and self._content is None:
+            raise ValueError(f"request {request_id!r} starts with {cached_tokens} cached tokens: "
+                             f"the oracle needs a content function to know their bytes.")
         row = self.runtime.state_row(request_id)
-        for dense in self._dense.values():
+        for layer, dense in self._dense.items():
             dense[row].zero_()
+            if cached_tokens:
+                dense[row, :cached_tokens] = self._bytes(request_id, layer, 0, cached_tokens)
         self._row[request_id] = row
-        self._len[request_id] = 0
+        self._len[request_id] = cached_tokens
+
+    def _bytes(self, request_id: Hashable, layer: str, start: int, n: int) -> torch.Tensor:
+        if self._content is None:
+            return torch.randint(0, 256, (n, self._row_bytes[layer]), dtype=torch.uint8,
+                                 generator=self._gen)
+        positions = torch.arange(start, start + n, dtype=torch.int64)
+        return self._content(request_id, layer, positions, self._row_bytes[layer])
 
     def free(self, request_id: Hashable) -> None:
         self._row.pop(request_id, None)
@@ -94,14 +133,14 @@ class DenseOracle:
         return self._dense[layer][self._row[request_id], :self._len[request_id]]
 
     def write(self, request_id: Hashable, rows: dict[str, torch.Tensor]) -> None:
-        """Write random bytes for the tokens ``append_slots`` just returned ``rows`` for."""
+        """Write the KV bytes (``content``, or random) of the tokens ``append_slots`` just
+        returned ``rows`` for."""
         row = self._row[request_id]
         start = self._len[request_id]
         rows = {layer: torch.as_tensor(r) for layer, r in rows.items()}
         n = next(iter(rows.values())).numel()
         for layer in self._layers:
-            data = torch.randint(0, 256, (n, self._row_bytes[layer]), dtype=torch.uint8,
-                                 generator=self._gen)
+            data = self._bytes(request_id, layer, start, n)
             self._dense[layer][row, start:start + n] = data
             cache = self.runtime.device_cache(layer)
             block_size = cache.shape[1]

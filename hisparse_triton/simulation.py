@@ -12,10 +12,21 @@ or a recorded trace (``trace.load_trace``), and can be recorded (``--record``).
 Large presets are *sampled*: a few index groups are simulated (``SimSettings.layers``) and
 the per-step bytes and times are scaled to the model's layer count; the report says so.
 
-With ``policies``, the positions each resolve sent through the hot buffer (valid positions
-whose page had left the GPU, read with ``block_table``) are kept per (request, index group)
-and replayed offline through LRU (which must give the runtime's miss count exactly), FIFO
-and Belady's optimum (``hisparse_triton.policies``).
+Serving options: ``max_num_batched_tokens`` (the engine's chunk limit: prefill chunks stay
+within it, and a request longer than one chunk offloads), ``shared_prefix`` (every prompt
+starts with the same tokens; the prompt's token ids go to ``add_request`` and only the
+uncached rest is appended; the KV bytes of a position are a function of the prompt prefix,
+so the dense check stays exact) and ``mtp`` (Q query tokens per decode step: Q tokens
+appended, their Q top-k selections resolved as one ``[R, Q, K]`` union).
+
+The positions each resolve sent through the hot buffer (valid positions whose page had left
+the GPU, read with ``block_table``) are kept per (request, index group) and replayed offline
+through LRU (which must give the runtime's miss count exactly), FIFO and Belady's optimum
+(``hisparse_triton.policies``). The same LRU replays a counterfactual stream in which every
+unpinned page (still readable in a free block) had been dropped at once: the difference is
+the transfers that keeping unpinned pages readable avoided. With ``mtp > 1`` every miss is
+attributed to the query token whose selection first asked for it (the hot buffer's contents
+are read before each resolve), giving per-token hit rates.
 """
 
 from __future__ import annotations
@@ -59,6 +70,9 @@ class SimSettings:
     record: Optional[str] = None
     policies: tuple[str, ...] = ("lru", "fifo", "belady")
     prefill_chunk: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    shared_prefix: Optional[float] = None
+    mtp: int = 1
     offload_threshold_pages: Optional[int] = None
     free_block_watermark: Optional[float] = None
     host_blocks: Optional[int] = None
@@ -83,7 +97,9 @@ def with_defaults(settings: SimSettings) -> SimSettings:
     """``settings`` with every ``None`` size filled from the preset: top-k from the preset,
     prompts of ``16 x top-k`` tokens (32,768 on DeepSeek-V3.2, within the context),
     ``DEFAULT_OUTPUT_LEN`` generated tokens, 8 requests 4 at a time, prefill chunks of
-    ``DEFAULT_PREFILL_CHUNK`` tokens, and ``default_layers``."""
+    ``DEFAULT_PREFILL_CHUNK`` tokens (at most ``max_num_batched_tokens``), and
+    ``default_layers``. ``ValueError`` for a chunk or ``mtp`` above
+    ``max_num_batched_tokens``, or a ``shared_prefix`` outside [0, 1]."""
     g = get_preset(settings.preset)
     top_k = settings.top_k if settings.top_k is not None else g.index_topk
     output = settings.output_len if settings.output_len is not None else DEFAULT_OUTPUT_LEN
@@ -93,8 +109,21 @@ def with_defaults(settings: SimSettings) -> SimSettings:
     layers = settings.layers if settings.layers is not None else default_layers(g)
     requests = settings.requests if settings.requests is not None else 8
     running = settings.max_running if settings.max_running is not None else 4
-    chunk = settings.prefill_chunk if settings.prefill_chunk is not None else \
-        DEFAULT_PREFILL_CHUNK
+    limit = settings.max_num_batched_tokens
+    chunk = settings.prefill_chunk
+    if chunk is None:
+        chunk = DEFAULT_PREFILL_CHUNK if limit is None else min(DEFAULT_PREFILL_CHUNK, limit)
+    if limit is not None and chunk > limit:
+        raise ValueError(f"--prefill-chunk {chunk} exceeds --max-num-batched-tokens {limit}: "
+                         f"the runtime refuses more uncommitted tokens per request.")
+    if settings.mtp < 1:
+        raise ValueError(f"--mtp must be >= 1, got {settings.mtp}.")
+    if limit is not None and settings.mtp > limit:
+        raise ValueError(f"--mtp {settings.mtp} appends more tokens per decode step than "
+                         f"--max-num-batched-tokens {limit}.")
+    share = settings.shared_prefix
+    if share is not None and not 0.0 <= share <= 1.0:
+        raise ValueError(f"--shared-prefix must be a fraction in [0, 1], got {share!r}.")
     return replace(settings, top_k=top_k, output_len=output, prompt_len=prompt, layers=layers,
                    requests=requests, max_running=min(running, requests),
                    prefill_chunk=chunk, sampled=layers < g.num_layers)
@@ -119,9 +148,10 @@ class Schedule:
 
 
 def synthetic_schedule(requests: int, max_running: int, prompt_len: int,
-                       output_len: int) -> Schedule:
+                       output_len: int, tokens_per_step: int = 1) -> Schedule:
     """Continuous batching: up to ``max_running`` requests at a time, a finished request's
-    place taken by the next one at the following step."""
+    place taken by the next one at the following step; each decode step appends
+    ``tokens_per_step`` tokens per request (speculative decoding, fewer at the end)."""
     waiting = list(range(requests))[::-1]
     running: dict[int, int] = {}
     steps: list[tuple[list[int], list[int]]] = []
@@ -133,9 +163,10 @@ def synthetic_schedule(requests: int, max_running: int, prompt_len: int,
             running[rid] = 0
             first[rid] = len(steps)
         ids = list(running)
-        steps.append((ids, [prompt_len + running[r] + 1 for r in ids]))
+        grow = {r: min(tokens_per_step, output_len - running[r]) for r in ids}
+        steps.append((ids, [prompt_len + running[r] + grow[r] for r in ids]))
         for rid in ids:
-            running[rid] += 1
+            running[rid] += grow[rid]
             if running[rid] >= output_len:
                 last[rid] = len(steps) - 1
                 del running[rid]
@@ -218,20 +249,98 @@ class _Positions:
         if trace is not None:
             self._records = list(trace.steps())
 
-    def step(self, step: int, ids: list[int], seqs: list[int], layers: int) -> np.ndarray:
-        """``[len(ids), layers, top_k] int32`` positions of one step."""
+    def step(self, step: int, ids: list[int], seqs: list[int], layers: int,
+             queries: Optional[list[int]] = None, width: int = 1) -> np.ndarray:
+        """``[len(ids), layers, width, top_k] int32`` positions of one step: request ``i``'s
+        ``queries[i]`` query tokens (default 1) select over their own histories (the last
+        ends at ``seqs[i]``); unused query slots are -1."""
         if self.trace is not None:
             _, records = self._records[step]
-            return self.trace.positions[records, :layers].astype(np.int32)
-        out = np.empty((len(ids), layers, self.generator.topk), dtype=np.int32)
+            return self.trace.positions[records, :layers, None].astype(np.int32)
+        queries = queries if queries is not None else [1] * len(ids)
+        out = np.full((len(ids), layers, width, self.generator.topk), -1, dtype=np.int32)
         for layer in range(layers):
-            for i, (rid, seq) in enumerate(zip(ids, seqs)):
-                out[i, layer] = self.generator.next((rid, layer), seq)
+            for i, (rid, seq, q) in enumerate(zip(ids, seqs, queries)):
+                for j in range(q):
+                    out[i, layer, j] = self.generator.next((rid, layer), seq - q + 1 + j)
         return out
 
     def forget(self, rid: int) -> None:
         if self.generator is not None:
             self.generator.forget(rid)
+
+
+class _SharedPrefix:
+    """Prompt token ids and KV bytes of a run whose prompts share a prefix: request ``rid``'s
+    first ``int(fraction * prompt_len)`` tokens are the same for every request, the rest its
+    own; the bytes of a position depend on the prompt up to it (shared positions: the same
+    for every request), as a model's KV does."""
+
+    def __init__(self, fraction: float, prompt_len: list[int], layers: list[str]) -> None:
+        self.shared = [int(fraction * p) for p in prompt_len]
+        self._prompt_len = prompt_len
+        self._layer = {layer: i for i, layer in enumerate(layers)}
+
+    def token_ids(self, rid: int) -> np.ndarray:
+        pos = np.arange(self._prompt_len[rid], dtype=np.int64)
+        return np.where(pos < self.shared[rid], pos, ((rid + 1) << 32) + pos)
+
+    def content(self, rid: Any, layer: str, positions: Any, row_bytes: int) -> Any:
+        import torch
+
+        from hisparse_triton.oracle import position_bytes
+
+        key = torch.where(positions < self.shared[rid], 0, rid + 1)
+        return position_bytes(key, self._layer[layer], positions, row_bytes)
+
+
+class _BufferLog:
+    """What every resolve sent through the hot buffers, per (request, index group) stream:
+    ``actual`` (positions whose page had no GPU block), ``dropped`` (the same with every
+    unpinned page dropped: the counterfactual), and with ``attribute`` the valid columns and
+    the misses of every query token (a miss belongs to the first query token selecting it;
+    the hot buffer's contents are read before the resolve). Reads the scheduler's request
+    table and the worker's hot state, read-only."""
+
+    def __init__(self, runtime: Any, queries: int, attribute: bool) -> None:
+        self.runtime = runtime
+        self.block_size = runtime.block_size
+        self.actual: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.dropped: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.attribute = attribute
+        self.query_columns = np.zeros(queries, dtype=np.int64)
+        self.query_misses = np.zeros(queries, dtype=np.int64)
+
+    def record(self, leader: str, li: int, ids: list[int], seqs: list[int],
+               topk: np.ndarray) -> None:
+        """Before ``resolve(leader, ids, topk)``; ``topk [R, Q, K]`` (Q-major columns)."""
+        rt, B = self.runtime, self.block_size
+        R, Q, K = topk.shape
+        held_rows = None
+        if self.attribute:
+            rt._index_groups  # noqa: B018 - hands pending table changes to the worker first
+            held_rows = rt.worker._index_group(leader).slot_host_rows
+        for i, (rid, seq) in enumerate(zip(ids, seqs)):
+            flat = topk[i].reshape(-1).astype(np.int64)
+            valid = np.flatnonzero((flat >= 0) & (flat < seq))
+            pos = flat[valid]
+            page = pos // B
+            table = np.asarray(rt.block_table(rid, leader), dtype=np.int64)
+            through = table[page] == 0
+            released = rt.scheduler._requests[rid].released_pages
+            self.actual.setdefault((rid, li), []).append(pos[through])
+            self.dropped.setdefault((rid, li), []).append(pos[through | (page < released)])
+            if held_rows is None:
+                continue
+            query = valid // K
+            self.query_columns += np.bincount(query, minlength=Q)
+            host = np.asarray(rt.host_block_table(rid), dtype=np.int64)
+            asked = np.flatnonzero(through)
+            rows = host[page[asked]] * B + pos[asked] % B
+            _, first = np.unique(rows, return_index=True)
+            held = held_rows[rt.state_row(rid)].cpu().numpy()
+            missed = asked[first][~np.isin(rows[first], held)]
+            self.query_misses += np.bincount(query[missed], minlength=Q)
 
 
 def run_simulation(settings: SimSettings,
@@ -246,7 +355,7 @@ def run_simulation(settings: SimSettings,
 
     from hisparse_triton.config import ACTIVE_TAIL_PAGES
     from hisparse_triton.oracle import DenseOracle
-    from hisparse_triton.policies import compare_policies
+    from hisparse_triton.policies import compare_policies, lru_misses
     from hisparse_triton.runtime import HiSparseRuntime
     from hisparse_triton.trace import TraceRecorder, load_trace, save_trace
     from hisparse_triton.workload import (
@@ -254,6 +363,9 @@ def run_simulation(settings: SimSettings,
 
     geometry = get_preset(settings.preset)
     trace = load_trace(settings.trace) if settings.trace is not None else None
+    if settings.mtp > 1 and (trace is not None or settings.record is not None):
+        raise ValueError(f"--mtp {settings.mtp} cannot be combined with --trace or --record: "
+                         f"a trace holds one top-k selection per request and step.")
     if trace is not None:
         if settings.top_k is not None and settings.top_k != trace.top_k:
             raise ValueError(f"--top-k {settings.top_k} differs from the trace's top-k "
@@ -264,10 +376,12 @@ def run_simulation(settings: SimSettings,
         settings = replace(settings, top_k=trace.top_k, layers=layers)
     s = with_defaults(settings)
     device = _resolve_device(s.device)
+    mtp = s.mtp
     if trace is not None:
         schedule = trace_schedule(trace)
     else:
-        schedule = synthetic_schedule(s.requests, s.max_running, s.prompt_len, s.output_len)
+        schedule = synthetic_schedule(s.requests, s.max_running, s.prompt_len, s.output_len,
+                                      tokens_per_step=mtp)
     max_len = schedule.max_len
     if max_len > geometry.max_model_len:
         raise ValueError(f"prompt + output = {max_len} tokens exceed the {s.preset} preset's "
@@ -281,7 +395,9 @@ def run_simulation(settings: SimSettings,
     plan = plan_for_workload(spec, max_model_len=max_len, num_requests=running, topk=s.top_k,
                              device_buffer_size=s.device_buffer_size,
                              prompt_len=longest_prompt, host_blocks=s.host_blocks,
-                             device_blocks=s.device_blocks, prefill_chunk=s.prefill_chunk)
+                             device_blocks=s.device_blocks, prefill_chunk=s.prefill_chunk,
+                             max_num_batched_tokens=s.max_num_batched_tokens,
+                             max_decode_query_len=mtp)
     kvc = plan.kv_cache_config
     B = plan.block_size
     _check_memory("device", s.device_blocks, kvc.num_blocks * kvc.bytes_per_block,
@@ -306,7 +422,11 @@ def run_simulation(settings: SimSettings,
         dense_bytes = running * max_len * sum(
             runtime.device_cache(layer).shape[-1] for layer in runtime.device_layers)
         verify = s.verify if s.verify is not None else dense_bytes <= VERIFY_AUTO_MAX_BYTES
-        oracle = DenseOracle(runtime, seed=s.seed) if verify else None
+        prefix = (None if s.shared_prefix is None else
+                  _SharedPrefix(s.shared_prefix, schedule.prompt_len, runtime.device_layers))
+        oracle = (DenseOracle(runtime, seed=s.seed,
+                              content=prefix.content if prefix is not None else None)
+                  if verify else None)
         positions = _Positions(s, trace)
         recorder = None
         if s.record is not None:
@@ -314,21 +434,22 @@ def run_simulation(settings: SimSettings,
                 "writer": "hisparse-triton simulate", "preset": s.preset,
                 "workload": "trace" if trace is not None else s.workload, "seed": s.seed,
                 "locality": s.locality if s.workload == "locality" else None})
-        streams: dict[tuple[int, int], list[np.ndarray]] = {}
+        log = _BufferLog(runtime, mtp, attribute=mtp > 1)
+        shared_pages = min(prefix.shared) // B if prefix is not None else 0
         chunk = s.prefill_chunk
         all_gpu_peak = device_peak_blocks = 0
-        resolves = resolved_rows = 0
+        resolves = resolved_rows = generated = 0
         total_steps = len(schedule.steps)
         start = time.perf_counter()
 
         def admit(rid: int) -> None:
             prompt, output = schedule.prompt_len[rid], schedule.output_len[rid]
-            runtime.add_request(rid, prompt, output)
+            token_ids = prefix.token_ids(rid) if prefix is not None else None
+            done = runtime.add_request(rid, prompt, output, token_ids)
             if oracle is not None:
-                oracle.add(rid)
+                oracle.add(rid, done)
             if recorder is not None:
                 recorder.add_request(rid, prompt, output)
-            done = 0
             while done < prompt:
                 n = min(chunk, prompt - done)
                 rows = runtime.append_slots(rid, n)
@@ -341,36 +462,36 @@ def run_simulation(settings: SimSettings,
             for rid in ids:
                 if schedule.first[rid] == step:
                     admit(rid)
+            queries = []
             for rid, seq in zip(ids, seqs):
                 grow = seq - runtime.seq_len(rid)
+                queries.append(max(grow, 0))
                 if grow > 0:
                     rows = runtime.append_slots(rid, grow)
                     if oracle is not None:
                         oracle.write(rid, rows)
+            generated += sum(queries)
             # Working set of this step, both ways: every running request's full history on
-            # the GPU vs the blocks the runtime holds now (before this step's commit).
-            all_gpu_peak = max(all_gpu_peak, sum(cdiv(seq, B) for seq in seqs)
-                               * plan.all_gpu_bytes_per_page)
-            device_peak_blocks = max(device_peak_blocks, runtime.stats().device_blocks)
-            chosen = positions.step(step, ids, seqs, len(leaders))
+            # the GPU (a shared prefix's pages once, as prefix caching keeps them) vs the
+            # distinct blocks the runtime holds now (before this step's commit).
+            pages = sum(cdiv(seq, B) for seq in seqs) - max(len(ids) - 1, 0) * shared_pages
+            all_gpu_peak = max(all_gpu_peak, pages * plan.all_gpu_bytes_per_page)
+            device_peak_blocks = max(device_peak_blocks, runtime.device_block_pool.num_used)
+            chosen = positions.step(step, ids, seqs, len(leaders), queries, width=mtp)
             for li, leader in enumerate(leaders):
-                topk_np = np.ascontiguousarray(chosen[:, li])
-                topk_t = torch.from_numpy(topk_np)
+                topk_np = np.ascontiguousarray(chosen[:, li])          # [R, Q, K]
+                log.record(leader, li, ids, seqs, topk_np)
+                topk_t = torch.from_numpy(topk_np if mtp > 1 else topk_np[:, 0])
                 if runtime.device.type == "cuda":  # what an indexer would hand over
                     topk_t = topk_t.pin_memory().to(runtime.device, non_blocking=True)
-                if s.policies:
-                    for i, (rid, seq) in enumerate(zip(ids, seqs)):
-                        row = topk_np[i].astype(np.int64)
-                        row = row[(row >= 0) & (row < seq)]
-                        resident = np.asarray(runtime.block_table(rid, leader), np.int64)
-                        streams.setdefault((rid, li), []).append(row[resident[row // B] == 0])
                 out = runtime.resolve(leader, ids, topk_t)
                 if oracle is not None:
-                    oracle.check_resolve(leader, ids, topk_t, out)
+                    oracle.check_resolve(leader, ids, topk_t.reshape(len(ids), -1),
+                                         out.reshape(len(ids), -1))
                 resolves += 1
                 resolved_rows += len(ids)
             if recorder is not None:
-                recorder.add(step, ids, seqs, chosen)
+                recorder.add(step, ids, seqs, chosen[:, :, 0])
             runtime.commit()
             for rid in ids:
                 if schedule.last[rid] == step:
@@ -389,6 +510,9 @@ def run_simulation(settings: SimSettings,
         leaked = stats.device_blocks + stats.host_blocks
         if leaked:
             raise RuntimeError(f"{leaked} blocks still in use after every request was freed.")
+        if log.attribute and int(log.query_misses.sum()) != stats.misses:
+            raise RuntimeError(f"the per-token attribution counts {int(log.query_misses.sum())} "
+                               f"misses, the runtime {stats.misses}.")
         if recorder is not None:
             save_trace(recorder.build(), s.record)
 
@@ -406,6 +530,16 @@ def run_simulation(settings: SimSettings,
         d2h_total = stats.d2h_bytes * layer_scale
         resident_groups = sum(1 for g in kvc.kv_cache_groups
                               if type(g.kv_cache_spec).__name__ == "HiSparseResidentSpec")
+        # The counterfactual: every unpinned page dropped at once (same LRU rule).
+        miss_bytes = [sum(runtime.device_cache(layer).shape[-1]
+                          for layer in runtime.index_group(leader)) for leader in leaders]
+        avoided = avoided_bytes = dropped_misses = 0
+        for key, stream in log.actual.items():
+            kept, dropped = lru_misses(stream, buffer), lru_misses(log.dropped[key], buffer)
+            dropped_misses += dropped
+            avoided += dropped - kept
+            avoided_bytes += (dropped - kept) * miss_bytes[key[1]]
+        token_row_bytes = host_block_bytes // B       # one token over every sparse layer
         report: dict[str, Any] = {
             "preset": s.preset,
             "model_sparse_layers": geometry.num_layers,
@@ -425,22 +559,29 @@ def run_simulation(settings: SimSettings,
             "prompt_len": longest_prompt,
             "output_len": max(schedule.output_len),
             "prefill_chunk": chunk,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "mtp": mtp,
             "block_size": B,
             "top_k": s.top_k,
             "device_buffer_size": buffer,
             "locality": s.locality if s.workload == "locality" and trace is None else None,
             "offload_threshold_pages": runtime.offload_threshold_pages,
+            "free_block_watermark": runtime.scheduler.free_block_watermark,
             "active_tail_pages": ACTIVE_TAIL_PAGES,
             "device_pool_blocks": kvc.num_blocks,
+            "device_pool_sizing": "given" if s.device_blocks is not None else "steady-state",
             "host_pool_blocks": kvc.hisparse_host_num_blocks,
             "decode_steps": decode_steps,
+            "generated_tokens": generated,
             "resolves": resolves,
             "resolved_rows": resolved_rows,
+            "resolved_columns": resolved_rows * mtp * s.top_k,
             "hits": stats.hits,
             "misses": stats.misses,
             "masked": stats.masked,
             "hit_rate": stats.hit_rate,
             "miss_rate": 1.0 - stats.hit_rate,
+            "misses_per_generated_token": stats.misses / generated if generated else 0.0,
             "h2d_bytes": stats.h2d_bytes,
             "d2h_bytes": stats.d2h_bytes,
             "link_gbps": s.link_gbps,
@@ -448,6 +589,8 @@ def run_simulation(settings: SimSettings,
             "d2h_seconds": stats.d2h_bytes / link,
             "h2d_bytes_per_step_model": h2d_step,
             "h2d_seconds_per_step_model": h2d_step / link,
+            "h2d_bytes_per_token_model": (stats.h2d_bytes * group_scale / generated
+                                          if generated else 0.0),
             "d2h_bytes_model": d2h_total,
             "all_gpu_peak_bytes": all_gpu_peak,
             "device_peak_bytes": device_peak,
@@ -460,14 +603,31 @@ def run_simulation(settings: SimSettings,
             if all_gpu_peak else 0.0,
             "unpinned_pages": stats.unpinned_pages,
             "lost_pages": stats.lost_pages,
+            "offloaded_requests_at_end": stats.offloaded_requests,
+            "misses_if_unpinned_dropped": dropped_misses,
+            "unpinned_misses_avoided": avoided,
+            "unpinned_h2d_bytes_avoided": avoided_bytes,
+            "shared_prefix": s.shared_prefix,
+            "shared_prefix_tokens": max(prefix.shared) if prefix is not None else 0,
+            "prefix_query_tokens": stats.prefix_query_tokens,
+            "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "prefix_hit_rate": (stats.prefix_hit_tokens / stats.prefix_query_tokens
+                                if stats.prefix_query_tokens else 0.0),
+            "prefix_d2h_bytes_avoided": stats.prefix_hit_tokens * token_row_bytes,
+            "readopted_pages": stats.readopted_pages,
             "verified": bool(verify),
             "rows_checked": oracle.rows_checked if oracle is not None else 0,
             "warnings": warnings,
             "wall_seconds": wall,
         }
+        if log.attribute:
+            report["query_tokens"] = [
+                {"query": j, "columns": int(c), "misses": int(m), "hits": int(c - m),
+                 "hit_rate": float((c - m) / c) if c else 1.0}
+                for j, (c, m) in enumerate(zip(log.query_columns, log.query_misses))]
+        compared = compare_policies(log.actual, buffer, s.policies) if s.policies else {}
         if s.policies:
-            compared = compare_policies(streams, buffer, s.policies)
-            report["buffer_lookups"] = sum(step.size for stream in streams.values()
+            report["buffer_lookups"] = sum(step.size for stream in log.actual.values()
                                            for step in stream)
             report["policies"] = compared
             if "lru" in compared:

@@ -32,7 +32,7 @@ from typing import Hashable, Mapping, Optional, Protocol
 import numpy as np
 
 from hisparse_triton.config import ACTIVE_TAIL_PAGES, GIB, EngineConfig, HiSparseConfig
-from hisparse_triton.specs import KVCacheConfig, KVCacheSpec, cdiv
+from hisparse_triton.specs import KVCacheConfig, KVCacheSpec, cdiv, round_up
 
 #: Trace generators ``make_trace`` builds (``simulate --workload``).
 WORKLOADS = ("calibrated", "locality")
@@ -320,20 +320,30 @@ def plan_for_workload(kv_cache_spec: Mapping[str, KVCacheSpec], *, max_model_len
                       num_requests: int, topk: int, device_buffer_size: Optional[int] = None,
                       prompt_len: int = 0, host_blocks: Optional[int] = None,
                       device_blocks: Optional[int] = None,
-                      prefill_chunk: Optional[int] = None) -> WorkloadPlan:
+                      prefill_chunk: Optional[int] = None,
+                      max_num_batched_tokens: Optional[int] = None,
+                      max_decode_query_len: int = 1,
+                      tensor_parallel_size: int = 1) -> WorkloadPlan:
     """Plan both pools for ``num_requests`` live requests of up to ``max_model_len`` tokens.
 
     Host: every request's full reservation plus the null block and a copy-on-write tail.
     Device: ``steady_device_blocks`` with one prefill of ``prefill_chunk`` tokens (default
     ``prompt_len``: a prompt prefilled in one chunk). ``host_blocks`` / ``device_blocks``
-    override the computed counts.
+    override the computed counts. ``max_num_batched_tokens`` (chunked prefill: tokens a
+    request may append between two plans), ``max_decode_query_len`` (query tokens per
+    decode step, speculative decoding; the default hot buffer grows with it) and
+    ``tensor_parallel_size`` (ranks > 1 on one node share one host pool) go into the
+    ``EngineConfig`` the plan is made for.
     """
-    from hisparse_triton.layout import get_hisparse_kv_cache_config, get_hisparse_kv_cache_groups
+    from hisparse_triton.layout import (
+        SHARED_HOST_POOL_ALIGNMENT, get_hisparse_kv_cache_config, get_hisparse_kv_cache_groups)
 
     spec = dict(kv_cache_spec)
     probe = HiSparseConfig(index_topk=topk, device_buffer_size=device_buffer_size,
-                           host_pool_gib=1.0)
-    base = EngineConfig(max_model_len=max_model_len, hisparse=probe)
+                           host_pool_gib=1.0, max_decode_query_len=max_decode_query_len)
+    base = EngineConfig(max_model_len=max_model_len, hisparse=probe,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        tensor_parallel_size=tensor_parallel_size)
     groups = get_hisparse_kv_cache_groups(base, spec)
     if groups is None:
         raise ValueError("the kv_cache_spec has no MLA layers: HiSparse does not apply.")
@@ -341,14 +351,20 @@ def plan_for_workload(kv_cache_spec: Mapping[str, KVCacheSpec], *, max_model_len
     block = source.block_size
     if host_blocks is None:
         host_blocks = num_requests * cdiv(max_model_len, block) + 2
-    host_budget = host_blocks * source.page_size_bytes
+    # A shared host pool aligns every block (HiSparseLayout.host_block_stride).
+    stride = (round_up(source.page_size_bytes, SHARED_HOST_POOL_ALIGNMENT)
+              if base.shared_host_pool else source.page_size_bytes)
+    host_budget = host_blocks * stride
     if device_blocks is None:
         chunk = prompt_len if prefill_chunk is None else min(prefill_chunk, prompt_len)
         device_blocks = steady_device_blocks(groups, base, num_requests, chunk)
     hisparse = HiSparseConfig(index_topk=topk, device_buffer_size=device_buffer_size,
-                              host_pool_gib=max(host_budget / GIB, 1e-9))
+                              host_pool_gib=max(host_budget / GIB, 1e-9),
+                              max_decode_query_len=max_decode_query_len)
     config = EngineConfig(max_model_len=max_model_len, hisparse=hisparse,
-                          num_gpu_blocks_override=device_blocks)
+                          num_gpu_blocks_override=device_blocks,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          tensor_parallel_size=tensor_parallel_size)
     kv_cache_config = get_hisparse_kv_cache_config(config, groups, 0, host_budget)
     all_gpu = sum(s.page_size_bytes for s in spec.values())
     return WorkloadPlan(config=config, kv_cache_spec=spec, kv_cache_config=kv_cache_config,

@@ -177,6 +177,126 @@ def test_sampled_preset_run_scales_to_the_model(capsys):
     assert "hot-buffer policies" not in out
 
 
+def test_shared_prefix_is_reused_and_stays_exact(capsys):
+    """Prompts share half their tokens: the later requests find the prefix's full pages
+    cached (``add_request`` with token ids), append only the rest, and every resolved row
+    still matches the dense copy (a shared position's bytes depend on the prefix only)."""
+    r = run_json(capsys, "--shared-prefix", "0.5")
+    assert r["shared_prefix"] == 0.5 and r["shared_prefix_tokens"] == 50
+    # 50 shared tokens = 3 full pages of 16; requests 1 and 2 hit them
+    assert r["prefix_hit_tokens"] == 2 * 48 and r["prefix_query_tokens"] == 3 * 100
+    assert r["prefix_hit_rate"] == pytest.approx(96 / 300)
+    assert r["verified"] and r["rows_checked"] > 0 and r["lru_matches_runtime"]
+    assert r["d2h_bytes"] == (3 * (100 + 6) - 96) * 8 * 64   # hit tokens are not mirrored
+    assert r["prefix_d2h_bytes_avoided"] == 96 * 8 * 64
+    plain = run_json(capsys)
+    assert plain["shared_prefix"] is None and plain["prefix_query_tokens"] == 0
+
+
+def test_mtp_resolves_one_union_per_step_and_attributes_misses(capsys):
+    r = run_json(capsys, "--mtp", "2")
+    assert r["mtp"] == 2 and r["device_buffer_size"] == 3 * 32     # (Q + 1) x top-k
+    assert r["generated_tokens"] == 3 * 6 and r["decode_steps"] == 2 * 3
+    assert r["resolved_columns"] == r["resolved_rows"] * 2 * 32
+    assert r["hits"] + r["misses"] + r["masked"] == r["resolved_columns"]
+    assert r["misses"] > 0 and r["lru_matches_runtime"] and r["verified"]
+    tokens = r["query_tokens"]
+    assert [t["query"] for t in tokens] == [0, 1]
+    assert sum(t["misses"] for t in tokens) == r["misses"]
+    assert sum(t["columns"] for t in tokens) == r["resolved_columns"] - r["masked"]
+    assert all(t["hits"] + t["misses"] == t["columns"] for t in tokens)
+    assert r["misses_per_generated_token"] == pytest.approx(r["misses"] / 18)
+    assert "query_tokens" not in run_json(capsys)
+
+
+def test_roomy_pool_moves_nothing_and_the_chunk_limit_offloads(capsys):
+    """A pool that holds everything, at the default watermark: no page leaves the GPU, no
+    transfer after prefill. The engine's chunk limit makes a longer request keep only about
+    one chunk pinned: it offloads, its older pages are unpinned, yet in a roomy pool no
+    block is reused, so they stay readable and still nothing moves (the counterfactual
+    with them dropped would have missed)."""
+    roomy = ["--device-blocks", "2000", "--free-block-watermark", "0.1"]
+    r = run_json(capsys, *roomy)
+    assert r["device_pool_sizing"] == "given" and r["free_block_watermark"] == 0.1
+    assert r["misses"] == r["h2d_bytes"] == r["unpinned_pages"] == 0
+    limited = run_json(capsys, *roomy, "--max-num-batched-tokens", "32")
+    assert limited["max_num_batched_tokens"] == 32 and limited["prefill_chunk"] == 32
+    assert limited["unpinned_pages"] > 0 and limited["lost_pages"] == 0
+    assert limited["misses"] == 0 and limited["unpinned_misses_avoided"] > 0
+    assert limited["verified"] and limited["lru_matches_runtime"]
+    tight = run_json(capsys, "--max-num-batched-tokens", "32")   # pure HiSparse: it misses
+    assert tight["misses"] > 0 and tight["prefill_chunk"] == 32
+
+
+def test_transfers_avoided_by_unpinned_pages(capsys):
+    """At the default watermark in a tight pool, unpinned pages stay readable until reused;
+    replaying the positions with them dropped at once misses more: the difference is what
+    keeping them saved. Pure HiSparse (watermark 1) drops them: nothing is avoided."""
+    flags = ["--requests", "4", "--prompt-len", "300", "--output-len", "8"]
+    assert main(["simulate", *flags, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["unpinned_pages"] > 0 and r["unpinned_misses_avoided"] > 0
+    assert r["misses_if_unpinned_dropped"] == r["misses"] + r["unpinned_misses_avoided"]
+    assert r["unpinned_h2d_bytes_avoided"] == r["unpinned_misses_avoided"] * 64 * 2
+    pure = run_json(capsys, "--requests", "4")
+    assert pure["unpinned_pages"] > 0 and pure["unpinned_misses_avoided"] == 0
+
+
+def test_human_report_of_the_serving_options(capsys):
+    assert main([*SMALL, "--shared-prefix", "0.5", "--mtp", "2",
+                 "--max-num-batched-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    for text in ("engine chunk limit 64", "a shared prefix of 50 tokens (50.0% of each prompt)",
+                 "2 query tokens per decode step", "rows x (2 x 32) columns",
+                 "per query token", "token 1", "misses per generated token",
+                 "residency:", "the same LRU with them dropped at once misses",
+                 "prefix cache: 96 of 300 prompt tokens hit"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize("flags,code,message", [
+    (["--mtp", "0"], 2, "argument --mtp: must be an integer in [1, 16]"),
+    (["--shared-prefix", "1.5"], 2, "argument --shared-prefix"),
+    (["--prefill-chunk", "64", "--max-num-batched-tokens", "32"], 1,
+     "--prefill-chunk 64 exceeds --max-num-batched-tokens 32"),
+    (["--mtp", "4", "--max-num-batched-tokens", "2"], 1, "--mtp 4 appends more tokens"),
+    (["--mtp", "2", "--record", "x.npz"], 1, "cannot be combined with --trace or --record"),
+])
+def test_serving_options_bad_input(capsys, tmp_path, flags, code, message):
+    flags = [str(tmp_path / f) if f.endswith(".npz") else f for f in flags]
+    assert main([*SMALL, *flags]) == code
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_oracle_content_is_a_function_of_the_key():
+    from hisparse_triton.oracle import DenseOracle, position_bytes
+
+    pos = torch.arange(5, 9)
+    a = position_bytes(3, 1, pos, 64)
+    assert a.shape == (4, 64) and a.dtype == torch.uint8
+    assert torch.equal(a, position_bytes(torch.full((4,), 3), 1, pos, 64))
+    assert torch.equal(a[1:], position_bytes(3, 1, pos[1:], 64))
+    assert not torch.equal(a, position_bytes(4, 1, pos, 64))
+    assert not torch.equal(a, position_bytes(3, 2, pos, 64))
+
+    class View:  # the two calls DenseOracle.__init__/add make
+        device_layers = ["L"]
+        max_num_seqs, max_model_len = 1, 8
+
+        def device_cache(self, layer):
+            return torch.zeros(2, 4, 64, dtype=torch.uint8)
+
+        def state_row(self, request_id):
+            return 0
+
+    with pytest.raises(ValueError, match="needs a content function"):
+        DenseOracle(View()).add("r", cached_tokens=4)
+    oracle = DenseOracle(View(), content=lambda rid, layer, p, n: position_bytes(7, 0, p, n))
+    oracle.add("r", cached_tokens=4)
+    assert torch.equal(oracle.dense_rows("r", "L"), position_bytes(7, 0, torch.arange(4), 64))
+
+
 def test_command_choices_match_the_library():
     from hisparse_triton import policies, workload
     from hisparse_triton.commands import simulate

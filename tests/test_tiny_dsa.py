@@ -1,15 +1,19 @@
-"""``examples/tiny_dsa.py``: a DeepSeek-V3.2-shaped model decoding through the runtime is
+"""``examples/tiny_dsa.py``: a DeepSeek-V3.2-shaped model decoding through HiSparse is
 bit-identical (tokens and logits) to the same model with every KV row kept dense.
 
 The default run: 4 layers (2 index groups of leader + follower), 4 requests of 128-320
-prompt tokens (top-k 32), 3 decoded at a time, prefill in chunks of 32 with a commit after
-every step, a device pool smaller than the requests' histories (misses). The check is shown
-not to be vacuous: one corrupted byte of a resolved row, or one wrong row id, changes the
-logits.
+prompt tokens (top-k 32), prefill in chunks of 32, a device pool smaller than the requests'
+histories (misses). Driven through the scheduler + worker pair (the serving-stack protocol),
+through the in-process facade, and on two tensor-parallel processes sharing one host pool;
+under memory pressure (default watermark, and 1.0), with the engine's chunk limit, a shared
+prefix reused from the prefix cache (the dense run computes it) and two query tokens per
+decode step (the dense run decodes one at a time). The check is shown not to be vacuous: one
+corrupted byte of a resolved row, or one wrong row id, changes the logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hisparse_triton.errors import UncommittedTokensError
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_dsa.py"
 
@@ -32,6 +38,9 @@ def _load_example():
 tiny_dsa = _load_example()
 
 SPEC = tiny_dsa.RunSpec(max_running=3)  # 4 requests, 3 at a time: a freed state row is reused
+#: Two at a time, the later two share a 64-token prefix (4 pages) with the first two.
+SERVING = tiny_dsa.RunSpec(num_requests=4, max_running=2, prompt_len_range=(96, 200),
+                           max_new_tokens=6, shared_prefix_len=64)
 HAS_TRITON_BACKEND = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -41,14 +50,14 @@ class ResolveLog:
     store sees, or None to keep them."""
 
     def __init__(self, runtime, tamper=None, at_call: int = -1) -> None:
-        self.calls: list[tuple[int, str, list, int]] = []  # (step, leader, ids, width)
+        self.calls: list[tuple[int, str, list, tuple]] = []  # (step, leader, ids, topk shape)
         self.step = 0
         self.tampered = False
         resolve, commit = runtime.resolve, runtime.commit
 
         def logged_resolve(leader, request_ids, topk):
             rows = resolve(leader, request_ids, topk)
-            self.calls.append((self.step, leader, list(request_ids), topk.shape[1]))
+            self.calls.append((self.step, leader, list(request_ids), tuple(topk.shape)))
             if tamper is not None and len(self.calls) - 1 == at_call:
                 changed = tamper(runtime, leader, request_ids, topk, rows)
                 if changed is not None:
@@ -63,14 +72,24 @@ class ResolveLog:
         runtime.resolve, runtime.commit = logged_resolve, counted_commit
 
 
-def run_hisparse(spec, tamper=None, at_call: int = -1):
+def run_facade(spec, tamper=None, at_call: int = -1):
     with tiny_dsa.build_runtime(spec) as runtime:
         log = ResolveLog(runtime, tamper, at_call)
         result = tiny_dsa.run(spec, tiny_dsa.HiSparseStore(runtime))
         stats = runtime.stats()
         pool = runtime.device_block_pool.capacity
-        all_gpu = tiny_dsa.all_gpu_blocks(runtime, spec)
+        all_gpu = tiny_dsa.all_gpu_blocks(runtime.kv_cache_config, spec)
     return result, stats, log, pool, all_gpu
+
+
+def run_split(spec, drafts=None):
+    """Decode through a scheduler + worker pair; returns the result, the store and both
+    halves' stats."""
+    scheduler, worker = tiny_dsa.build_split(spec)
+    with worker:
+        store = tiny_dsa.SplitStore(worker, scheduler)
+        result = tiny_dsa.run(spec, store, drafts)
+        return result, store, scheduler.stats(), worker.stats()
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +97,17 @@ def dense():
     return tiny_dsa.run_dense(SPEC)
 
 
+@pytest.fixture(scope="module")
+def serving_dense():
+    return tiny_dsa.run_dense(SERVING)
+
+
 def test_bit_identical_to_dense_under_memory_pressure(dense):
     workload = SPEC.workload()
     topk = SPEC.model_config().topk
     assert len(set(workload.prompt_lens)) == SPEC.num_requests
     assert min(workload.prompt_lens) > 2 * SPEC.chunk_size > topk   # chunked, real top-k
-    result, stats, log, pool, all_gpu = run_hisparse(SPEC)
+    result, stats, log, pool, all_gpu = run_facade(SPEC)
 
     assert tiny_dsa.compare(dense, result) == []
     assert set(result.tokens) == {f"req-{i}" for i in range(SPEC.num_requests)}
@@ -107,19 +131,130 @@ def test_bit_identical_to_dense_under_memory_pressure(dense):
     assert any(None in ids for _, _, ids, _ in log.calls)
 
 
-def test_shared_prefix_and_one_request_at_a_time_stay_exact():
-    spec = tiny_dsa.RunSpec(num_requests=2, prompt_len_range=(70, 110), max_new_tokens=4,
-                            shared_prefix_len=48, max_running=1, chunk_size=24,
-                            offload_threshold_pages=1)
-    prompts = [r.prompt for r in spec.workload().requests(spec.model_config().vocab_size)]
-    assert prompts[0][:48] == prompts[1][:48] and prompts[0][48:] != prompts[1][48:]
-    result, stats, *_ = run_hisparse(spec)
-    assert tiny_dsa.compare(tiny_dsa.run_dense(spec), result) == []
-    assert stats.misses > 0
+@pytest.mark.parametrize("watermark", [None, 1.0], ids=["default-watermark", "pure-hisparse"])
+def test_scheduler_worker_pair_is_exact_under_memory_pressure(dense, watermark):
+    """The serving-stack protocol (scheduling calls, step(), apply, forward, mirror) with a
+    tight pool: at the default watermark pages are unpinned and some lost to other requests,
+    at 1.0 every committed page outside the tail is read through the hot buffer."""
+    spec = dataclasses.replace(SPEC, free_block_watermark=watermark)
+    result, store, sched, work = run_split(spec)
+    assert tiny_dsa.compare(dense, result) == []
+    assert work.plans == result.steps                     # one plan per model step
+    assert work.misses > 0 and work.h2d_bytes > 0 and work.d2h_bytes > 0
+    assert sched.unpinned_pages > 0 and sched.num_requests == 0
+    if watermark is None:
+        assert sched.lost_pages > 0                       # blocks went to other owners
+    else:
+        assert sched.lost_pages == 0                      # dropped at once, never lost
+    # decode steps resolved [R, 1, K] at once; prefill chunks in union rounds [R, n]
+    shapes = {shape for _, shape in store.resolve_shapes}
+    assert (SPEC.running, 1, SPEC.model_config().topk) in shapes
+    assert any(len(shape) == 2 for shape in shapes)
+
+
+def test_the_model_is_batch_invariant(serving_dense):
+    """What prefix reuse and speculative decoding are compared on: a request's tokens and
+    logits do not depend on what it is batched with (one request at a time, all at once)."""
+    alone = tiny_dsa.run_dense(dataclasses.replace(SERVING, max_running=1))
+    together = tiny_dsa.run_dense(dataclasses.replace(SERVING, max_running=4))
+    assert alone.steps != together.steps != serving_dense.steps
+    assert tiny_dsa.compare(serving_dense, alone) == []
+    assert tiny_dsa.compare(serving_dense, together) == []
+
+
+def test_chunked_prefill_under_the_engine_limit(dense):
+    spec = dataclasses.replace(SPEC, max_num_batched_tokens=SPEC.chunk_size)
+    result, _, sched, work = run_split(spec)
+    assert tiny_dsa.compare(dense, result) == []
+    # a request longer than one chunk outgrows its admission window: it offloads
+    assert work.misses > 0 and sched.unpinned_pages > 0
+    # the runtime refuses a larger uncommitted append, and changes nothing
+    scheduler, worker = tiny_dsa.build_split(spec)
+    with worker:
+        store = tiny_dsa.SplitStore(worker, scheduler)
+        store.add("r", 100, 4)
+        before = scheduler._debug_snapshot()
+        with pytest.raises(UncommittedTokensError, match="max_num_batched_tokens=32"):
+            store.append("r", spec.chunk_size + 1)
+        assert scheduler._debug_snapshot() == before
+        store.append("r", spec.chunk_size)
+        with pytest.raises(UncommittedTokensError):
+            store.append("r", 1)                 # the chunk is not committed yet
+    with pytest.raises(ValueError, match="below the prefill chunk"):
+        tiny_dsa.plan_for_spec(dataclasses.replace(SPEC, max_num_batched_tokens=16))
+
+
+@pytest.mark.parametrize("kind", ["split", "facade"])
+def test_shared_prefix_is_reused_not_recomputed(serving_dense, kind):
+    """The later requests find the first ones' 64-token prefix in the prefix cache: they
+    compute only the rest (the dense run computes everything) and stay bit-identical."""
+    prompts = [r.prompt for r in SERVING.workload().requests(SERVING.model_config().vocab_size)]
+    assert all(p[:64] == prompts[0][:64] for p in prompts)
+    if kind == "split":
+        result, _, sched, _ = run_split(SERVING)
+        hits, query = sched.prefix_hit_tokens, sched.prefix_query_tokens
+    else:
+        result, stats, *_ = run_facade(SERVING)
+        hits, query = stats.prefix_hit_tokens, stats.prefix_query_tokens
+    assert tiny_dsa.compare(serving_dense, result) == []
+    assert result.cached_tokens == hits == 2 * 64          # requests 2 and 3
+    assert query == sum(SERVING.workload().prompt_lens)
+    assert result.computed_tokens == serving_dense.computed_tokens - result.cached_tokens
+
+
+def test_speculative_decoding_two_query_tokens(serving_dense):
+    """Q = 2: each decode step feeds the last token and one draft (the dense greedy
+    continuation), resolves their top-k as ONE [R, 2, K] union per index group, appends 2
+    tokens; every draft is accepted and the result equals one-token-at-a-time decoding."""
+    spec = dataclasses.replace(SERVING, spec_tokens=2, free_block_watermark=1.0)
+    result, store, sched, work = run_split(spec, drafts=serving_dense.tokens)
+    assert tiny_dsa.compare(serving_dense, result) == []
+    assert result.steps < serving_dense.steps
+    topk = spec.model_config().topk
+    assert work.misses > 0
+    unions = [shape for _, shape in store.resolve_shapes if len(shape) == 3 and shape[1] == 2]
+    assert unions and all(shape[2] == topk for shape in unions)
+    assert store.buffer_size == 3 * topk                  # (Q + 1) x top-k by default
+    assert sched.prefix_hit_tokens > 0
+
+
+def test_a_wrong_draft_is_rejected(serving_dense):
+    spec = dataclasses.replace(SERVING, num_requests=1, spec_tokens=2)
+    drafts = {rid: [(t + 1) % 96 for t in tokens] for rid, tokens in serving_dense.tokens.items()}
+    with pytest.raises(tiny_dsa.DraftRejectedError, match="was rejected"):
+        run_split(spec, drafts=drafts)
+
+
+def test_two_tensor_parallel_ranks_share_one_host_pool(serving_dense):
+    """``--tp 2``: two processes (gloo); rank 0 schedules and broadcasts every plan and the
+    step's rows; both compute the same tokens over one host pool in /dev/shm, under pressure,
+    with the chunk limit, a reused prefix and two query tokens per step."""
+    spec = dataclasses.replace(SERVING, spec_tokens=2, max_num_batched_tokens=32)
+    ranks = tiny_dsa.run_tp(spec, 2, drafts=serving_dense.tokens)
+    assert [r.rank for r in ranks] == [0, 1]
+    for r in ranks:
+        assert tiny_dsa.compare(serving_dense, r.result) == [], r.rank
+    zero, one = ranks
+    assert zero.worker["misses"] == one.worker["misses"] > 0
+    assert zero.worker["plans"] == one.worker["plans"] == zero.result.steps
+    assert zero.worker["d2h_bytes"] > 0 and one.worker["d2h_bytes"] == 0  # rank 0 mirrors
+    assert zero.scheduler["prefix_hit_tokens"] == 128 and one.scheduler is None
+    leftover = [f for f in os.listdir("/dev/shm") if f.startswith("tiny-dsa-")] \
+        if os.path.isdir("/dev/shm") else []
+    assert not leftover, leftover
+
+
+def test_a_failing_rank_ends_the_tensor_parallel_run():
+    """Rank 0 cannot admit (a pool too small): it shares the refusal, every rank stops and
+    the caller gets the error, not a hang."""
+    spec = dataclasses.replace(SERVING, num_requests=1, device_blocks=5)
+    with pytest.raises(RuntimeError, match="hot region needs"):
+        tiny_dsa.run_tp(spec, 2, timeout_s=120)
 
 
 def _committed_column(runtime, request_ids, topk):
     """(row, column) of a selected position whose rows were committed before this step."""
+    topk = topk.reshape(topk.shape[0], -1)
     for r, request in enumerate(request_ids):
         if request is None:
             continue
@@ -138,7 +273,7 @@ def _corrupt_byte(layer_index):
         r, c = found
         layer = runtime.index_group(leader)[layer_index]
         cache = runtime.device_cache(layer)
-        row = int(rows[r, c])
+        row = int(rows.reshape(rows.shape[0], -1)[r, c])
         cache[row // cache.shape[1], row % cache.shape[1], 3] ^= 0x40  # a float's exponent
         return rows
     return tamper
@@ -149,16 +284,16 @@ def _wrong_row(runtime, leader, request_ids, topk, rows):
     if found is None:
         return None
     r, c = found
-    other = next(int(v) for v in rows[r] if v >= 0 and v != rows[r, c])
-    rows = rows.clone()
-    rows[r, c] = other
-    return rows
+    flat = rows.reshape(rows.shape[0], -1).clone()
+    other = next(int(v) for v in flat[r] if v >= 0 and v != flat[r, c])
+    flat[r, c] = other
+    return flat.view(rows.shape)
 
 
 @pytest.mark.parametrize("tamper", [_corrupt_byte(0), _corrupt_byte(1), _wrong_row],
                          ids=["corrupt-leader-byte", "corrupt-follower-byte", "wrong-row-id"])
 def test_the_check_is_not_vacuous(dense, tamper):
-    result, _, log, *_ = run_hisparse(SPEC, tamper, at_call=12)
+    result, _, log, *_ = run_facade(SPEC, tamper, at_call=12)
     assert log.tampered
     problems = tiny_dsa.compare(dense, result)
     assert any("logits differ" in p for p in problems), problems
@@ -169,10 +304,22 @@ def test_triton_backend_bit_identical_small():
     spec = tiny_dsa.RunSpec(num_requests=2, num_layers=2, prompt_len_range=(70, 100),
                             max_new_tokens=2, offload_threshold_pages=1,
                             free_block_watermark=1.0, backend="triton")
-    result, stats, log, *_ = run_hisparse(spec)
+    result, stats, log, *_ = run_facade(spec)
     assert tiny_dsa.compare(tiny_dsa.run_dense(spec), result) == []
     assert stats.misses > 0
     assert any(None in ids for _, _, ids, _ in log.calls)
+
+
+@pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_backend_split_prefix_and_two_query_tokens_small():
+    spec = tiny_dsa.RunSpec(num_requests=2, num_layers=2, prompt_len_range=(70, 90),
+                            max_new_tokens=3, max_running=1, shared_prefix_len=48,
+                            spec_tokens=2, free_block_watermark=1.0, backend="triton")
+    dense = tiny_dsa.run_dense(spec)
+    result, store, sched, work = run_split(spec, drafts=dense.tokens)
+    assert tiny_dsa.compare(dense, result) == []
+    assert work.misses > 0 and sched.prefix_hit_tokens == 48
+    assert any(len(shape) == 3 and shape[1] == 2 for _, shape in store.resolve_shapes)
 
 
 def _slow_selected(config) -> bool:
@@ -186,31 +333,45 @@ def test_triton_backend_bit_identical_full(dense, request):
     if not torch.cuda.is_available() and not _slow_selected(request.config):
         pytest.skip("about a minute in the Triton interpreter; select it with -m slow")
     spec = tiny_dsa.RunSpec(max_running=SPEC.max_running, backend="triton")
-    result, stats, *_ = run_hisparse(spec)
+    result, _, _, work = run_split(spec)
     assert tiny_dsa.compare(dense, result) == []
-    assert stats.misses > 0
+    assert work.misses > 0
 
 
-def test_cli_check(capsys):
+@pytest.mark.parametrize("store", ["split", "facade"])
+def test_cli_check(capsys, store):
     assert tiny_dsa.main(["--requests", "2", "--layers", "2", "--max-new-tokens", "3",
-                          "--check"]) == 0
+                          "--shared-prefix-len", "32", "--max-running", "1",
+                          "--spec-tokens", "2", "--store", store, "--check"]) == 0
     out = capsys.readouterr().out
     assert "check: tokens and logits bit-identical" in out and " misses" in out
+    assert "32 prompt tokens reused from the prefix cache" in out
 
 
-def test_cli_rejects_a_workload_that_does_not_fit(capsys):
-    assert tiny_dsa.main(["--prompt-len", "1000", "1100"]) == 2
-    assert "max_model_len" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-len", "1000", "1100"], "max_model_len"),
+    (["--tp", "2", "--store", "facade"], "--store split"),
+    (["--max-num-batched-tokens", "8"], "below the prefill chunk"),
+])
+def test_cli_rejects_what_does_not_fit(capsys, argv, message):
+    assert tiny_dsa.main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
-def test_hooks_refuse_what_is_not_enabled():
-    with pytest.raises(NotImplementedError, match="spec_tokens=2"):
-        tiny_dsa.run_dense(tiny_dsa.RunSpec(num_requests=1, spec_tokens=2))
+def test_bad_configurations_are_refused():
     with pytest.raises(ValueError, match="256 B"):
         tiny_dsa.TinyDSAConfig.for_preset("tiny", kv_lora_rank=60)
+    with pytest.raises(ValueError, match="needs drafts"):
+        tiny_dsa.greedy_decode(tiny_dsa.TinyDSA(SPEC.model_config()),
+                               tiny_dsa.dense_store_for(SPEC.model_config()), SPEC.workload(),
+                               spec_tokens=2)
+    with pytest.raises(ValueError, match="scheduler lives on rank 0"):
+        scheduler, worker = tiny_dsa.build_split(SPEC)
+        with worker:
+            tiny_dsa.SplitStore(worker, None)
 
     class CachedEverything(tiny_dsa.DenseStore):
-        def add(self, request, prompt_len, max_new_tokens):
+        def add(self, request, prompt_len, max_new_tokens, token_ids=None):
             super().add(request, prompt_len, max_new_tokens)
             return prompt_len
 

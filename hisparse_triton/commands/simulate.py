@@ -99,7 +99,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     work.add_argument("--record", metavar="FILE", type=output_path, default=None,
                       help="write this run's top-k positions as a trace (.npz)")
     work.add_argument("--prefill-chunk", type=bounded_int(1, 1 << 22), default=None,
-                      help="prompt tokens appended and committed at a time (default 8192)")
+                      help="prompt tokens appended and committed at a time (default 8192, "
+                           "at most --max-num-batched-tokens)")
+    work.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 22), default=None,
+                      help="the engine's chunk limit: the runtime refuses more uncommitted "
+                           "tokens per request, and a request longer than one chunk offloads "
+                           "(default: unset)")
+    work.add_argument("--shared-prefix", metavar="FRACTION", type=fraction, default=None,
+                      help="every prompt starts with the same FRACTION x prompt-len tokens; "
+                           "token ids go to add_request and only the uncached rest is "
+                           "appended (default: no token ids, no prefix reuse)")
+    work.add_argument("--mtp", metavar="Q", type=bounded_int(1, 16), default=1,
+                      help="query tokens per decode step (speculative decoding): Q tokens "
+                           "appended, their top-k resolved as one [R, Q, K] union (default 1)")
     add_seed_flag(work, what="the trace and the KV bytes")
     pools = parser.add_argument_group("pools and runtime")
     pools.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
@@ -168,22 +180,50 @@ def format_report(r: dict[str, Any]) -> str:
     source = {"trace": f"recorded trace {r['trace']}",
               "calibrated": "calibrated synthetic top-k trace",
               "locality": f"synthetic top-k trace, locality {r['locality']}"}[r["workload"]]
+    mtp = r["mtp"]
+    serving = "".join([
+        f", engine chunk limit {r['max_num_batched_tokens']}"
+        if r["max_num_batched_tokens"] is not None else "",
+        f", a shared prefix of {r['shared_prefix_tokens']} tokens ({_pct(r['shared_prefix'])} "
+        f"of each prompt)" if r["shared_prefix"] is not None else "",
+        f", {mtp} query tokens per decode step" if mtp > 1 else ""])
+    pool = (f"set by --device-blocks, watermark {r['free_block_watermark']:g}"
+            if r["device_pool_sizing"] == "given" else
+            f"steady state of {r['max_running']} requests, under memory pressure")
+    columns = f"({mtp} x {r['top_k']})" if mtp > 1 else f"{r['top_k']}"
     lines = [
         f"hisparse-triton simulate: preset {r['preset']} ({sampled}; {r['resident_groups']} "
         f"resident + {r['resident_groups']} hot groups), device {r['device']}, backend "
         f"{r['backend']}",
         f"workload: {source}; {r['requests']} requests x ({r['prompt_len']} prompt + "
         f"{r['output_len']} output) tokens, {r['max_running']} running at a time, prefill "
-        f"chunks of {r['prefill_chunk']}; top-k {r['top_k']}, hot buffer "
+        f"chunks of {r['prefill_chunk']}{serving}; top-k {r['top_k']}, hot buffer "
         f"{r['device_buffer_size']} rows",
         f"device pool: {r['device_pool_blocks']} blocks ({_bytes(r['device_pool_bytes'])}: "
-        f"steady state of {r['max_running']} requests, under memory pressure); host pool "
-        f"{_bytes(r['host_pool_bytes'])}",
-        f"decode: {r['decode_steps']} steps, {r['resolves']} resolve calls, "
-        f"{r['resolved_rows']} rows x {r['top_k']} columns",
+        f"{pool}); host pool {_bytes(r['host_pool_bytes'])}",
+        f"decode: {r['decode_steps']} steps, {r['generated_tokens']} tokens, {r['resolves']} "
+        f"resolve calls, {r['resolved_rows']} rows x {columns} columns"
+        + (" (each row's selections resolved as one union)" if mtp > 1 else ""),
         f"top-k columns: {r['hits']} hits, {r['misses']} misses (gathered), {r['masked']} "
         f"masked -> hit rate {_pct(r['hit_rate'])} (miss rate {_pct(r['miss_rate'])})",
     ]
+    if r.get("query_tokens"):
+        per = ", ".join(f"token {q['query']} {_pct(q['hit_rate'])} ({q['misses']} misses)"
+                        for q in r["query_tokens"])
+        lines.append(f"per query token (a miss counts for the first token selecting it): "
+                     f"hit rate {per}; {r['misses_per_generated_token']:.1f} misses per "
+                     f"generated token")
+    lines.append(
+        f"residency: {r['unpinned_pages']} pages unpinned (readable until their block is "
+        f"reused), {r['lost_pages']} lost; keeping them readable avoided "
+        f"{r['unpinned_misses_avoided']} transfers ({_bytes(r['unpinned_h2d_bytes_avoided'])}):"
+        f" the same LRU with them dropped at once misses {r['misses_if_unpinned_dropped']}")
+    if r["shared_prefix"] is not None:
+        lines.append(
+            f"prefix cache: {r['prefix_hit_tokens']} of {r['prefix_query_tokens']} prompt "
+            f"tokens hit ({_pct(r['prefix_hit_rate'])}): not recomputed, "
+            f"{_bytes(r['prefix_d2h_bytes_avoided'])} of write-through not repeated; "
+            f"{r['readopted_pages']} pages adopted from the GPU")
     policies = r.get("policies")
     if policies:
         lines.append(f"hot-buffer policies on the same positions ({r['device_buffer_size']} "
@@ -251,6 +291,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         top_k=args.top_k, device_buffer_size=args.device_buffer_size, workload=workload,
         locality=args.locality if args.locality is not None else 0.8, trace=args.trace,
         record=args.record, policies=args.policies, prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens, shared_prefix=args.shared_prefix,
+        mtp=args.mtp,
         offload_threshold_pages=args.offload_threshold_pages,
         free_block_watermark=args.free_block_watermark, host_blocks=args.host_blocks,
         device_blocks=args.device_blocks, seed=args.seed, device=args.device,
