@@ -903,7 +903,7 @@ class SplitStore(_PoolStore):
         return self.worker.device_cache(layer)
 
     def _index_group(self, leader: str) -> tuple[str, ...]:
-        return self.worker._index_group(leader).layers
+        return self.worker.index_group(leader)
 
     def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
         return torch.from_numpy(self._step_rows["slots"][request][layer])

@@ -54,7 +54,7 @@ class SplitView:
         return self.scheduler.host_block_table(request_id)
 
     def index_group(self, leader: str) -> tuple[str, ...]:
-        return self.worker._index_group(leader).layers
+        return self.worker.index_group(leader)
 
     def device_cache(self, layer: str) -> torch.Tensor:
         return self.worker.device_cache(layer)

@@ -203,7 +203,14 @@ class HiSparseRuntime:
     def index_group(self, leader_layer: str) -> tuple[str, ...]:
         """The sparse layers (leader first) whose hot rows ``resolve(leader_layer)`` fills."""
         self._check_open()
-        return self.worker._index_group(leader_layer).layers
+        return self.worker.index_group(leader_layer)
+
+    def hot_slots(self, leader_layer: str) -> torch.Tensor:
+        """``[max_num_seqs, H] int32`` host row held by each hot slot of the index group,
+        by state row (-1 = empty): a live view for inspection (``HiSparseWorker.hot_slots``)."""
+        self._check_open()
+        self._flush()
+        return self.worker.hot_slots(leader_layer)
 
     # ------------------------------------------------------------------ request state
     def has_request(self, request_id: Hashable) -> bool:

@@ -374,6 +374,11 @@ class HiSparseScheduler:
         """Tokens present so far (cached prefix + appended)."""
         return self._request(request_id).seq_len
 
+    def unpinned_pages(self, request_id: Hashable) -> int:
+        """How many of the request's leading resident pages left its ownership (unpinned:
+        readable until their blocks are reused; or lost: read from the host)."""
+        return self._request(request_id).released_pages
+
     def is_offloaded(self, request_id: Hashable) -> bool:
         """Whether the request holds a hot region (its committed pages may leave the GPU)."""
         return self._request(request_id).hot is not None

@@ -318,8 +318,7 @@ class _BufferLog:
         R, Q, K = topk.shape
         held_rows = None
         if self.attribute:
-            rt._index_groups  # noqa: B018 - hands pending table changes to the worker first
-            held_rows = rt.worker._index_group(leader).slot_host_rows
+            held_rows = rt.hot_slots(leader)
         for i, (rid, seq) in enumerate(zip(ids, seqs)):
             flat = topk[i].reshape(-1).astype(np.int64)
             valid = np.flatnonzero((flat >= 0) & (flat < seq))
@@ -327,7 +326,7 @@ class _BufferLog:
             page = pos // B
             table = np.asarray(rt.block_table(rid, leader), dtype=np.int64)
             through = table[page] == 0
-            released = rt.scheduler._requests[rid].released_pages
+            released = rt.scheduler.unpinned_pages(rid)
             self.actual.setdefault((rid, li), []).append(pos[through])
             self.dropped.setdefault((rid, li), []).append(pos[through | (page < released)])
             if held_rows is None:

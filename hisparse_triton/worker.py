@@ -536,6 +536,17 @@ class HiSparseWorker:
             raise ValueError(f"{leader_layer!r} is not an index-group leader{hint}.")
         return state
 
+    def index_group(self, leader_layer: str) -> tuple[str, ...]:
+        """The sparse layers (leader first) whose hot rows ``resolve_rows(leader)`` fills."""
+        self._check_open()
+        return self._index_group(leader_layer).layers
+
+    def hot_slots(self, leader_layer: str) -> torch.Tensor:
+        """``[max_num_seqs, H] int32``: the host row each hot slot of the index group holds,
+        by state row (-1 = empty). A live view for inspection; do not write it."""
+        self._check_open()
+        return self._index_group(leader_layer).slot_host_rows
+
     def check_topk(self, topk: object) -> None:
         """``ValueError`` unless ``topk`` is an integer ``[R, K]`` tensor, or ``[R, Q, K]``
         (Q speculative query tokens per request, ``Q <= max_decode_query_len``), whose
