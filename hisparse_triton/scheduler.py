@@ -62,7 +62,6 @@ the scheduler exactly as it was.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Optional, Sequence
 
@@ -87,6 +86,7 @@ from hisparse_triton.groups import (
     SlidingWindowGroup,
 )
 from hisparse_triton.journal import Journal
+from hisparse_triton.prefix_cache import PrefixCache, PrefixEntry, page_hashes
 from hisparse_triton.specs import KVCacheConfig, cdiv
 from hisparse_triton.step_plan import StepPlan, TableLayout
 
@@ -171,15 +171,6 @@ class _Request:
         return self.prompt_len + self.max_new_tokens
 
 
-@dataclass
-class _PrefixEntry:
-    """A published prompt page: its host block and the device blocks holding it (group
-    position -> block; a resident group's 0 = that copy is gone, the host has it)."""
-
-    host_block: int
-    blocks: dict[int, int]
-
-
 def _int_at_least(name: str, value: object, minimum: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
@@ -206,18 +197,6 @@ def check_id_list(request_ids: object) -> None:
     if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
         raise ValueError(f"request_ids must be a list or tuple of request ids (one per batch "
                          f"row), got {type(request_ids).__name__} {request_ids!r}.")
-
-
-def page_hashes(token_ids: np.ndarray, block_size: int) -> list[bytes]:
-    """Chained hashes of every full page of ``token_ids`` (int64): page ``p``'s hash is
-    ``sha256(hash(p - 1) + its token ids)``, so equal hashes mean equal prefixes."""
-    out: list[bytes] = []
-    parent = b""
-    for page in range(token_ids.size // block_size):
-        chunk = token_ids[page * block_size:(page + 1) * block_size]
-        parent = hashlib.sha256(parent + chunk.astype("<i8").tobytes()).digest()
-        out.append(parent)
-    return out
 
 
 def _watermark_blocks(value: object, capacity: int) -> int:
@@ -320,9 +299,10 @@ class HiSparseScheduler:
         # Readable pages in free device blocks: unpinned pages of live requests, published
         # prefix pages (device block -> holders), and the free blocks holding any of them.
         self._unpinned: dict[int, list[tuple[_Request, int, int]]] = {}
-        self._prefix: dict[bytes, _PrefixEntry] = {}
-        self._prefix_device: dict[int, tuple[bytes, int]] = {}
-        self._prefix_host: dict[int, bytes] = {}
+        self._prefix = PrefixCache(
+            self.journal, lambda position: isinstance(self.groups.groups[position],
+                                                      ResidentGroup),
+            self._uncache_if_unheld)
         self._cached_free: dict[int, None] = {}
         self._hot_reserved = 0
         self._counts: dict = {"in_use": dict.fromkeys(KINDS, 0), "peak_device": 0,
@@ -509,7 +489,7 @@ class HiSparseScheduler:
                                hashes, hits, new_host)
 
     def _admit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
-               with_tokens: bool, hashes: list[bytes], hits: list[_PrefixEntry],
+               with_tokens: bool, hashes: list[bytes], hits: list[PrefixEntry],
                new_host: int) -> int:
         adopted_free = sum(1 for e in hits for b in e.blocks.values()
                            if b and self.device_block_pool.is_free(b))
@@ -558,19 +538,13 @@ class HiSparseScheduler:
                              f"{getattr(tokens, 'size', '?')} of {tokens.dtype}.")
         return page_hashes(tokens.astype(np.int64), self.block_size)
 
-    def _prefix_hits(self, hashes: list[bytes], prompt_len: int) -> list[_PrefixEntry]:
+    def _prefix_hits(self, hashes: list[bytes], prompt_len: int) -> list[PrefixEntry]:
         """Entries of the longest cached prefix (at least one prompt token left to compute)."""
         if not self.prefix_caching:
             return []
-        hits = []
-        for page in range(min(len(hashes), (prompt_len - 1) // self.block_size)):
-            entry = self._prefix.get(hashes[page])
-            if entry is None:
-                break
-            hits.append(entry)
-        return hits
+        return self._prefix.lookup(hashes, (prompt_len - 1) // self.block_size)
 
-    def _adopt_host(self, hits: list[_PrefixEntry]) -> list[int]:
+    def _adopt_host(self, hits: list[PrefixEntry]) -> list[int]:
         """Share the hit pages' host blocks (reference counts; never written again)."""
         blocks = []
         for entry in hits:
@@ -586,7 +560,7 @@ class HiSparseScheduler:
             if pool is self.device_block_pool and block in self._cached_free:
                 self.journal.delitem(self._cached_free, block)
 
-    def _adopt_device(self, req: _Request, hits: list[_PrefixEntry]) -> None:
+    def _adopt_device(self, req: _Request, hits: list[PrefixEntry]) -> None:
         """Give a new request its cached prefix's device pages; it starts offloaded when a
         resident page survives only on the host."""
         j = self.journal
@@ -766,10 +740,7 @@ class HiSparseScheduler:
         returns how many pages were dropped."""
         self._check_open()
         with self.journal.transaction():
-            hashes = list(self._prefix)
-            for h in hashes:
-                self._drop_prefix_entry(h)
-        return len(hashes)
+            return self._prefix.clear()
 
     # ------------------------------------------------------------------ steps
     def step(self, *, mirror: bool = True, release: bool = True) -> StepPlan:
@@ -978,25 +949,11 @@ class HiSparseScheduler:
             blocks = {g.position: int(req.pages[g.position][page]) for g in self._paged}
             if any(not blocks[g.position] for g in self._prefix_groups):
                 continue
-            entry = _PrefixEntry(host_block=req.host_blocks[page], blocks=blocks)
-            j.setitem(self._prefix, h, entry)
-            j.setitem(self._prefix_host, entry.host_block, h)
-            for position, block in blocks.items():
-                if block:
-                    j.setitem(self._prefix_device, block, (h, position))
-                    if self.device_block_pool.is_free(block):
-                        j.setitem(self._cached_free, block, None)
+            for block in self._prefix.publish(h, req.host_blocks[page], blocks):
+                if self.device_block_pool.is_free(block):
+                    j.setitem(self._cached_free, block, None)
         if end > req.published_pages:
             j.setattr(req, "published_pages", end)
-
-    def _drop_prefix_entry(self, h: bytes) -> None:
-        j = self.journal
-        entry = j.delitem(self._prefix, h)
-        j.delitem(self._prefix_host, entry.host_block)
-        for block in entry.blocks.values():
-            if block and self._prefix_device.get(block, (None,))[0] == h:
-                j.delitem(self._prefix_device, block)
-                self._uncache_if_unheld(block)
 
     # ------------------------------------------------------------------ blocks
     def _allocate(self, group: DeviceGroup, count: int, request_id: Hashable) -> list[int]:
@@ -1009,9 +966,7 @@ class HiSparseScheduler:
     def _allocate_host(self, count: int, request_id: Hashable) -> list[int]:
         blocks = self.host_block_pool.allocate(count, request_id=request_id)
         for block in blocks:
-            h = self._prefix_host.get(block)
-            if h is not None:
-                self._drop_prefix_entry(h)
+            self._prefix.on_host_block_reused(block)
         return blocks
 
     def _evict_device_block(self, block: int) -> None:
@@ -1028,27 +983,20 @@ class HiSparseScheduler:
                           + self.layout.group_cols[position] + page, 0)
                 j.append(self._lost, (req.row, position, page))
                 self._count("lost_pages", 1)
-        cached = self._prefix_device.get(block)
-        if cached is not None:
-            h, position = cached
-            if isinstance(self.groups.groups[position], ResidentGroup):
-                j.delitem(self._prefix_device, block)
-                j.setitem(self._prefix[h].blocks, position, 0)
-            else:
-                self._drop_prefix_entry(h)
+        self._prefix.on_device_block_reused(block)
 
     def _free_device(self, group: DeviceGroup, blocks: Iterable[int]) -> None:
         blocks = [int(b) for b in blocks if b]
         self.device_block_pool.free(blocks)
         self._add_in_use(self._kind(group), -len(blocks))
         for block in blocks:
-            if (block in self._unpinned or block in self._prefix_device) \
+            if (block in self._unpinned or self._prefix.holds_device_block(block)) \
                     and self.device_block_pool.is_free(block):
                 self.journal.setitem(self._cached_free, block, None)
 
     def _uncache_if_unheld(self, block: int) -> None:
         if block in self._cached_free and block not in self._unpinned \
-                and block not in self._prefix_device:
+                and not self._prefix.holds_device_block(block):
             self.journal.delitem(self._cached_free, block)
 
     # ------------------------------------------------------------------ helpers
@@ -1122,12 +1070,11 @@ class HiSparseScheduler:
         state["cache"] = (
             sorted((b, sorted((r.row, g, p) for r, g, p in hs))
                    for b, hs in self._unpinned.items()),
-            sorted((h, e.host_block, sorted(e.blocks.items())) for h, e in self._prefix.items()),
-            sorted(self._prefix_device.items()), sorted(self._prefix_host.items()),
+            self._prefix.snapshot(),
             list(self._cached_free), self._hot_reserved)
         state["misc"] = (list(self._free_rows), self._step, repr(self._counts))
         return state
 
 
 __all__ = ["DEFAULT_FREE_BLOCK_WATERMARK", "HiSparseScheduler", "SchedulerStats",
-           "check_id_list", "check_request_id", "page_hashes"]
+           "check_id_list", "check_request_id"]
