@@ -252,6 +252,12 @@ class HiSparseRuntime:
         self._check_open()
         return self.worker.device_cache(layer_name)
 
+    def device_rows(self, layer_name: str) -> torch.Tensor:
+        """``[num_rows, row_bytes] uint8`` flat view of a sparse layer for a row-aligned plan
+        (``HiSparseWorker.device_rows``; ``ValueError`` for a plan that is not)."""
+        self._check_open()
+        return self.worker.device_rows(layer_name)
+
     def host_cache(self, layer_name: str) -> torch.Tensor:
         """``[host_num_blocks, block_size, row_bytes] uint8`` view of a source layer's host rows.
 

@@ -41,7 +41,7 @@ import torch
 from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import RuntimeClosedError
 from hisparse_triton.groups import IndexGroup, PlanGroups
-from hisparse_triton.layout import underlying_layer_name
+from hisparse_triton.layout import device_row_layout, underlying_layer_name
 from hisparse_triton.memory import MemoryRequest, check_memory
 from hisparse_triton.pools import DevicePool, HostPool
 from hisparse_triton.row_table import RowTable
@@ -656,6 +656,18 @@ class HiSparseWorker:
         group = self.groups.groups[self.groups.layer_group[name]]
         return self._device_pool.view(tensor.offset, group.block_size,
                                       self._layer_row_bytes(name, host=False))
+
+    def device_rows(self, layer_name: str) -> torch.Tensor:
+        """``[num_rows, row_bytes] uint8`` flat view of a sparse layer's device cache, for a
+        plan made with ``row_aligned_blocks=True`` (``ValueError`` otherwise): the runtime's
+        row id ``block * block_size + slot`` is flat row ``block * rows_per_block + slot``
+        (``hisparse_triton.layout.device_row_layout(...).flat_row``), so an attention kernel
+        can index every sparse layer as one array of rows without a block stride."""
+        self._check_open()
+        layout = device_row_layout(self.kv_cache_config, layer_name)
+        pool = self._device_pool.tensor
+        return pool.as_strided((layout.num_rows, layout.row_bytes), (layout.row_bytes, 1),
+                               pool.storage_offset() + layout.offset_bytes)
 
     def host_cache(self, layer_name: str) -> torch.Tensor:
         """``[host_num_blocks, block_size, row_bytes] uint8`` view of a source layer's host

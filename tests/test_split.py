@@ -448,3 +448,39 @@ def test_tensors_on_a_device_the_worker_cannot_read_are_refused():
         with pytest.raises(ValueError, match="state_rows is on meta"):
             rt.resolve_rows(L0, torch.zeros(1, dtype=torch.int32, device="meta"),
                             torch.zeros(1, TOPK, dtype=torch.int32))
+
+
+def test_device_rows_of_a_row_aligned_plan_are_the_same_bytes():
+    from hisparse_triton.layout import (
+        device_row_layout,
+        get_hisparse_kv_cache_config,
+        get_hisparse_kv_cache_groups,
+    )
+    from hisparse_triton.presets import build_kv_cache_spec
+
+    from hisparse_triton import EngineConfig, HiSparseConfig
+
+    spec = build_kv_cache_spec("deepseek-v3.2-fp8", num_layers=13)   # 12 + 1 per hot group
+    config = EngineConfig(max_model_len=256, num_gpu_blocks_override=40, hisparse=HiSparseConfig(
+        index_topk=64, device_buffer_size=128, host_pool_gib=0.02))
+    groups = get_hisparse_kv_cache_groups(config, spec)
+    kvc = get_hisparse_kv_cache_config(config, groups, 0, config.hisparse.host_pool_bytes,
+                                       row_aligned_blocks=True)
+    rt = HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu", backend="torch")
+    with rt:
+        rt.add_request("a", 130, 4)
+        rows = rt.append_slots("a", 130)
+        gen = torch.Generator().manual_seed(0)
+        for layer in ("model.layers.0.self_attn.attn", "model.layers.12.self_attn.attn"):
+            cache, flat = rt.device_cache(layer), rt.device_rows(layer)
+            layout = device_row_layout(kvc, layer)
+            r = rows[layer]
+            data = torch.randint(0, 256, (r.numel(), cache.shape[2]), dtype=torch.uint8,
+                                 generator=gen)
+            cache[r // cache.shape[1], r % cache.shape[1]] = data
+            flat_ids = torch.tensor([layout.flat_row(int(x)) for x in r])
+            assert torch.equal(flat[flat_ids], data)
+            assert flat.shape == (layout.num_rows, 656)
+    with make_runtime() as rt:
+        with pytest.raises(ValueError, match="not row-aligned"):
+            rt.device_rows(L0)
