@@ -27,7 +27,8 @@ Variants (what the runtime can launch): resolve at top-k widths 2,048 ... 32,768
 ``device_buffer_size`` the config accepts), hot buffers up to 32,768 slots, 1 and 64 batch
 rows, a production-sized host pool (and a small one where the launcher picks other code);
 the row / page copies at 132 B (indexer), 656 B (fp8 MLA) and 1,152 B (bf16 MLA) rows for 1,
-4 and 61 layers. Identical specialisations are compiled once. The JSON document
+4 and 61 layers, a gather over tables only 2- or 1-byte aligned (int16 / uint8 words) and one
+over pools with more than 2**31 rows (64-bit size arguments). Identical specialisations are compiled once. The JSON document
 (``--json``) has the schema ``hisparse-triton/compile-report`` version 1.
 """
 
@@ -127,12 +128,12 @@ def _resolve_calls(widths: Sequence[int], small_host: bool = True
     return calls
 
 
-def _tables(L: int, row_bytes: int, blocks: int = 4):
+def _tables(L: int, row_bytes: int, blocks: int = 4, lead: int = 4096):
     import torch
 
     from hisparse_triton.row_table import RowTable
 
-    page, lead = _BLOCK * row_bytes, 4096
+    page = _BLOCK * row_bytes
     host = RowTable(torch.empty(lead + L * blocks * page, dtype=torch.uint8),
                     torch.tensor([lead + layer * blocks * page for layer in range(L)]),
                     row_bytes, _BLOCK, page, blocks * _BLOCK)
@@ -161,7 +162,30 @@ def _copy_calls() -> list[tuple[str, Callable[[], None]]]:
             for kind, fn in kinds.items():
                 calls.append((f"{kind} {row}B L={L}",
                               lambda fn=fn, L=L, row=row: fn(*_tables(L, row), L)))
+    for lead in (2, 1):  # tables only 2- / 1-byte aligned (never the runtime's pools)
+        calls.append((f"gather 132B L=2 lead={lead}", lambda lead=lead: kinds["gather"](
+            *_tables(2, 132, lead=lead), 2)))
+    calls.append(("gather 656B L=1 i64 sizes", _gather_i64_sizes))
     return calls
+
+
+def _gather_i64_sizes() -> None:
+    """A gather whose pools have more than 2**31 rows and bytes per block (meta tensors: no
+    memory), so the launch passes those sizes as 64-bit ints."""
+    import torch
+
+    from hisparse_triton.kernels import gather
+    from hisparse_triton.row_table import RowTable
+
+    meta, page = torch.device("meta"), _BLOCK * 656
+    rows = (1 << 31) + _BLOCK
+    host = RowTable(torch.empty(rows * 656, dtype=torch.uint8, device=meta), [0], 656, _BLOCK,
+                    page, rows)
+    stride = (1 << 31) + page
+    dev = RowTable(torch.empty(4 * stride, dtype=torch.uint8, device=meta), [0], 656, _BLOCK,
+                   stride, 4 * _BLOCK)
+    plan = torch.zeros(64, 2048, dtype=torch.int32, device=meta)
+    gather.gather_rows(dev, host, plan, plan, torch.zeros(64, dtype=torch.int32, device=meta))
 
 
 # ------------------------------------------------------------------------------ compiling

@@ -27,13 +27,19 @@ class Launch(NamedTuple):
 
 
 class _Recorder:
-    def __init__(self, kernel: Any, launches: list, tag: list[str]):
-        self.kernel, self.launches, self.tag = kernel, launches, tag
+    def __init__(self, kernel: Any, launches: list, tag: list[str], store: bool):
+        self.kernel, self.launches, self.tag, self.store = kernel, launches, tag, store
 
     def __getitem__(self, grid):
+        if not self.store:
+            return self._count
+
         def record(*args, **kwargs):
             self.launches.append(Launch(self.tag[0], self.kernel, grid, args, kwargs))
         return record
+
+    def _count(self, *args, **kwargs):
+        self.launches.append(self.kernel)
 
 
 def kernel_modules() -> list[Any]:
@@ -44,12 +50,13 @@ def kernel_modules() -> list[Any]:
 
 
 @contextlib.contextmanager
-def record_launches(*, cpu_as_cuda: bool = True, tag: list[str] | None = None
-                    ) -> Iterator[list[Launch]]:
+def record_launches(*, cpu_as_cuda: bool = True, tag: list[str] | None = None,
+                    store: bool = True) -> Iterator[list[Launch]]:
     """Within the block, kernel launches append to the yielded list instead of running.
 
     ``tag``: a one-element list whose current value labels each launch (change it between
     calls). ``cpu_as_cuda``: launchers accept CPU tensors as if they were CUDA tensors.
+    ``store=False``: append only the kernel (the cheapest stand-in: for timing the launchers).
     """
     from triton.runtime.jit import KernelInterface
 
@@ -60,7 +67,7 @@ def record_launches(*, cpu_as_cuda: bool = True, tag: list[str] | None = None
         for name, value in list(vars(module).items()):
             if isinstance(value, KernelInterface):
                 saved.append((module, name, value))
-                setattr(module, name, _Recorder(value, launches, tag))
+                setattr(module, name, _Recorder(value, launches, tag, store))
         if cpu_as_cuda and hasattr(module, "_check_backend"):
             saved.append((module, "_check_backend", module._check_backend))
             module._check_backend = lambda device: None

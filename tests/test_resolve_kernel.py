@@ -29,11 +29,12 @@ NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 def run_both(topk: torch.Tensor, state_rows: torch.Tensor, kstate: ResolveState,
-             rstate: ResolveState, *, block_h: int | None = None, what: str = ""):
-    """Kernel on ``kstate`` (its device), reference on ``rstate`` (CPU); compare everything."""
+             rstate: ResolveState, *, what: str = "", **knobs):
+    """Kernel on ``kstate`` (its device, launch ``knobs``: ``block_h``, ``sort_width``,
+    ``num_warps``), reference on ``rstate`` (CPU); compare everything."""
     dev = kstate.lru.device
     got = kres._resolve(topk.to(dev), state_rows.to(dev), *kstate.args(), **kstate.kwargs(),
-                        block_h=block_h)
+                        **knobs)
     want = run_reference(topk.cpu(), state_rows.cpu(), rstate)
     assert_result_equal(got, want, what)
     assert torch.equal(kstate.slot_host_rows.cpu(), rstate.slot_host_rows), f"{what} slot rows"
@@ -200,30 +201,82 @@ def test_padding_only_zero_rows_and_zero_states(kernel_device: torch.device) -> 
 
 
 def test_warp_count_knob_keeps_results(kernel_device: torch.device) -> None:
-    """``num_warps_k`` (the benchmark sweep's knob) changes the launch, not the results."""
+    """``num_warps`` (the benchmark sweep's knob) changes the launch, not the results."""
     state = make_state(num_states=3, pages=6, hot_slots=40, block_size=4, seed=3, prefill=True)
     k, r = pair(state, kernel_device)
     srows = torch.tensor([1, 0], dtype=torch.int32)
     topk = make_topk(state, [1, 0], 32, seed=4)
     got = kres._resolve(topk.to(kernel_device), srows.to(kernel_device), *k.args(),
-                        **k.kwargs(), num_warps_k=2)
-    assert_result_equal(got, run_reference(topk, srows, r), "num_warps_k=2")
+                        **k.kwargs(), num_warps=2)
+    assert_result_equal(got, run_reference(topk, srows, r), "num_warps=2")
     assert torch.equal(k.lru.cpu(), r.lru)
+
+
+# Wide rows: keys sorted in tiles of ``sort_width`` and merged in scratch (1 to 3 merge
+# passes), with int32 keys (small host pool) and int64 keys (a host pool too large for them).
+@pytest.mark.parametrize("top_k, sort_width, hot, block_h", [
+    (33, 16, 40, 16), (64, 16, 64, None), (100, 32, 130, 32), (128, 16, 128, 64)])
+@pytest.mark.parametrize("key64", (False, True), ids=("key32", "key64"))
+def test_merged_sort_tiles_match_reference(top_k: int, sort_width: int, hot: int,
+                                           block_h: int | None, key64: bool,
+                                           kernel_device: torch.device) -> None:
+    state = make_state(num_states=3, pages=(2 * top_k) // 4 + 2, hot_slots=hot, block_size=4,
+                       seed=top_k + sort_width, resident_frac=0.2, null_frac=0.05, prefill=True)
+    if key64:
+        state.num_host_blocks = 2**26  # (2**26 * 4 + 1) * 128 > 2**31: int64 keys
+    launch = kres._launch(top_k, hot, state.num_host_blocks * 4, sort_width, block_h, None)
+    assert launch.key64 == key64 and launch.sort < launch.block_k
+    k, r = pair(state, kernel_device)
+    state_rows = [2, -1, 0, 1]
+    srows = torch.tensor(state_rows, dtype=torch.int32)
+    topk = make_topk(state, state_rows, top_k, seed=top_k, invalid_frac=0.1, dup_frac=0.2)
+    for step in range(2):
+        run_both(topk, srows, k, r, sort_width=sort_width, block_h=block_h,
+                 what=f"k={top_k} sort={sort_width} step {step}")
+        topk = drift_topk(topk, state, state_rows, 77 + step, keep=0.5)
+
+
+@pytest.mark.parametrize("key64", (False, True), ids=("key32", "key64"))
+@pytest.mark.parametrize("gather_search", (True, False), ids=("gather", "scratch"))
+def test_key_width_and_search_keep_results(key64: bool, gather_search: bool,
+                                           kernel_device: torch.device) -> None:
+    """int32 keys where the host pool allows them, int64 otherwise; keys searched in
+    registers (``tl.gather``) or in the row's scratch: same results."""
+    state = make_state(num_states=3, pages=10, hot_slots=48, block_size=4, seed=21,
+                       prefill=True)
+    if key64:
+        state.num_host_blocks = 2**27
+    launch = kres._launch(32, 48, state.num_host_blocks * 4, None, None, None, gather_search)
+    assert launch.key64 == key64 and launch.in_regs == gather_search
+    k, r = pair(state, kernel_device)
+    srows = torch.tensor([0, 2, 1], dtype=torch.int32)
+    topk = make_topk(state, [0, 2, 1], 32, seed=22, dup_frac=0.2)
+    for step in range(3):
+        run_both(topk, srows, k, r, block_h=16, gather_search=gather_search,
+                 what=f"key64={key64} step {step}")
+        topk = drift_topk(topk, state, [0, 2, 1], 23 + step)
+
+
+def test_width_limit_is_named() -> None:
+    with pytest.raises(ValueError, match="MAX_RESOLVE_WIDTH = 32768"):
+        kres._launch(kres.MAX_RESOLVE_WIDTH + 1, 40000, 1 << 20, None, None, None)
 
 
 def test_launcher_validates_like_the_reference(kernel_device: torch.device) -> None:
     state = make_state(num_states=2, pages=4, hot_slots=16, block_size=4, seed=0).to(kernel_device)
     topk = torch.zeros(2, 8, dtype=torch.int32, device=kernel_device)
     srows = torch.zeros(2, dtype=torch.int32, device=kernel_device)
-    with pytest.raises(TypeError, match="topk must be int32"):
-        kres.resolve(topk.long(), srows, *state.args(), **state.kwargs())
+    with pytest.raises(TypeError, match="topk must be an integer tensor"):
+        kres.resolve(topk.float(), srows, *state.args(), **state.kwargs())
     with pytest.raises(ValueError, match="lru has shape"):
         kres.resolve(topk, srows, *state.args()[:-1], state.lru[:, :4], **state.kwargs())
     with pytest.raises(ValueError, match="block_h"):
         kres._resolve(topk, srows, *state.args(), **state.kwargs(), block_h=24)
     before = state.clone()
-    with pytest.raises(ValueError, match="num_warps_k"):
-        kres._resolve(topk, srows, *state.args(), **state.kwargs(), num_warps_k=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        kres._resolve(topk, srows, *state.args(), **state.kwargs(), num_warps=3)
+    with pytest.raises(ValueError, match="sort_width"):
+        kres._resolve(topk, srows, *state.args(), **state.kwargs(), sort_width=48)
     assert torch.equal(state.lru, before.lru)
     assert torch.equal(state.slot_host_rows, before.slot_host_rows)
     with pytest.raises(ValueError, match="all tensors must be on one device"):
