@@ -242,9 +242,16 @@ def copy_pages(dst: RowTable, src: RowTable, src_blocks: Tensor, dst_blocks: Ten
 
 
 def _resolve_kernel():
-    from hisparse_triton.kernels.resolve import resolve as kernel
+    """``kernels.resolve.resolve`` (the module is imported on first use; the function is
+    looked up at every call)."""
+    if not _RESOLVE:
+        from hisparse_triton.kernels import resolve as module
 
-    return kernel
+        _RESOLVE.append(module)
+    return _RESOLVE[0].resolve
+
+
+_RESOLVE: list = []
 
 
 @torch.library.custom_op("hisparse_triton::resolve", mutates_args=("slot_host_rows", "lru"),

@@ -17,7 +17,7 @@ import torch
 
 from hisparse_triton.resolve_workspace import ResolveBuffers, ResolveWorkspace
 from hisparse_triton.row_table import RowTable
-from hisparse_triton.tuning import pow2_alignment
+from hisparse_triton.tuning import MAX_RESOLVE_WIDTH, pow2_alignment
 
 
 class ResolveResult(NamedTuple):
@@ -97,7 +97,7 @@ def _check_resolve_args(
               and topk.dtype in _TOPK_DTYPE_SET and dtypes == _INT32_X7
               and devices == (device,) * 7
               and shapes[1:] == ((R,), (S,), (S, P), (S, P), (S, HB), (S, H), (S, H))
-              and 0 < K <= H <= HB * block_size
+              and 0 < K <= H <= HB * block_size and K <= MAX_RESOLVE_WIDTH
               and 0 not in slot_host_rows.stride() and 0 not in lru.stride())
     except (AttributeError, TypeError, ValueError):  # not tensors, wrong ranks
         ok = False
@@ -163,6 +163,9 @@ def _explain_resolve_args(*args) -> tuple[int, int, int, int, int, int]:
     if K < 1:
         raise ValueError(f"resolve: topk must have at least one column, got shape "
                          f"{tuple(shapes[0])}")
+    if K > MAX_RESOLVE_WIDTH:
+        raise ValueError(f"resolve: top-k width {K} is above the supported maximum "
+                         f"MAX_RESOLVE_WIDTH = {MAX_RESOLVE_WIDTH}")
     expect = ((R,), (S,), (S, P), (S, P), (S, HB), (S, H), (S, H))
     for i in range(1, 8):
         if shapes[i] != expect[i - 1]:
@@ -292,7 +295,8 @@ def resolve(
     """Resolve top-k positions of one index group into device rows; update the hot state.
 
     Shapes (``R`` batch rows, ``K`` columns, ``S`` state rows, ``P`` pages per request,
-    ``HB`` hot blocks per request, ``H`` hot slots per request, ``HB * block_size >= H >= K``):
+    ``HB`` hot blocks per request, ``H`` hot slots per request, ``HB * block_size >= H >= K``,
+    ``K <= MAX_RESOLVE_WIDTH`` = 32768):
     - ``topk``: ``[R, K]`` token positions, any integer dtype (``TOPK_DTYPES``) and strides;
       any value: invalid ones (negative, ``>= seq_len``, beyond int32) output -1.
     - ``state_rows``: ``[R] int32`` state row of each batch row; -1 = padding row. A state

@@ -40,6 +40,12 @@ from hisparse_triton import tuning_cache
 
 #: Most elements of one Triton block (``triton.language.TRITON_MAX_TENSOR_NUMEL``).
 MAX_TILE_ELEMENTS = 1 << 20
+#: Widest top-k (columns per batch row) the resolve kernel accepts: the largest
+#: ``device_buffer_size`` the config allows (speculative decoding resolves a union of Q x K
+#: columns). Every width up to it compiles for sm_90 without spills (the compile report);
+#: re-exported as ``hisparse_triton.kernels.resolve.MAX_RESOLVE_WIDTH``. Defined here so that
+#: torch-free code (the planner's config validation) can import it.
+MAX_RESOLVE_WIDTH = 32768
 #: Kernel names ``default_config`` knows: row copies and whole-page copies, per direction.
 ROW_KERNELS = ("gather", "backup")
 PAGE_KERNELS = ("restore", "spill")

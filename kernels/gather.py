@@ -11,29 +11,35 @@ Launch shape (``C`` = ``rows_per_program``, ``LP`` = ``layers_per_program``):
 - a *work item* is ``C`` consecutive plan columns of one plan row: ``R * cdiv(K, C)`` items,
   numbered column-chunk-major (item ``i`` = chunk ``i // R`` of row ``i % R``), so the items
   holding misses (the first columns of every row) are spread over all programs;
-- grid = ``(min(items, grid_programs // layer_groups), layer_groups)`` with ``layer_groups =
-  cdiv(L, LP)``; a program walks items grid-stride, skips an item whose first column is past
-  ``counts[r]`` after one scalar load, and otherwise copies its ``C`` spans for each of its
-  ``LP`` layers, ``chunk`` bytes of every span per step as a ``[C, chunk / word]`` tile.
+- grid = ``(min(items, programs // layer_groups), layer_groups)`` with ``layer_groups =
+  cdiv(L, LP)`` and ``programs`` = ``grid_programs``, or by default (0) ``GRID_PROGRAMS_PER_SM``
+  per SM of the launch's device (``DEFAULT_SM_COUNT`` where none can be queried); a program
+  walks items grid-stride, skips an item whose first column is past ``counts[r]`` after one
+  scalar load, and otherwise copies its ``C`` spans for each of its ``LP`` layers, ``chunk``
+  bytes of every span per step as a ``[C, chunk / word]`` tile.
 The grid never depends on the batch size beyond being capped, never on the counts (which stay
 on the device), and a launch has a fixed shape for a fixed plan shape (CUDA-graph friendly).
+What depends only on the tables and the plan's shape (launch shape, word views, offsets, pool
+checks) is prepared once and kept with the destination table.
 
 Accesses: the pools are passed reinterpreted as ``word``-byte words (``int32``, or ``int16`` /
 ``uint8`` when rows are only 2- or 1-byte aligned) and each thread moves ``VEC`` contiguous
 words: 16-byte accesses when the span size, the block strides, every layer offset and both
 pools' base addresses are multiples of 16, narrower otherwise (chosen on the host from the
-table geometry; the layer offsets are read once per table, see
-``hisparse_triton.reference.table_alignment``). Addresses are int64.
+table geometry and the ``RowTable``'s own copy of its offsets). Addresses are int64; rows per
+block are compile-time constants, so a span id splits into block and offset with a shift and
+a mask. Cache hints: loads ``.cg`` (each source byte is read once), stores into the host pool
+``.cs`` (streaming), stores into the device pool the default (attention reads them next).
 
 Safety: a span id outside ``[0, num_spans)`` of the source loads zeros (the destination is
 zero-filled, never given stale or foreign bytes); outside ``[0, num_spans)`` of the
 destination nothing is stored; columns at or past ``counts[r]`` are not touched; a table
-whose layers do not fit its pool is refused before launch. So whatever the ids say, no byte
+whose layers do not fit its pool cannot be built. So whatever the ids say, no byte
 outside the addressed pools' rows is read or written.
 
 Pools may live on different devices: on CUDA the host pool is pinned CPU memory (checked once
 per pool), which the kernel dereferences directly (unified addressing); plans, counts and
-both tables' ``layer_offsets`` live on the CUDA device. Under ``TRITON_INTERPRET=1``
+both tables' offsets (``RowTable.device``) live on the CUDA device. Under ``TRITON_INTERPRET=1``
 everything is on the CPU.
 """
 

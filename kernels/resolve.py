@@ -21,12 +21,14 @@ How hits are found: sort + binary search, no per-request map.
     ``2**31 - W``, the sentinel base) and int64 otherwise, which production host pools need
     (keying by the token position would fit 29 bits, but a slot holds a host row, and a
     position's host row can change under it, so that key would not be exact).
-    Up to ``SORT`` keys (default 2048, ``MAX_SORT_WIDTH``) are sorted in registers and
-    searched with ``tl.gather``; wider rows sort ``SORT``-key tiles in registers and merge
-    them in the row's scratch (``log2(W / SORT)`` passes, each key placed by a binary search
-    of the partner run), then search there. Hot slots are processed ``BLOCK_H`` LRU positions
-    at a time (default up to 4096), so neither width spills registers or needs more shared
-    memory than one tile.
+    Up to ``SORT`` keys (``MAX_SORT_WIDTH`` = 2048) are sorted in registers and searched
+    there with ``tl.gather`` (``GATHER_SEARCH``); wider rows sort ``SORT``-key tiles in
+    registers and merge them in the row's scratch (``log2(W / SORT)`` passes, each key placed
+    by a binary search of the partner run), then search the scratch. LRU positions are
+    processed ``BLOCK_H`` (up to ``MAX_BLOCK_H`` = 4096) at a time, so neither width spills
+    registers or needs more shared memory than one tile. 16 warps for tiles of 2048 and
+    more: the compile report measured ~110-130 registers per thread there, against ~200-220
+    with 8 warps (one CTA per SM either way; the grid is one program per request).
 
 Phases of one program (state row ``st``; ``p`` = LRU position, ``slot = lru[st, p]``):
 0. Repeated state row: a row whose state row an earlier batch row names is padding (scans
@@ -42,9 +44,9 @@ Phases of one program (state row ``st``; ``p`` = LRU position, ``slot = lru[st, 
    its winner's class becomes 1 = serving); the first column of every missed run is flagged in
    column order; ``tl.cumsum`` numbers the misses in column order; a second walk writes
    ``miss_src`` and each miss column's number.
-5. Per position (running ``tl.cumsum`` ranks of evictable / serving / invalid): its new LRU
-   position, written with one scatter; the ``m``-th evictable slot takes miss ``m``
-   (``miss_dst``, ``slot_host_rows``).
+5. Per position (one running ``tl.cumsum`` packs the evictable and serving ranks; invalid
+   ranks follow): its new LRU position, written with one scatter; the ``m``-th evictable
+   slot takes miss ``m`` (``miss_dst``, ``slot_host_rows``).
 6. Miss columns read their slot's device row; plan tails -1; stats, ``miss_count``, counters.
 
 Ordering on a GPU: every hand-over between threads of the program through global memory is
@@ -78,16 +80,13 @@ from hisparse_triton.reference import (
 )
 from hisparse_triton.kernels.gather import _device_guard
 from hisparse_triton.resolve_workspace import ResolveWorkspace, scratch_width
+from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see there)
 
-__all__ = ["MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH", "ResolveWorkspace", "resolve",
-           "restore_resolve_state"]
+__all__ = ["GATHER_SEARCH", "MAX_BLOCK_H", "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH",
+           "ResolveWorkspace", "resolve", "restore_resolve_state"]
 
-#: Widest top-k (columns per row) ``resolve`` accepts: the largest ``device_buffer_size`` the
-#: config allows (speculative decoding resolves a union of Q x K columns). Every width up to
-#: it compiles for sm_90 without spills (``python -m hisparse_triton.kernels.compile_report``).
-MAX_RESOLVE_WIDTH = 32768
 #: Most keys sorted in registers by one program; wider rows are merged in scratch.
-MAX_SORT_WIDTH = 4096
+MAX_SORT_WIDTH = 2048
 #: Most LRU positions one program handles per step.
 MAX_BLOCK_H = 4096
 #: Search the sorted keys in registers with ``tl.gather`` (when one tile holds them all)
@@ -199,9 +198,9 @@ def _column_keys(topk_row, stride_tk_c, rows_row, stride_out_c, res_row, stride_
 def _resolve_kernel(
     topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr, hot_ptr, slot_rows_ptr,
     lru_ptr,
-    rows_ptr, miss_src_ptr, miss_dst_ptr, miss_count_ptr, stats_ptr, counters_ptr,
+    rows_ptr, miss_src_ptr, miss_dst_ptr, miss_count_ptr, stats_ptr,
     touched_ptr, old_rows_ptr, old_lru_ptr, owner_ptr, cls_ptr, run_pos_ptr, colbuf_ptr,
-    colm_ptr, keys_ptr, keys2_ptr,
+    colm_ptr, keys_ptr, keys2_ptr, counters_ptr,
     K, S, P, H,
     stride_tk_r, stride_tk_c, stride_sr, stride_seq, stride_res_s, stride_res_p,
     stride_host_s, stride_host_p, stride_hot_s, stride_hot_b, stride_shr_s, stride_shr_h,
@@ -440,13 +439,12 @@ class _Launch(NamedTuple):
     """Constexprs and options of one resolve launch (a function of the shapes only)."""
 
     block_k: int
-    log2_k: int
     sort: int
-    log2_sort: int
     block_h: int
     key64: bool
     in_regs: bool
     num_warps: int
+    constexprs: dict  # the launch's keyword arguments
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -456,17 +454,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _launch(K: int, H: int, num_host_rows: int, sort_width: Optional[int],
-            block_h: Optional[int], num_warps: Optional[int],
-            gather_search: Optional[bool] = None) -> _Launch:
-    key = (K, H, num_host_rows, sort_width, block_h, num_warps, gather_search)
+def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters: bool,
+            sort_width: Optional[int] = None, block_h: Optional[int] = None,
+            num_warps: Optional[int] = None, gather_search: Optional[bool] = None,
+            block_r: int = 256) -> _Launch:
+    """The launch of a call shape (memoised: the decode loop repeats a few shapes)."""
+    key = (K, H, block_size, num_host_blocks, has_counters, sort_width, block_h, num_warps,
+           gather_search, block_r)
     launch = _LAUNCHES.get(key)
     if launch is not None:
         return launch
-    if K > MAX_RESOLVE_WIDTH:
-        raise ValueError(f"resolve: top-k width {K} is above the supported maximum "
-                         f"MAX_RESOLVE_WIDTH = {MAX_RESOLVE_WIDTH}")
-    for name, value in (("sort_width", sort_width), ("block_h", block_h)):
+    for name, value in (("sort_width", sort_width), ("block_h", block_h), ("block_r", block_r)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"resolve: {name} must be a power of two >= 16, got {value}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
@@ -474,12 +472,16 @@ def _launch(K: int, H: int, num_host_rows: int, sort_width: Optional[int],
     block_k = scratch_width(K)
     sort = min(block_k, sort_width or MAX_SORT_WIDTH)
     bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
-    key64 = (num_host_rows + 1) * block_k > 2**31
+    key64 = (num_host_blocks * block_size + 1) * block_k > 2**31
     tile = max(sort, bh)
     warps = num_warps or (16 if tile >= 2048 else 8 if tile >= 1024 else 4)
-    gather = GATHER_SEARCH if gather_search is None else bool(gather_search)
-    launch = _Launch(block_k, block_k.bit_length() - 1, sort, sort.bit_length() - 1, bh, key64,
-                     gather and sort == block_k, warps)
+    in_regs = (GATHER_SEARCH if gather_search is None else bool(gather_search)) \
+        and sort == block_k
+    constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,
+                      SORT=sort, LOG2_SORT=sort.bit_length() - 1, BLOCK_H=bh, BLOCK_R=block_r,
+                      KEY64=key64, HAS_COUNTERS=has_counters, IN_REGS=in_regs,
+                      num_warps=warps)
+    launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs)
     _LAUNCHES[key] = launch
     return launch
 
@@ -542,45 +544,39 @@ def _resolve(
     block_h: Optional[int] = None,
     num_warps: Optional[int] = None,
     gather_search: Optional[bool] = None,
+    block_r: int = 256,
 ) -> ResolveResult:
-    """``resolve`` with launch knobs (powers of two; tests use small ones to exercise the
-    merge passes and several LRU chunks per row; a GPU sweep can tune them): ``sort_width``
-    keys sorted in registers (default ``MAX_SORT_WIDTH``), ``block_h`` LRU positions per step
-    (default ``min(next_pow2(H), MAX_BLOCK_H)``), ``num_warps`` (default 8 for tiles of 2048
-    and more, else 4)."""
+    """``resolve`` with launch knobs (tests use small ones to exercise the merge passes and
+    several LRU steps per row; a GPU sweep can tune them): ``sort_width`` keys sorted in
+    registers (a power of two, default ``MAX_SORT_WIDTH``), ``block_h`` LRU positions per
+    step (a power of two, default ``min(next_pow2(H), MAX_BLOCK_H)``), ``num_warps`` (default
+    16 for tiles of 2048 and more, 8 for 1024, else 4), ``gather_search`` (default
+    ``GATHER_SEARCH``), ``block_r`` earlier rows scanned per step for repeated state rows."""
     R, K, S, P, _, H = _check_resolve_args(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
         lru, block_size, num_device_blocks, num_host_blocks, counters, out, workspace)
     if not topk.is_cuda:
         _check_backend(topk.device)
-    launch = _launch(K, H, num_host_blocks * block_size, sort_width, block_h, num_warps,
-                     gather_search)
+    has_counters = counters is not None
+    launch = _launch(K, H, block_size, num_host_blocks, has_counters, sort_width, block_h,
+                     num_warps, gather_search, block_r)
     if workspace is not None:
         bufs = workspace.buffers(R, K, H)
         workspace.last = bufs
     else:
         bufs = ResolveWorkspace.allocate(R, K, H, topk.device)
     rows = out if out is not None else bufs.rows
-    result = ResolveResult(rows, bufs.miss_src, bufs.miss_dst, bufs.miss_count, bufs.stats)
+    result = ResolveResult(rows, *bufs[1:5])
     if R == 0:
         return result
-    has_counters = counters is not None
-    cnt = counters if has_counters else bufs.stats
     with _device_guard(topk):
         _resolve_kernel[(R,)](
             topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
-            slot_host_rows, lru,
-            rows, bufs.miss_src, bufs.miss_dst, bufs.miss_count, bufs.stats, cnt,
-            bufs.touched, bufs.old_slot_rows, bufs.old_lru, bufs.owner, bufs.cls,
-            bufs.run_pos, bufs.colbuf, bufs.colm, bufs.keys, bufs.keys2,
+            slot_host_rows, lru, rows, *bufs[1:], counters if has_counters else bufs.stats,
             K, S, P, H,
             *topk.stride(), state_rows.stride(0), seq_lens.stride(0),
             *resident_blocks.stride(), *host_blocks.stride(), *hot_blocks.stride(),
-            *slot_host_rows.stride(), *lru.stride(), *rows.stride(), cnt.stride(0),
-            num_device_blocks, num_host_blocks,
-            BLOCK_SIZE=block_size, BLOCK_K=launch.block_k, LOG2_K=launch.log2_k,
-            SORT=launch.sort, LOG2_SORT=launch.log2_sort, BLOCK_H=launch.block_h,
-            BLOCK_R=256, KEY64=launch.key64, HAS_COUNTERS=has_counters,
-            IN_REGS=launch.in_regs, num_warps=launch.num_warps,
-        )
+            *slot_host_rows.stride(), *lru.stride(), *rows.stride(),
+            counters.stride(0) if has_counters else 0,
+            num_device_blocks, num_host_blocks, **launch.constexprs)
     return result

@@ -147,3 +147,12 @@ def test_every_shape_fits_the_budget(R, K, H, layers):
             _decode_call(state, topk, state_rows, dev_table, host_table)
         assert log.ops and set(log.ops) <= ALLOCATING, log.ops  # (the log does see ops)
         assert len(launched) == 2
+
+
+def test_host_cost_benchmark_runs_the_decode_call():
+    """The host-cost micro-benchmark (``benchmarks.host_cost``) times the two-launch call."""
+    from hisparse_triton.benchmarks.host_cost import resolve_host_cost
+
+    cost = resolve_host_cost(batch=2, top_k=16, hot_slots=32, iters=3, repeats=2)
+    assert cost["launches_per_call"] == 2 and cost["api"] == "workspace"
+    assert 0 < cost["best_us"] <= cost["us_per_call"]

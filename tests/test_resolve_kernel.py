@@ -224,7 +224,7 @@ def test_merged_sort_tiles_match_reference(top_k: int, sort_width: int, hot: int
                        seed=top_k + sort_width, resident_frac=0.2, null_frac=0.05, prefill=True)
     if key64:
         state.num_host_blocks = 2**26  # (2**26 * 4 + 1) * 128 > 2**31: int64 keys
-    launch = kres._launch(top_k, hot, state.num_host_blocks * 4, sort_width, block_h, None)
+    launch = kres._launch(top_k, hot, 4, state.num_host_blocks, False, sort_width, block_h)
     assert launch.key64 == key64 and launch.sort < launch.block_k
     k, r = pair(state, kernel_device)
     state_rows = [2, -1, 0, 1]
@@ -246,7 +246,7 @@ def test_key_width_and_search_keep_results(key64: bool, gather_search: bool,
                        prefill=True)
     if key64:
         state.num_host_blocks = 2**27
-    launch = kres._launch(32, 48, state.num_host_blocks * 4, None, None, None, gather_search)
+    launch = kres._launch(32, 48, 4, state.num_host_blocks, False, gather_search=gather_search)
     assert launch.key64 == key64 and launch.in_regs == gather_search
     k, r = pair(state, kernel_device)
     srows = torch.tensor([0, 2, 1], dtype=torch.int32)
@@ -257,9 +257,35 @@ def test_key_width_and_search_keep_results(key64: bool, gather_search: bool,
         topk = drift_topk(topk, state, [0, 2, 1], 23 + step)
 
 
-def test_width_limit_is_named() -> None:
+def test_repeated_state_rows_across_scan_blocks(kernel_device: torch.device) -> None:
+    """Every program scans the earlier rows' state rows in blocks of ``block_r``: repeats far
+    apart (several blocks) are padding like near ones, in the kernel as in the reference."""
+    state = make_state(num_states=6, pages=4, hot_slots=16, block_size=4, seed=41, prefill=True)
+    names = [(7 * i) % 9 - 2 for i in range(40)]  # -2 .. 6: padding, repeats at any distance
+    k, r = pair(state, kernel_device)
+    topk = make_topk(state, names, 4, seed=42)
+    got = run_both(topk, torch.tensor(names, dtype=torch.int32), k, r, block_r=16,
+                   what="repeats")
+    first = {st: i for i, st in reversed(list(enumerate(names)))}
+    resolved = [i for i, st in enumerate(names) if 0 <= st < 6 and first[st] == i]
+    assert len(resolved) == 6 and got.stats[resolved].sum() > 0
+    assert got.stats[[i for i in range(40) if i not in resolved]].eq(0).all()
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_width_limit_is_named(backend: str, kernel_device: torch.device) -> None:
+    """Both backends refuse a top-k wider than MAX_RESOLVE_WIDTH, naming the limit."""
+    from hisparse_triton import ops
+    from hisparse_triton.tuning import MAX_RESOLVE_WIDTH
+
+    assert kres.MAX_RESOLVE_WIDTH == MAX_RESOLVE_WIDTH == 32768
+    dev = kernel_device if backend == "triton" else torch.device("cpu")
+    K = MAX_RESOLVE_WIDTH + 1
+    state = make_state(num_states=1, pages=1, hot_slots=K, block_size=K, seed=0).to(dev)
     with pytest.raises(ValueError, match="MAX_RESOLVE_WIDTH = 32768"):
-        kres._launch(kres.MAX_RESOLVE_WIDTH + 1, 40000, 1 << 20, None, None, None)
+        ops.resolve(torch.zeros(1, K, dtype=torch.int32, device=dev),
+                    torch.zeros(1, dtype=torch.int32, device=dev), *state.args(),
+                    **state.kwargs(), backend=backend)
 
 
 def test_launcher_validates_like_the_reference(kernel_device: torch.device) -> None:

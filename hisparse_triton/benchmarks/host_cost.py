@@ -56,12 +56,14 @@ def _tables(layers: int, row_bytes: int, block_size: int):
 def resolve_host_cost(batch: int = 64, top_k: int = 2048, hot_slots: int = 4096, *,
                       layers: int = 1, row_bytes: int = 656, block_size: int = 64,
                       iters: int = 200, repeats: int = 5) -> dict[str, Any]:
-    """Median host microseconds of one ``ops.resolve`` + ``ops.copy_rows`` (the runtime's
-    per-index-group decode call) with the kernel launches stubbed out.
+    """Host microseconds of one ``ops.resolve`` + ``ops.copy_rows`` (the runtime's
+    per-index-group decode call) with the kernel launches stubbed out: the median over
+    ``repeats`` runs of ``iters`` calls (and the best run: on a shared machine the median
+    moves with the load).
 
     Uses the reusable-workspace form (``workspace=``, ``out=``, ``counters=``) when
-    ``ops.resolve`` has it, as the runtime does. Returns ``{"us_per_call", "resolve_us",
-    "copy_us", "launches_per_call", "api", shape...}``.
+    ``ops.resolve`` has it, as the runtime will. Returns ``{"us_per_call", "best_us",
+    "resolve_us", "copy_us", "launches_per_call", "api", shape...}``.
     """
     from hisparse_triton import ops
     from hisparse_triton.kernels.launches import record_launches
@@ -113,6 +115,7 @@ def resolve_host_cost(batch: int = 64, top_k: int = 2048, hot_slots: int = 4096,
         else:
             os.environ["TRITON_INTERPRET"] = previous
     return {"us_per_call": round(statistics.median(totals), 1),
+            "best_us": round(min(totals), 1),
             "resolve_us": round(statistics.median(resolves), 1),
             "copy_us": round(statistics.median(copies), 1),
             "launches_per_call": per_call,
