@@ -25,7 +25,8 @@ that ship with Triton. For each launch it prints:
 
 Variants (what the runtime can launch): resolve at top-k widths 2,048 ... 32,768 (the largest
 ``device_buffer_size`` the config accepts), hot buffers up to 32,768 slots, 1 and 64 batch
-rows, a production-sized host pool (and a small one where the launcher picks other code);
+rows, a production-sized host pool (and a small one where the launcher picks other code),
+and every size 1 (Triton specialises ints equal to 1 into constants);
 the row / page copies at 132 B (indexer), 656 B (fp8 MLA) and 1,152 B (bf16 MLA) rows for 1,
 4 and 61 layers, a gather over tables only 2- or 1-byte aligned (int16 / uint8 words) and one
 over pools with more than 2**31 rows (64-bit size arguments). Identical specialisations are compiled once. The JSON document
@@ -107,15 +108,17 @@ def _resolve_calls(widths: Sequence[int], small_host: bool = True
     params = inspect.signature(kres.resolve).parameters
     calls = []
 
-    def call(R: int, K: int, H: int, host_blocks: int) -> Callable[[], None]:
+    def call(R: int, K: int, H: int, host_blocks: int, S: int = 0, P: int = 128,
+             B: int = _BLOCK, device_blocks: int = 100_000) -> Callable[[], None]:
         def run() -> None:
-            S, P = R + 8, 128
+            states = S or R + 8
             extra = {}
             if "counters" in params:  # the runtime accumulates counters in the kernel
                 extra["counters"] = torch.zeros(3, dtype=torch.int64)
-            kres.resolve(_i32(R, K), _i32(R), _i32(S), _i32(S, P), _i32(S, P),
-                         _i32(S, H // _BLOCK), _i32(S, H), _i32(S, H), block_size=_BLOCK,
-                         num_device_blocks=100_000, num_host_blocks=host_blocks, **extra)
+            kres.resolve(_i32(R, K), _i32(R), _i32(states), _i32(states, P),
+                         _i32(states, P), _i32(states, -(-H // B)), _i32(states, H),
+                         _i32(states, H), block_size=B, num_device_blocks=device_blocks,
+                         num_host_blocks=host_blocks, **extra)
         return run
 
     for K in widths:
@@ -125,6 +128,9 @@ def _resolve_calls(widths: Sequence[int], small_host: bool = True
     for K in (k for k in widths if k <= 8192 and small_host):
         calls.append((f"resolve K={K} H={max(K, 4096)} R=64 small-host",
                       call(64, K, max(K, 4096), _SMALL_HOST_BLOCKS)))
+    # Every size 1 (Triton turns int arguments equal to 1 into constants).
+    calls.append(("resolve K=1 H=1 R=1 ones", call(1, 1, 1, 1, S=1, P=1, B=1,
+                                                   device_blocks=1)))
     return calls
 
 

@@ -229,7 +229,7 @@ def _resolve_kernel(
         hot_row = hot_ptr + st64 * stride_hot_s
         scr_k = r64 * BLOCK_K
         scr_h = r64 * H
-        num_host_rows = num_host_blocks.to(tl.int64) * BLOCK_SIZE
+        num_host_rows = tl.cast(num_host_blocks, tl.int64) * BLOCK_SIZE
 
         # Phase 1: classify columns, sort keys (register tile, or tiles merged in scratch).
         seq = tl.load(seq_lens_ptr + st64 * stride_seq).to(tl.int64)
