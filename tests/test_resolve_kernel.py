@@ -322,9 +322,9 @@ def test_signature_matches_reference() -> None:
     assert inspect.signature(kres.resolve) == inspect.signature(reference.resolve)
 
 
-# Compiling every resolve kernel for sm_90 at production shapes (top-k 2048 x 4096 / 32768
-# slots, and a small shape), with spill and register checks: test_gather_kernel.py
-# (test_every_kernel_compiles_for_sm90_without_spills, one run for all kernels).
+# Compiling the resolve kernel for sm_90 at production shapes (top-k 2048 and 8192 x up to
+# 32768 slots, and every size 1), with spill and occupancy checks: test_gather_kernel.py
+# (test_every_kernel_compiles_for_sm90_without_spills, one compile report for all kernels).
 
 
 # ------------------------------------------------------------------------------ GPU only
