@@ -386,3 +386,40 @@ def test_cuda_graph_capture_and_replay() -> None:
     assert_result_equal(out, want, "graph step 2")
     assert torch.equal(k2.lru.cpu(), r.lru) and torch.equal(k2.slot_host_rows.cpu(),
                                                             r.slot_host_rows)
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+def test_cuda_graph_decode_form_with_workspace() -> None:
+    """The decode form (int64 top-k, workspace, ``out``, counters) captures in a CUDA graph:
+    no allocation once the workspace is warm, every replay matches the reference and adds
+    its stats to the counters on the device."""
+    dev = torch.device("cuda")
+    state, topk = _production_state(dev, seed=2, R=8, K=2048, H=4096)
+    srows = torch.arange(8, dtype=torch.int32, device=dev)
+    topk_d = topk.to(dev).long()
+    workspace = kres.ResolveWorkspace(dev)
+    out = torch.empty(8, 2048, dtype=torch.int32, device=dev)
+    counters = torch.zeros(3, dtype=torch.int64, device=dev)
+    warm = state.clone().to(dev)
+    kres.resolve(topk_d, srows, *warm.args(), **warm.kwargs(), counters=counters, out=out,
+                 workspace=workspace)  # compile, build the workspace views
+    counters.zero_()
+    k, r = pair(state, dev)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        result = kres.resolve(topk_d, srows, *k.args(), **k.kwargs(), counters=counters,
+                              out=out, workspace=workspace)
+    torch.cuda.current_stream().wait_stream(s)
+    total = torch.zeros(3, dtype=torch.int64)
+    for step in range(2):
+        graph.replay()
+        want = run_reference(topk, srows.cpu(), r)
+        assert_result_equal(result, want, f"graph step {step}")
+        total += want.stats.sum(0)
+    torch.cuda.synchronize()
+    assert counters.cpu().tolist() == total.tolist()
+    assert torch.equal(k.lru.cpu(), r.lru) and torch.equal(k.slot_host_rows.cpu(),
+                                                            r.slot_host_rows)
