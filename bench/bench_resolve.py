@@ -1,18 +1,21 @@
-"""``resolve`` benchmarks (DESIGN.md section 9: 64 requests x top-k 2048 x 4096 hot slots), on
-the measurement library ``hisparse_triton.benchmarks`` (the workload and checks of
-``hisparse-triton bench``).
+"""``resolve`` benchmarks (the decode shape of DeepSeek-V3.2: 64 requests x top-k 2048 x 4096
+hot slots), on the measurement library ``hisparse_triton.benchmarks`` (the workload and
+checks of ``hisparse-triton bench``).
 
-    python -m pytest bench/bench_resolve.py             # CPU: pytest-benchmark
+    python -m pytest bench/bench_resolve.py             # CPU: pytest-benchmark + host cost
     python -m pytest bench/bench_resolve.py -k gpu      # GPU: the library's figures
 
 Every call starts from the same warm state (``ResolveWorkload``: full hot buffers, the LRU
 order of real use, restored before each call, untimed) with a prescribed miss ratio, so the
-figures do not drift as the state would under repeated calls.
+figures do not drift as the state would under repeated calls. Calls use the decode form of
+the API: a reusable ``ResolveWorkspace``, a caller-owned ``out`` for the rows and device-side
+``counters`` (one kernel launch on Triton).
 
 CPU: the torch reference (the runtime's CPU backend) at batch 1 / 8 / 64, miss ratio 0.067
-(buffer = 4k in the GLM-5.1 trace) and 1 (cold). GPU: the Triton kernel per call, its
-CUDA-graph replay and the torch reference on the GPU, at batch 64 and the three DESIGN.md
-miss ratios, each checked bit for bit against the reference.
+(buffer = 4k in the GLM-5.1 trace) and 1 (cold); the host cost of one ``ops.resolve`` +
+``ops.copy_rows`` with the launches stubbed out. GPU: the Triton kernel per call and replayed
+from a CUDA graph, and the torch reference on the GPU, at batch 64 and the three miss ratios
+of the GLM-5.1 trace, each checked bit for bit against the reference.
 """
 
 from __future__ import annotations
@@ -21,10 +24,22 @@ import pytest
 import torch
 
 from hisparse_triton import benchmarks as bm
-from hisparse_triton import reference
+from hisparse_triton import ops, reference
+from hisparse_triton.benchmarks.host_cost import resolve_host_cost
+from hisparse_triton.benchmarks.timing import L2Flush
 
 TOP_K, HOT, SEQ = 2048, 4096, 32768
 HAS_CUDA = torch.cuda.is_available()
+
+
+def decode_call(work: bm.ResolveWorkload, backend: str):
+    """``ops.resolve`` of the workload's step as the runtime calls it: workspace, ``out`` and
+    counters allocated once, outside the timed call."""
+    dev = work.topk.device
+    keywords = dict(workspace=ops.ResolveWorkspace(dev),
+                    out=torch.empty(work.batch, work.top_k, dtype=torch.int32, device=dev),
+                    counters=torch.zeros(3, dtype=torch.int64, device=dev))
+    return lambda: ops.resolve(*work.args(), **work.kwargs, **keywords, backend=backend)
 
 
 @pytest.mark.parametrize("batch, ratio", [(1, 0.067), (8, 0.067), (64, 0.067), (64, 1.0)])
@@ -33,9 +48,8 @@ def test_cpu_reference_resolve(benchmark, record, batch, ratio):
     torch.set_num_threads(1)
     try:
         work = bm.ResolveWorkload(batch, TOP_K, HOT, SEQ, ratio, torch.device("cpu"))
-        out = benchmark.pedantic(lambda: reference.resolve(*work.args(), **work.kwargs),
-                                 setup=work.restore, rounds=max(3, 24 // batch),
-                                 warmup_rounds=1)
+        out = benchmark.pedantic(decode_call(work, "torch"), setup=work.restore,
+                                 rounds=max(3, 24 // batch), warmup_rounds=1)
     finally:
         torch.set_num_threads(threads)
     misses = int(out.stats[:, 1].sum())
@@ -48,18 +62,43 @@ def test_cpu_reference_resolve(benchmark, record, batch, ratio):
             "time_us": round(benchmark.stats.stats.median * 1e6, 1)}, "cpu")
 
 
+def test_cpu_host_cost():
+    """Host time of the decode call of one index group with the launches stubbed out; the
+    launch count is the budget's (resolve with its counters, then the gather)."""
+    cost = resolve_host_cost(batch=64, top_k=TOP_K, hot_slots=HOT)
+    print(f"\nhost cost of ops.resolve + ops.copy_rows (launches stubbed): {cost}")
+    assert cost["launches_per_call"] == 2 and cost["api"] == "workspace"
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_resolve(record):
+@pytest.mark.parametrize("ratio", bm.DEFAULT_MISS_RATIOS)
+def test_gpu_resolve(record, ratio):
     device = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    settings = bm.BenchSettings(
-        row_bytes=(656,), rows=(4096,), layers=(1,), miss_ratios=bm.DEFAULT_MISS_RATIOS,
-        top_k=TOP_K, batch=(64,), hot_slots=HOT, seq_len=SEQ, ops=("resolve",),
-        methods=("triton", "torch"), rotate_bytes=max(2 * l2, 64 << 20))
-    rbench = bm.ResolveBench(settings, device)
-    figures = [f for ratio in settings.miss_ratios for f in rbench.case(64, ratio)]
-    for figure in figures:
-        record(figure.to_json(), "cuda")
-    assert {f.method for f in figures} == {"triton", "triton_graph", "torch"}
-    assert all(f.error is None and f.verified for f in figures), \
-        [f.to_json() for f in figures if f.error]
+    flush = L2Flush(device, max(2 * l2, 64 << 20))
+    work = bm.ResolveWorkload(64, TOP_K, HOT, SEQ, ratio, device)
+    work.restore()
+    want = [t.clone() for t in reference.resolve(*work.args(), **work.kwargs)]
+    want_state = (work.slot_host_rows.clone(), work.lru.clone())
+    params = {"op": "resolve", "batch": 64, "top_k": TOP_K, "hot_slots": HOT, "seq_len": SEQ,
+              "miss_ratio": ratio}
+    calls = {"triton": decode_call(work, "triton"), "torch": decode_call(work, "torch")}
+    work.restore()
+    graph, graph_out = bm.capture_graph(calls["triton"])
+    calls["triton_graph"] = lambda: (graph.replay(), graph_out)[1]
+    times = {}
+    for method, call in calls.items():
+        work.restore()
+        got = call()
+        torch.cuda.synchronize()
+        ok = all(torch.equal(g, w) for g, w in zip(got, want)) \
+            and torch.equal(work.slot_host_rows, want_state[0]) \
+            and torch.equal(work.lru, want_state[1])
+        assert ok, f"{method}: outputs or state differ from the torch reference"
+        timing = bm.event_time(call, work.restore, flush, warmup_ms=25, rep_ms=100)
+        times[method] = timing.median_ms * 1e3
+        record({**params, "method": method, "measured_miss_ratio":
+                int(got.stats[:, 1].sum()) / (64 * TOP_K), "time_us": round(times[method], 1),
+                "verified": True}, "cuda")
+    print(f"\nresolve 64 x {TOP_K} x {HOT}, miss ratio {ratio}: "
+          + ", ".join(f"{m} {t:.1f} us" for m, t in times.items()))

@@ -1,6 +1,6 @@
-"""Row / page transfer benchmarks (DESIGN.md section 9), on the measurement library
-``hisparse_triton.benchmarks`` (the same pools, plans, methods and checks as
-``hisparse-triton bench``).
+"""Row / page transfer benchmarks (the gather and backup targets: 656 B rows, 4k+ rows per
+launch), on the measurement library ``hisparse_triton.benchmarks`` (the same pools, plans,
+methods and checks as ``hisparse-triton bench``).
 
     python -m pytest bench/bench_transfer.py            # CPU: pytest-benchmark
     python -m pytest bench/bench_transfer.py -k gpu     # GPU: the library's sweep

@@ -1,4 +1,4 @@
-"""Pure-torch oracle of every kernel: the bit-exact semantics (DESIGN.md section 7).
+"""Pure-torch oracle of every kernel: the bit-exact semantics the Triton kernels must match.
 
 This module is the specification the Triton kernels in ``hisparse_triton.kernels`` must match
 byte for byte, and the runtime's CPU backend. It works on any device.
@@ -11,13 +11,13 @@ Conventions shared by all functions:
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple, Optional
 
 import torch
 
+from hisparse_triton.resolve_workspace import ResolveBuffers, ResolveWorkspace
 from hisparse_triton.row_table import RowTable
-from hisparse_triton.tuning import pow2_alignment
+from hisparse_triton.tuning import MAX_RESOLVE_WIDTH, pow2_alignment
 
 
 class ResolveResult(NamedTuple):
@@ -41,6 +41,16 @@ class ResolveResult(NamedTuple):
 
 
 _INT32_MAX = 2**31 - 1
+#: Integer dtypes ``topk`` may have. Positions are compared as int64, so a value outside
+#: ``[0, seq_len)`` masks whatever its width (an int64 or uint64 position never wraps into
+#: range; a uint64 beyond int64 reads as negative, which masks too).
+TOPK_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+               torch.int64, torch.uint64)
+_TOPK_DTYPE_SET = frozenset(TOPK_DTYPES)
+_INT32_X7 = (torch.int32,) * 7
+#: ``resolve``'s tensor arguments and their ranks, in order.
+_RESOLVE_TENSORS = (("topk", 2), ("state_rows", 1), ("seq_lens", 1), ("resident_blocks", 2),
+                    ("host_blocks", 2), ("hot_blocks", 2), ("slot_host_rows", 2), ("lru", 2))
 #: Sort key base of columns that do not go to the host path (sorts after every host key).
 _RESOLVE_KEY_SENTINEL = 1 << 62
 
@@ -57,59 +67,200 @@ def _check_resolve_args(
     block_size: int,
     num_device_blocks: int,
     num_host_blocks: int,
+    counters: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[ResolveWorkspace] = None,
 ) -> tuple[int, int, int, int, int, int]:
     """Validate ``resolve``'s arguments (shapes, dtypes, devices, sizes; never tensor values).
 
     Returns ``(R, K, S, P, HB, H)``. Raises ``TypeError`` / ``ValueError`` naming the bad value.
     Shared by the reference and the Triton launcher so both reject exactly the same inputs.
+    It runs on every decode call, so valid arguments are accepted with a few C-level tuple
+    comparisons; anything else goes to ``_explain_resolve_args`` for the message.
     """
-    tensors = {
-        "topk": (topk, 2), "state_rows": (state_rows, 1), "seq_lens": (seq_lens, 1),
-        "resident_blocks": (resident_blocks, 2), "host_blocks": (host_blocks, 2),
-        "hot_blocks": (hot_blocks, 2), "slot_host_rows": (slot_host_rows, 2), "lru": (lru, 2),
-    }
-    for name, (t, ndim) in tensors.items():
+    try:
+        shapes = (topk.shape, state_rows.shape, seq_lens.shape, resident_blocks.shape,
+                  host_blocks.shape, hot_blocks.shape, slot_host_rows.shape, lru.shape)
+        dtypes = (state_rows.dtype, seq_lens.dtype, resident_blocks.dtype, host_blocks.dtype,
+                  hot_blocks.dtype, slot_host_rows.dtype, lru.dtype)
+        device = topk.device
+        devices = (state_rows.device, seq_lens.device, resident_blocks.device,
+                   host_blocks.device, hot_blocks.device, slot_host_rows.device, lru.device)
+        R, K = shapes[0]
+        S, P = shapes[3]
+        HB = shapes[5][1]
+        H = shapes[6][1]
+        ok = (type(block_size) is int and type(num_device_blocks) is int
+              and type(num_host_blocks) is int and block_size > 0 and num_device_blocks > 0
+              and num_host_blocks > 0
+              and max(num_device_blocks, num_host_blocks) * block_size <= _INT32_MAX
+              and topk.dtype in _TOPK_DTYPE_SET and dtypes == _INT32_X7
+              and devices == (device,) * 7
+              and shapes[1:] == ((R,), (S,), (S, P), (S, P), (S, HB), (S, H), (S, H))
+              and 0 < K <= H <= HB * block_size and K <= MAX_RESOLVE_WIDTH
+              and 0 not in slot_host_rows.stride() and 0 not in lru.stride())
+    except (AttributeError, TypeError, ValueError):  # not tensors, wrong ranks
+        ok = False
+    if not ok:
+        return _explain_resolve_args(
+            topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
+            slot_host_rows, lru, block_size, num_device_blocks, num_host_blocks, counters, out,
+            workspace)
+    if counters is not None and not (
+            type(counters) is torch.Tensor and counters.dtype is torch.int64
+            and counters.shape == (3,) and counters.device == device) \
+            or out is not None and not (
+                type(out) is torch.Tensor and out.dtype is torch.int32 and out.shape == (R, K)
+                and out.device == device and 0 not in out.stride()) \
+            or workspace is not None and not (
+                type(workspace) is ResolveWorkspace and workspace.device == device):
+        _check_resolve_extras(R, K, H, device, counters, out, workspace)
+    return R, K, S, P, HB, H
+
+
+def _explain_resolve_args(*args) -> tuple[int, int, int, int, int, int]:
+    """``_check_resolve_args`` one rule at a time: raises naming the first bad value (or
+    accepts what the fast path refused only for a harmless reason, e.g. a size-1 stride-0
+    dimension). ``args``: ``_check_resolve_args``'s, all positional."""
+    (topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows, lru,
+     block_size, num_device_blocks, num_host_blocks, counters, out, workspace) = args
+    tensors = (topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
+               slot_host_rows, lru)
+    device = None
+    shapes = []
+    for (name, ndim), t in zip(_RESOLVE_TENSORS, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"resolve: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"resolve: {name} must be int32, got {t.dtype}")
-        if t.dim() != ndim:
-            raise ValueError(f"resolve: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
-        if t.device != topk.device:
-            raise ValueError(f"resolve: {name} is on {t.device} but topk is on {topk.device}; "
+        dtype = t.dtype
+        if dtype is not torch.int32 and (name != "topk" or dtype not in _TOPK_DTYPE_SET):
+            want = "an integer tensor (int8 ... int64, uint8 ... uint64)" if name == "topk" \
+                else "int32"
+            raise TypeError(f"resolve: {name} must be {want}, got {dtype}")
+        shape = t.shape
+        if len(shape) != ndim:
+            raise ValueError(f"resolve: {name} must be {ndim}-D, got shape {tuple(shape)}")
+        where = t.device
+        if device is None:
+            device = where
+        elif where != device:
+            raise ValueError(f"resolve: {name} is on {where} but topk is on {device}; "
                              "all tensors must be on one device")
+        shapes.append(shape)
     for name, v in (("block_size", block_size), ("num_device_blocks", num_device_blocks),
                     ("num_host_blocks", num_host_blocks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"resolve: {name} must be a positive int, got {v!r}")
+        if type(v) is not int or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"resolve: {name} must be a positive int, got {v!r}")
     for name, v in (("num_device_blocks", num_device_blocks),
                     ("num_host_blocks", num_host_blocks)):
         if v * block_size > _INT32_MAX:
             raise ValueError(f"resolve: {name} * block_size = {v * block_size} row ids do not "
                              "fit int32")
-    R, K = topk.shape
-    S, P = resident_blocks.shape
-    HB = hot_blocks.shape[1]
-    H = slot_host_rows.shape[1]
+    R, K = shapes[0]
+    S, P = shapes[3]
+    HB = shapes[5][1]
+    H = shapes[6][1]
     if K < 1:
         raise ValueError(f"resolve: topk must have at least one column, got shape "
-                         f"{tuple(topk.shape)}")
-    expect = {"state_rows": (R,), "seq_lens": (S,), "host_blocks": (S, P),
-              "hot_blocks": (S, HB), "slot_host_rows": (S, H), "lru": (S, H)}
-    for name, shape in expect.items():
-        got = tuple(tensors[name][0].shape)
-        if got != shape:
-            raise ValueError(f"resolve: {name} has shape {got}, expected {shape} "
+                         f"{tuple(shapes[0])}")
+    if K > MAX_RESOLVE_WIDTH:
+        raise ValueError(f"resolve: top-k width {K} is above the supported maximum "
+                         f"MAX_RESOLVE_WIDTH = {MAX_RESOLVE_WIDTH}")
+    expect = ((R,), (S,), (S, P), (S, P), (S, HB), (S, H), (S, H))
+    for i in range(1, 8):
+        if shapes[i] != expect[i - 1]:
+            raise ValueError(f"resolve: {_RESOLVE_TENSORS[i][0]} has shape "
+                             f"{tuple(shapes[i])}, expected {expect[i - 1]} "
                              f"(R={R}, K={K}, S={S}, P={P}, HB={HB}, H={H})")
     if H < K:
         raise ValueError(f"resolve: {H} hot slots per request cannot hold top-k {K} (need H >= K)")
     if HB * block_size < H:
         raise ValueError(f"resolve: {HB} hot blocks of {block_size} rows cannot hold {H} slots")
     for name, t in (("slot_host_rows", slot_host_rows), ("lru", lru)):
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        strides = t.stride()
+        if 0 in strides and any(st == 0 and n > 1 for st, n in zip(strides, t.shape)):
             raise ValueError(f"resolve: {name} is updated in place and must not have a stride-0 "
-                             f"(expanded) dimension, got strides {t.stride()}")
+                             f"(expanded) dimension, got strides {strides}")
+    if counters is not None or out is not None or workspace is not None:
+        _check_resolve_extras(R, K, H, device, counters, out, workspace)
     return R, K, S, P, HB, H
+
+
+def _check_resolve_extras(R: int, K: int, H: int, device: torch.device,
+                          counters: Optional[torch.Tensor], out: Optional[torch.Tensor],
+                          workspace: Optional[ResolveWorkspace]) -> None:
+    """The optional ``counters`` / ``out`` / ``workspace`` arguments of ``resolve``."""
+    if counters is not None:
+        if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64 \
+                or tuple(counters.shape) != (3,):
+            raise ValueError(f"resolve: counters must be an int64 tensor [3], got "
+                             f"{getattr(counters, 'dtype', type(counters).__name__)} of shape "
+                             f"{tuple(getattr(counters, 'shape', ()))}")
+        if counters.device != device:
+            raise ValueError(f"resolve: counters is on {counters.device} but topk is on {device}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 \
+                or tuple(out.shape) != (R, K):
+            raise ValueError(f"resolve: out must be an int32 tensor [{R}, {K}], got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} of shape "
+                             f"{tuple(getattr(out, 'shape', ()))}")
+        if out.device != device:
+            raise ValueError(f"resolve: out is on {out.device} but topk is on {device}")
+        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+            raise ValueError(f"resolve: out is written and must not have a stride-0 (expanded) "
+                             f"dimension, got strides {out.stride()}")
+    if workspace is not None:
+        if not isinstance(workspace, ResolveWorkspace):
+            raise TypeError(f"resolve: workspace must be a ResolveWorkspace, got "
+                            f"{type(workspace).__name__}")
+        if workspace.device != device:
+            raise ValueError(f"resolve: the workspace is on {workspace.device} but topk is on "
+                             f"{device}")
+
+
+def first_occurrences(state_rows: torch.Tensor, num_states: int) -> torch.Tensor:
+    """``[R] bool``: batch rows that resolve. A row is resolved when its state row is in
+    ``[0, num_states)`` and no earlier batch row names the same state row (a state row named
+    twice is resolved by its first batch row; the later ones are padding)."""
+    st = state_rows.to(torch.int64)
+    ok = (st >= 0) & (st < num_states)
+    R = st.numel()
+    if R < 2:
+        return ok
+    _, inverse = torch.unique(st, return_inverse=True)
+    index = torch.arange(R, device=st.device)
+    first = torch.full((R,), R, dtype=torch.int64, device=st.device).scatter_reduce(
+        0, inverse, index, reduce="amin", include_self=True)
+    return ok & (first[inverse] == index)
+
+
+def _emit(result: ResolveResult, touched: torch.Tensor, slot_host_rows: torch.Tensor,
+          lru: torch.Tensor, H: int,
+          counters: Optional[torch.Tensor], out: Optional[torch.Tensor],
+          workspace: Optional[ResolveWorkspace]) -> ResolveResult:
+    """Put a computed result where the caller asked for it (``out``, the workspace) and add its
+    totals to ``counters``. ``slot_host_rows`` / ``lru``: the pre-call state rows ``[R, H]`` of
+    the batch rows (snapshots for ``restore_resolve_state``)."""
+    rows = result.rows
+    if workspace is not None:
+        R, K = rows.shape
+        bufs = workspace.buffers(R, K, H)
+        for name in ("miss_src", "miss_dst", "miss_count", "stats"):
+            getattr(bufs, name).copy_(getattr(result, name))
+        bufs.touched.copy_(touched)
+        bufs.old_slot_rows.copy_(slot_host_rows)
+        bufs.old_lru.copy_(lru)
+        workspace.last = bufs
+        if out is None:
+            bufs.rows.copy_(rows)
+            rows = bufs.rows
+        result = ResolveResult(rows, bufs.miss_src, bufs.miss_dst, bufs.miss_count, bufs.stats)
+    if out is not None:
+        out.copy_(rows)
+        result = result._replace(rows=out)
+    if counters is not None:
+        counters += result.stats.sum(0)
+    return result
 
 
 def _padding_resolve_result(R: int, K: int, device: torch.device) -> ResolveResult:
@@ -137,14 +288,20 @@ def resolve(
     block_size: int,
     num_device_blocks: int,
     num_host_blocks: int,
+    counters: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[ResolveWorkspace] = None,
 ) -> ResolveResult:
     """Resolve top-k positions of one index group into device rows; update the hot state.
 
     Shapes (``R`` batch rows, ``K`` columns, ``S`` state rows, ``P`` pages per request,
-    ``HB`` hot blocks per request, ``H`` hot slots per request, ``HB * block_size >= H >= K``):
-    - ``topk``: ``[R, K] int32`` token positions (any value: invalid ones output -1).
-    - ``state_rows``: ``[R] int32`` state row of each batch row; -1 = padding row. Two batch
-      rows must not name the same state row.
+    ``HB`` hot blocks per request, ``H`` hot slots per request, ``HB * block_size >= H >= K``,
+    ``K <= MAX_RESOLVE_WIDTH`` = 32768):
+    - ``topk``: ``[R, K]`` token positions, any integer dtype (``TOPK_DTYPES``) and strides;
+      any value: invalid ones (negative, ``>= seq_len``, beyond int32) output -1.
+    - ``state_rows``: ``[R] int32`` state row of each batch row; -1 = padding row. A state
+      row named by several batch rows is resolved by the first of them only; the later ones
+      are padding rows.
     - ``seq_lens``: ``[S] int32`` tokens of each request.
     - ``resident_blocks``: ``[S, P] int32`` device block of each page in this index group's
       resident group; 0 = not resident.
@@ -156,7 +313,18 @@ def resolve(
     - ``lru``: ``[S, H] int32`` permutation of slot ids, least recently used first. Updated
       in place.
 
-    Semantics per column (DESIGN.md section 7; ``B = block_size``, ``st = state_rows[r]``):
+    Optional (keyword) arguments, identical on every backend:
+    - ``counters``: ``[3] int64`` on ``topk``'s device; the call adds its totals of ``stats``
+      (hits, misses, masked summed over the rows) to it.
+    - ``out``: ``[R, K] int32``: written with ``rows`` and returned as ``result.rows`` (a
+      caller-owned buffer, e.g. one per index group).
+    - ``workspace``: a ``ResolveWorkspace`` on ``topk``'s device. The plan (``miss_src``,
+      ``miss_dst``, ``miss_count``, ``stats``; and ``rows`` without ``out``) is written into
+      it and returned as views of it, valid until the next call with the same workspace; the
+      pre-call ``slot_host_rows`` / ``lru`` of every resolved batch row are kept in it, so that
+      ``restore_resolve_state`` can undo the call.
+
+    Semantics per column (``B = block_size``, ``st = state_rows[r]``):
     1. ``pos < 0``, ``pos >= seq_lens[st]`` or page ``pos // B >= P`` -> -1 (masked).
     2. ``resident_blocks[st, pos // B]`` in ``[1, num_device_blocks)`` -> device row
        ``block * B + pos % B`` (hit).
@@ -193,23 +361,23 @@ def resolve(
     - a hot block outside ``[1, num_device_blocks)`` gives its slots device row -1: columns
       they serve output -1 (masked) and their plan entries have ``miss_dst == -1`` (counted in
       ``miss_count``, not in ``stats`` misses; a gather skips them).
-    Two batch rows naming the same state row is a caller error: the outputs are then
-    unspecified (still in range). Shapes, dtypes and devices are validated (``ValueError`` /
-    ``TypeError``) before any state is touched; validation never reads tensor values (this torch
-    version does synchronise once, for the state write-back, when run on a GPU; the Triton
-    kernel never does).
+    Shapes, dtypes and devices are validated (``ValueError`` / ``TypeError``) before any state
+    is touched; validation never reads tensor values (this torch version does synchronise
+    once, for the state write-back, when run on a GPU; the Triton kernel never does).
     """
     R, K, S, P, _, H = _check_resolve_args(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
-        lru, block_size, num_device_blocks, num_host_blocks)
+        lru, block_size, num_device_blocks, num_host_blocks, counters, out, workspace)
     dev = topk.device
     B = block_size
     i64 = torch.int64
     if R == 0 or S == 0:
-        return _padding_resolve_result(R, K, dev)
+        empty = torch.zeros(R, H, dtype=torch.int32, device=dev)
+        return _emit(_padding_resolve_result(R, K, dev), torch.zeros(R, dtype=torch.int32,
+                     device=dev), empty, empty, H, counters, out, workspace)
 
     st = state_rows.to(i64)
-    row_ok = (st >= 0) & (st < S)
+    row_ok = first_occurrences(state_rows, S)
     stc = torch.where(row_ok, st, 0)
     col = torch.arange(K, device=dev)
     slot_ids = torch.arange(H, device=dev)
@@ -244,13 +412,14 @@ def resolve(
 
     # Slots in LRU order: valid positions, held host rows, serving positions.
     lru_raw = lru[stc]
+    held_raw = slot_host_rows[stc]
     lr = lru_raw.to(i64)
     sv = row_ok[:, None] & (lr >= 0) & (lr < H)
     lrc = torch.where(sv, lr, 0)
     owner = torch.full((R, H), H, dtype=i64, device=dev).scatter_reduce(
         1, lrc, torch.where(sv, slot_ids, H), reduce="amin", include_self=True)
     valid = sv & (owner.gather(1, lrc) == slot_ids)
-    held = slot_host_rows[stc].to(i64).gather(1, lrc)
+    held = held_raw.to(i64).gather(1, lrc)
     held_ok = valid & (held >= 0) & (held < num_host_blocks * B)
     run = torch.searchsorted(skey, torch.where(held_ok, held * K, 0)).clamp(max=K - 1)
     found = held_ok & (sg.gather(1, run) == held)
@@ -305,7 +474,7 @@ def resolve(
 
     # State, in place (validated above; rows of padding batch rows are never written).
     fill_val = miss_src.gather(1, erank.clamp(0, K - 1))
-    new_held = torch.cat([slot_host_rows[stc], torch.zeros(R, 1, dtype=torch.int32, device=dev)], 1)
+    new_held = torch.cat([held_raw, torch.zeros(R, 1, dtype=torch.int32, device=dev)], 1)
     new_held = new_held.scatter_(1, torch.where(filled, lrc, H), fill_val.to(torch.int32))[:, :H]
     upd = torch.nonzero(row_ok).squeeze(1)
     slot_host_rows[st[upd]] = new_held[upd]
@@ -313,8 +482,38 @@ def resolve(
     lru[st[upd]] = new_lru[upd]
 
     i32 = torch.int32
-    return ResolveResult(rows.to(i32), miss_src.to(i32), miss_dst.to(i32),
-                         miss_count.to(i32), stats.to(i32))
+    result = ResolveResult(rows.to(i32), miss_src.to(i32), miss_dst.to(i32),
+                           miss_count.to(i32), stats.to(i32))
+    return _emit(result, row_ok.to(i32), held_raw, lru_raw, H, counters, out, workspace)
+
+
+def restore_resolve_state(workspace: ResolveWorkspace, state_rows: torch.Tensor,
+                          slot_host_rows: torch.Tensor, lru: torch.Tensor) -> None:
+    """Undo the last ``resolve`` made with ``workspace``: write back the ``slot_host_rows``
+    and ``lru`` rows it saved for every batch row it resolved (the failure path, e.g. when
+    the gather that follows a resolve raised). ``state_rows``: the ``[R] int32`` the call got;
+    ``slot_host_rows`` / ``lru``: its ``[S, H]`` state tensors. Torch ops (a device sync on
+    CUDA); raises ``ValueError`` when the workspace holds no call of that shape."""
+    bufs = workspace.last if isinstance(workspace, ResolveWorkspace) else None
+    if bufs is None:
+        raise ValueError("restore_resolve_state: the workspace holds no resolve call to undo "
+                         "(pass the workspace the call used, before any other call with it).")
+    R, H = bufs.old_lru.shape
+    if not isinstance(state_rows, torch.Tensor) or tuple(state_rows.shape) != (R,):
+        raise ValueError(f"restore_resolve_state: state_rows must be the [{R}] tensor of the "
+                         f"last call, got shape {tuple(getattr(state_rows, 'shape', ()))}.")
+    for name, t in (("slot_host_rows", slot_host_rows), ("lru", lru)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != H \
+                or t.dtype != torch.int32:
+            raise ValueError(f"restore_resolve_state: {name} must be int32 [S, {H}], got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} of shape "
+                             f"{tuple(getattr(t, 'shape', ()))}.")
+    touched = bufs.touched.to(torch.bool)
+    rows = state_rows.to(torch.int64)[touched]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= lru.shape[0]):
+        raise ValueError("restore_resolve_state: state_rows are not those of the last call.")
+    slot_host_rows[rows] = bufs.old_slot_rows[touched]
+    lru[rows] = bufs.old_lru[touched]
 
 
 def copy_rows(
@@ -364,78 +563,75 @@ def check_copy_args(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids
     Raises ``ValueError`` naming the bad value. Reads shapes, dtypes and devices only (never a
     tensor's values), so it costs no device sync.
     """
+    # Fast accept (every decode call comes here); anything else is explained below.
+    try:
+        s_shape, d_shape = src_ids.shape, dst_ids.shape
+        layers = len(dst.offsets)
+        device = src_ids.device
+        if (src_ids.dtype is torch.int32 and dst_ids.dtype is torch.int32
+                and len(src.offsets) == layers and dst.row_bytes == src.row_bytes
+                and (not pages or dst.block_size == src.block_size)
+                and (len(s_shape) == 2 or len(s_shape) == 3 and s_shape[0] == layers)
+                and (len(d_shape) == 2 or len(d_shape) == 3 and d_shape[0] == layers)
+                and s_shape[-2:] == d_shape[-2:] and dst_ids.device == device
+                and (counts is None or counts.dtype is torch.int32
+                     and counts.shape == (s_shape[-2],) and counts.device == device)):
+            return
+    except (AttributeError, TypeError, IndexError):
+        pass
     fn = "copy_pages" if pages else "copy_rows"
     names = ("src_blocks", "dst_blocks") if pages else ("src_rows", "dst_rows")
-    if dst.num_layers != src.num_layers:
+    layers = len(dst.offsets)
+    if layers != len(src.offsets):
         raise ValueError(f"{fn}: dst has {dst.num_layers} layers but src has {src.num_layers}.")
     if dst.row_bytes != src.row_bytes:
         raise ValueError(f"{fn}: dst.row_bytes={dst.row_bytes} != src.row_bytes={src.row_bytes}.")
     if pages and dst.block_size != src.block_size:
         raise ValueError(f"{fn}: dst.block_size={dst.block_size} != "
                          f"src.block_size={src.block_size}.")
+    shapes = []
     for name, ids in zip(names, (src_ids, dst_ids)):
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.dim() not in (2, 3):
+        shape = ids.shape if isinstance(ids, torch.Tensor) else ()
+        if ids.dtype is not torch.int32 if shape else True:
             raise ValueError(f"{fn}: {name} must be an int32 tensor [R, K] or [L, R, K], got "
                              f"{getattr(ids, 'dtype', type(ids).__name__)} with shape "
                              f"{tuple(getattr(ids, 'shape', ()))}.")
-        if ids.dim() == 3 and ids.shape[0] != dst.num_layers:
-            raise ValueError(f"{fn}: {name} has a layer dim of {ids.shape[0]} but the tables "
-                             f"have {dst.num_layers} layers.")
-    if src_ids.shape[-2:] != dst_ids.shape[-2:]:
-        raise ValueError(f"{fn}: {names[0]} {tuple(src_ids.shape)} and {names[1]} "
-                         f"{tuple(dst_ids.shape)} do not have the same [R, K].")
-    if src_ids.device != dst_ids.device:
-        raise ValueError(f"{fn}: {names[0]} is on {src_ids.device} but {names[1]} is on "
+        if len(shape) == 3:
+            if shape[0] != layers:
+                raise ValueError(f"{fn}: {name} has a layer dim of {shape[0]} but the tables "
+                                 f"have {layers} layers.")
+        elif len(shape) != 2:
+            raise ValueError(f"{fn}: {name} must be an int32 tensor [R, K] or [L, R, K], got "
+                             f"{ids.dtype} with shape {tuple(shape)}.")
+        shapes.append(shape)
+    if shapes[0][-2:] != shapes[1][-2:]:
+        raise ValueError(f"{fn}: {names[0]} {tuple(shapes[0])} and {names[1]} "
+                         f"{tuple(shapes[1])} do not have the same [R, K].")
+    device = src_ids.device
+    if dst_ids.device != device:
+        raise ValueError(f"{fn}: {names[0]} is on {device} but {names[1]} is on "
                          f"{dst_ids.device}.")
     if counts is not None:
-        rows = src_ids.shape[-2]
-        if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 \
-                or tuple(counts.shape) != (rows,):
+        rows = shapes[0][-2]
+        if not isinstance(counts, torch.Tensor) or counts.dtype is not torch.int32 \
+                or counts.shape != (rows,):
             raise ValueError(f"{fn}: counts must be an int32 tensor [{rows}], got "
                              f"{getattr(counts, 'dtype', type(counts).__name__)} with shape "
                              f"{tuple(getattr(counts, 'shape', ()))}.")
-        if counts.device != src_ids.device:
+        if counts.device != device:
             raise ValueError(f"{fn}: counts is on {counts.device} but {names[0]} is on "
-                             f"{src_ids.device}.")
-
-
-#: ``table_alignment`` results by ``id(layer_offsets)``: (weak ref, geometry, alignment).
-_TABLE_CHECKS: dict[int, tuple[weakref.ref, tuple, int]] = {}
-
-
-def _version_of(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
+                             f"{device}.")
 
 
 def table_alignment(table: RowTable) -> int:
-    """Check once that every layer of ``table`` lies inside its pool; return the largest power
-    of two (<= 16) dividing every layer offset.
+    """The largest power of two (<= 16) dividing every layer offset of ``table``.
 
-    The first call for a ``layer_offsets`` tensor reads it on the host (a device sync when it
-    lives on CUDA: call this before capturing a CUDA graph); later calls with the same,
-    unmodified tensor and table geometry are answered from a cache. Raises ``ValueError``
-    naming the first layer that does not fit.
+    A ``RowTable`` checks its layers against its pool by value when it is built and keeps its
+    own copy of the offsets, so nothing here reads a tensor; raises ``ValueError`` if the pool
+    was resized in place since.
     """
-    offsets = table.layer_offsets
-    geometry = (_version_of(offsets), table.pool.numel(), table.row_bytes, table.block_size,
-                table.block_stride, table.num_rows)
-    key = id(offsets)
-    entry = _TABLE_CHECKS.get(key)
-    if entry is not None and entry[0]() is offsets and entry[1] == geometry:
-        return entry[2]
-    values = offsets.tolist()
-    span = (table.num_blocks - 1) * table.block_stride + table.block_size * table.row_bytes
-    for layer, offset in enumerate(values):
-        if offset < 0 or offset + span > table.pool.numel():
-            raise ValueError(f"layer {layer} at byte offset {offset} spans {span} B and does "
-                             f"not fit a pool of {table.pool.numel()} B.")
-    alignment = pow2_alignment(*values)
-    _TABLE_CHECKS[key] = (weakref.ref(offsets, lambda _ref, k=key: _TABLE_CHECKS.pop(k, None)),
-                          geometry, alignment)
-    return alignment
+    table.check_pool()
+    return table.alignment
 
 
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -453,7 +649,7 @@ def _span_windows(pool: torch.Tensor, span_bytes: int, word: int) -> torch.Tenso
 def _span_addresses(table: RowTable, layer: torch.Tensor, ids: torch.Tensor,
                     pages: bool) -> torch.Tensor:
     """Byte address (int64) of row / block ``ids`` of ``layer`` inside ``table.pool``."""
-    base = table.layer_offsets.to(ids.device)[layer]
+    base = table.device_offsets(ids.device)[layer]
     if pages:
         return base + ids * table.block_stride
     return base + (ids // table.block_size) * table.block_stride \

@@ -15,9 +15,16 @@ a whole page, ``block_size * row_bytes``, for ``restore``/``spill``):
 | restore, spill | 1 | 1 | 4096 | 4 |
 
 ``access_bytes = 16`` (one 16-byte access per thread; the launcher narrows it to the alignment
-of the rows actually addressed), ``num_stages = 1``, ``grid_programs = 4096`` (the grid never
-has more programs: a bigger plan is walked grid-stride, so the grid width is fixed once the
-plan outgrows it and never depends on the batch size otherwise than by being smaller).
+of the rows actually addressed), ``num_stages = 1``, ``grid_programs = 0``: the grid is capped
+at 32 programs per SM of the device the launch runs on (4,224 on a 132-SM H100 / H200; 132 SMs
+are assumed where none can be queried). A bigger plan is walked grid-stride, so the grid width
+is fixed once the plan outgrows it and never depends on the batch size otherwise than by being
+smaller.
+
+Tile limit: Triton refuses a block of more than ``2**20`` elements, and one copy step holds a
+``[rows_per_program, chunk_bytes / word]`` tile of words (word = 1 byte at worst, for 1-byte
+aligned tables), so a config must keep ``rows_per_program * chunk_bytes <= MAX_TILE_ELEMENTS``
+(refused at construction, naming the limit).
 
 This module imports nothing heavy (no torch, no triton; the cache lookup imports torch
 lazily to name the device).
@@ -31,6 +38,14 @@ from math import gcd
 
 from hisparse_triton import tuning_cache
 
+#: Most elements of one Triton block (``triton.language.TRITON_MAX_TENSOR_NUMEL``).
+MAX_TILE_ELEMENTS = 1 << 20
+#: Widest top-k (columns per batch row) the resolve kernel accepts: the largest
+#: ``device_buffer_size`` the config allows (speculative decoding resolves a union of Q x K
+#: columns). Every width up to it compiles for sm_90 without spills (the compile report);
+#: re-exported as ``hisparse_triton.kernels.resolve.MAX_RESOLVE_WIDTH``. Defined here so that
+#: torch-free code (the planner's config validation) can import it.
+MAX_RESOLVE_WIDTH = 32768
 #: Kernel names ``default_config`` knows: row copies and whole-page copies, per direction.
 ROW_KERNELS = ("gather", "backup")
 PAGE_KERNELS = ("restore", "spill")
@@ -74,7 +89,10 @@ class CopyConfig:
       chunk_bytes / 4]`` word tile).
     - ``num_warps``, ``num_stages``: Triton launch options.
     - ``grid_programs``: most programs of a launch (axis 0 x axis 1); work items beyond it are
-      walked grid-stride by the same programs.
+      walked grid-stride by the same programs. ``0`` (the default): 32 per SM of the device.
+
+    ``rows_per_program * chunk_bytes`` must not exceed ``MAX_TILE_ELEMENTS`` (Triton's block
+    limit; a 1-byte word tile has ``chunk_bytes`` elements per row).
     """
 
     rows_per_program: int = 8
@@ -83,7 +101,7 @@ class CopyConfig:
     chunk_bytes: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    grid_programs: int = 4096
+    grid_programs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("rows_per_program", "access_bytes", "chunk_bytes", "num_warps"):
@@ -97,8 +115,16 @@ class CopyConfig:
                              f"access_bytes={self.access_bytes}.")
         for name in ("layers_per_program", "num_stages", "grid_programs"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"CopyConfig.{name} must be a positive int, got {value!r}.")
+            low = 0 if name == "grid_programs" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                what = "an int >= 0 (0 = per SM)" if low == 0 else "a positive int"
+                raise ValueError(f"CopyConfig.{name} must be {what}, got {value!r}.")
+        tile = self.rows_per_program * self.chunk_bytes
+        if tile > MAX_TILE_ELEMENTS:
+            raise ValueError(f"CopyConfig: rows_per_program * chunk_bytes = "
+                             f"{self.rows_per_program} * {self.chunk_bytes} = {tile} exceeds "
+                             f"Triton's block limit MAX_TILE_ELEMENTS = {MAX_TILE_ELEMENTS} "
+                             f"(a tile of 1-byte words).")
 
 
 @lru_cache(maxsize=256)

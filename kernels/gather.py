@@ -11,29 +11,35 @@ Launch shape (``C`` = ``rows_per_program``, ``LP`` = ``layers_per_program``):
 - a *work item* is ``C`` consecutive plan columns of one plan row: ``R * cdiv(K, C)`` items,
   numbered column-chunk-major (item ``i`` = chunk ``i // R`` of row ``i % R``), so the items
   holding misses (the first columns of every row) are spread over all programs;
-- grid = ``(min(items, grid_programs // layer_groups), layer_groups)`` with ``layer_groups =
-  cdiv(L, LP)``; a program walks items grid-stride, skips an item whose first column is past
-  ``counts[r]`` after one scalar load, and otherwise copies its ``C`` spans for each of its
-  ``LP`` layers, ``chunk`` bytes of every span per step as a ``[C, chunk / word]`` tile.
+- grid = ``(min(items, programs // layer_groups), layer_groups)`` with ``layer_groups =
+  cdiv(L, LP)`` and ``programs`` = ``grid_programs``, or by default (0) ``GRID_PROGRAMS_PER_SM``
+  per SM of the launch's device (``DEFAULT_SM_COUNT`` where none can be queried); a program
+  walks items grid-stride, skips an item whose first column is past ``counts[r]`` after one
+  scalar load, and otherwise copies its ``C`` spans for each of its ``LP`` layers, ``chunk``
+  bytes of every span per step as a ``[C, chunk / word]`` tile.
 The grid never depends on the batch size beyond being capped, never on the counts (which stay
 on the device), and a launch has a fixed shape for a fixed plan shape (CUDA-graph friendly).
+What depends only on the tables and the plan's shape (launch shape, word views, offsets, pool
+checks) is prepared once and kept with the destination table.
 
 Accesses: the pools are passed reinterpreted as ``word``-byte words (``int32``, or ``int16`` /
 ``uint8`` when rows are only 2- or 1-byte aligned) and each thread moves ``VEC`` contiguous
 words: 16-byte accesses when the span size, the block strides, every layer offset and both
 pools' base addresses are multiples of 16, narrower otherwise (chosen on the host from the
-table geometry; the layer offsets are read once per table, see
-``hisparse_triton.reference.table_alignment``). Addresses are int64.
+table geometry and the ``RowTable``'s own copy of its offsets). Addresses are int64; rows per
+block are compile-time constants, so a span id splits into block and offset with a shift and
+a mask. Cache hints: loads ``.cg`` (each source byte is read once), stores into the host pool
+``.cs`` (streaming), stores into the device pool the default (attention reads them next).
 
 Safety: a span id outside ``[0, num_spans)`` of the source loads zeros (the destination is
 zero-filled, never given stale or foreign bytes); outside ``[0, num_spans)`` of the
 destination nothing is stored; columns at or past ``counts[r]`` are not touched; a table
-whose layers do not fit its pool is refused before launch. So whatever the ids say, no byte
+whose layers do not fit its pool cannot be built. So whatever the ids say, no byte
 outside the addressed pools' rows is read or written.
 
 Pools may live on different devices: on CUDA the host pool is pinned CPU memory (checked once
 per pool), which the kernel dereferences directly (unified addressing); plans, counts and
-both tables' ``layer_offsets`` live on the CUDA device. Under ``TRITON_INTERPRET=1``
+both tables' offsets (``RowTable.device``) live on the CUDA device. Under ``TRITON_INTERPRET=1``
 everything is on the CPU.
 """
 
@@ -51,11 +57,9 @@ from hisparse_triton.reference import check_copy_args, table_alignment
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
 
-__all__ = ["LaunchShape", "copy_rows_kernel", "gather_rows", "launch_copy", "launch_shape",
-           "restore_pages", "validate_pool"]
-
-_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
+__all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "LaunchShape", "copy_rows_kernel",
+           "gather_rows", "launch_copy", "launch_shape", "restore_pages", "sm_count",
+           "validate_pool"]
 
 @triton.jit
 def copy_rows_kernel(
@@ -66,9 +70,12 @@ def copy_rows_kernel(
     dst_stride_l, dst_stride_r, dst_stride_k,
     counts_stride,
     num_plan_rows, num_cols, num_layers, num_items,
-    src_per_block, src_block_stride, src_num_spans,  # spans per block, bytes, valid ids
-    dst_per_block, dst_block_stride, dst_num_spans,
+    src_block_stride, src_num_spans,       # bytes from block to block, valid span ids
+    dst_block_stride, dst_num_spans,
     span_vecs,                             # span size in VEC-word vectors
+    SRC_PER_BLOCK: tl.constexpr,           # spans per block: block_size (rows) or 1 (pages)
+    DST_PER_BLOCK: tl.constexpr,
+    STORE_CACHE: tl.constexpr,             # "" (device rows read soon) or ".cs" (to the host)
     HAS_COUNTS: tl.constexpr,
     COLS: tl.constexpr,                    # plan columns per work item
     LAYERS: tl.constexpr,                  # layers per program
@@ -77,7 +84,10 @@ def copy_rows_kernel(
     WORD_BYTES: tl.constexpr,
 ):
     """Copy span ``src_ids[l, r, j]`` of layer ``l`` to span ``dst_ids[l, r, j]`` for every
-    ``j < counts[r]``; see the module docstring for the launch shape and the bounds rules."""
+    ``j < counts[r]``; see the module docstring for the launch shape and the bounds rules.
+    The source is streamed (each byte read once): loads are cached in L2 only (``.cg``);
+    stores into the host pool are streaming stores (``.cs``), stores into the device pool
+    keep the default policy (attention reads those rows next)."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     layer_begin = tl.program_id(1) * LAYERS
@@ -104,12 +114,16 @@ def copy_rows_kernel(
                 dst_id = tl.load(dst_plan + lyr * dst_stride_l, mask=active, other=-1)
                 src_ok = active & (src_id >= 0) & (src_id < src_num_spans)
                 dst_ok = active & (dst_id >= 0) & (dst_id < dst_num_spans)
-                s = tl.where(src_ok, src_id, 0).to(tl.int64)
-                d = tl.where(dst_ok, dst_id, 0).to(tl.int64)
-                src_byte = tl.load(src_layers_ptr + lyr) + (s // src_per_block) * src_block_stride \
-                    + (s % src_per_block) * span_bytes
-                dst_byte = tl.load(dst_layers_ptr + lyr) + (d // dst_per_block) * dst_block_stride \
-                    + (d % dst_per_block) * span_bytes
+                # Ids are non-negative int32 here: block / offset by a constant (shifts for a
+                # power-of-two block size), then widened for the byte address.
+                s = tl.where(src_ok, src_id, 0)
+                d = tl.where(dst_ok, dst_id, 0)
+                src_byte = tl.load(src_layers_ptr + lyr) \
+                    + (s // SRC_PER_BLOCK).to(tl.int64) * src_block_stride \
+                    + (s % SRC_PER_BLOCK).to(tl.int64) * span_bytes
+                dst_byte = tl.load(dst_layers_ptr + lyr) \
+                    + (d // DST_PER_BLOCK).to(tl.int64) * dst_block_stride \
+                    + (d % DST_PER_BLOCK).to(tl.int64) * span_bytes
                 src_word = tl.multiple_of(src_byte // WORD_BYTES, VEC)
                 dst_word = tl.multiple_of(dst_byte // WORD_BYTES, VEC)
                 load_ok = (src_ok & dst_ok)[:, None]
@@ -118,9 +132,9 @@ def copy_rows_kernel(
                     words = w0 + word_offs
                     in_span = (words < span_words)[None, :]
                     vals = tl.load(src_ptr + src_word[:, None] + words[None, :],
-                                   mask=load_ok & in_span, other=0)
+                                   mask=load_ok & in_span, other=0, cache_modifier=".cg")
                     tl.store(dst_ptr + dst_word[:, None] + words[None, :], vals,
-                             mask=store_ok & in_span)
+                             mask=store_ok & in_span, cache_modifier=STORE_CACHE)
 
 
 #: ``validate_pool`` results by ``id(pool)``: (weak ref, device it was checked for).
@@ -148,21 +162,33 @@ def validate_pool(pool: torch.Tensor, device: torch.device) -> None:
     _POOL_CHECKS[key] = (weakref.ref(pool, lambda _ref, k=key: _POOL_CHECKS.pop(k, None)), device)
 
 
-def _kernel_device(dst: RowTable, src: RowTable, src_ids: torch.Tensor) -> torch.device:
-    device = src_ids.device
-    for name, tensor in (("dst.layer_offsets", dst.layer_offsets),
-                         ("src.layer_offsets", src.layer_offsets)):
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but the plan is on {device}; the "
-                             f"offset tables live on the device the kernel runs on.")
+def _kernel_device(dst: RowTable, src: RowTable, device: torch.device) -> torch.device:
+    for name, table in (("dst", dst), ("src", src)):
+        if table.device != device:
+            raise ValueError(f"{name}.layer_offsets is on {table.device} but the plan is on "
+                             f"{device}; the offset tables live on the device the kernel "
+                             f"runs on.")
     validate_pool(dst.pool, device)
     validate_pool(src.pool, device)
     return device
 
 
-def _word_view(pool: torch.Tensor, word: int) -> torch.Tensor:
-    """``pool`` reinterpreted as ``word``-byte words (the tail shorter than a word dropped)."""
-    return pool[: pool.numel() // word * word].view(_WORD_DTYPES[word])
+#: Programs per SM of a default launch (``CopyConfig.grid_programs == 0``), and the SM count
+#: assumed where none can be queried (CPU tensors, the interpreter): an H100 / H200 SXM.
+GRID_PROGRAMS_PER_SM = 32
+DEFAULT_SM_COUNT = 132
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached); ``DEFAULT_SM_COUNT`` off CUDA."""
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        count = DEFAULT_SM_COUNT
+        if device.type == "cuda":
+            count = torch.cuda.get_device_properties(device).multi_processor_count
+        _SM_COUNTS[device] = count
+    return count
 
 
 class LaunchShape(NamedTuple):
@@ -178,9 +204,10 @@ class LaunchShape(NamedTuple):
 
 
 def launch_shape(dst: RowTable, src: RowTable, rows: int, cols: int, *, pages: bool,
-                 kernel: str, config: Optional[CopyConfig] = None) -> LaunchShape:
-    """The launch of a ``[rows, cols]`` plan between ``src`` and ``dst`` (no tensor reads
-    beyond the once-per-table offset validation)."""
+                 kernel: str, config: Optional[CopyConfig] = None,
+                 device: Optional[torch.device] = None) -> LaunchShape:
+    """The launch of a ``[rows, cols]`` plan between ``src`` and ``dst`` on ``device`` (the
+    SM count sizes a default grid; default: the tables' device). Reads no tensor values."""
     span = dst.row_bytes * (dst.block_size if pages else 1)
     if config is None:
         config = default_config(kernel, span, dst.num_layers)
@@ -191,8 +218,46 @@ def launch_shape(dst: RowTable, src: RowTable, rows: int, cols: int, *, pages: b
     # (plain ints: triton.cdiv is a jit function, slow to call from the host)
     num_items = rows * -(-cols // config.rows_per_program)
     layer_groups = -(-dst.num_layers // config.layers_per_program)
-    grid = (max(1, min(num_items, config.grid_programs // layer_groups)), layer_groups)
+    programs = config.grid_programs or GRID_PROGRAMS_PER_SM * sm_count(device or dst.device)
+    grid = (max(1, min(num_items, programs // layer_groups)), layer_groups)
     return LaunchShape(config, span, access, min(access, 4), chunk_vecs, num_items, grid)
+
+
+class _Prepared(NamedTuple):
+    """Everything of a copy launch that depends on the tables and the plan's shape only."""
+
+    grid: tuple[int, int]
+    args: tuple  # the kernel's arguments before the plan tensors
+    sizes: tuple  # the int arguments after the plan strides
+    constexprs: dict
+
+
+def _prepare(dst: RowTable, src: RowTable, device: torch.device, rows: int, cols: int, *,
+             pages: bool, kernel: str, config: Optional[CopyConfig]) -> _Prepared:
+    _kernel_device(dst, src, device)
+    shape = launch_shape(dst, src, rows, cols, pages=pages, kernel=kernel, config=config,
+                         device=device)
+    word = shape.word_bytes
+    config = shape.config
+    return _Prepared(
+        shape.grid,
+        (dst.word_view(word), src.word_view(word), dst.device_offsets(device),
+         src.device_offsets(device)),
+        (rows, cols, dst.num_layers, shape.num_items,
+         src.block_stride, src.num_blocks if pages else src.num_rows,
+         dst.block_stride, dst.num_blocks if pages else dst.num_rows,
+         shape.span_bytes // shape.access_bytes),
+        dict(SRC_PER_BLOCK=1 if pages else src.block_size,
+             DST_PER_BLOCK=1 if pages else dst.block_size,
+             STORE_CACHE=".cs" if kernel in ("backup", "spill") else "",
+             COLS=config.rows_per_program, LAYERS=config.layers_per_program,
+             CHUNK_VECS=shape.chunk_vecs, VEC=shape.access_bytes // word, WORD_BYTES=word,
+             num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def _plan_strides(ids: torch.Tensor) -> tuple[int, int, int]:
+    strides = ids.stride()
+    return strides if len(strides) == 3 else (0, *strides)
 
 
 def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: torch.Tensor,
@@ -202,42 +267,42 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
 
     ``pages=False``: rows (``copy_rows`` semantics); ``pages=True``: whole blocks
     (``copy_pages`` semantics). ``kernel`` names the default config (``tuning.default_config``)
-    used when ``config`` is None. Reads no tensor values on the host (the tables' offsets are
-    validated once per table), so it does not synchronise with the device.
+    used when ``config`` is None. Reads no tensor values on the host, so it does not
+    synchronise with the device. What depends only on the tables and the plan's shape (launch
+    shape, word views, offsets, pool checks) is prepared once and cached on ``dst``.
     """
     check_copy_args(dst, src, src_ids, dst_ids, counts, pages=pages)
-    device = _kernel_device(dst, src, src_ids)
-    num_layers = dst.num_layers
-    rows, cols = src_ids.shape[-2:]
+    shape = src_ids.shape
+    rows, cols = shape[-2], shape[-1]
     if rows == 0 or cols == 0:
         return
-    shape = launch_shape(dst, src, rows, cols, pages=pages, kernel=kernel, config=config)
-    config = shape.config
-    word = shape.word_bytes
-
-    def plan_strides(ids: torch.Tensor) -> tuple[int, int, int]:
-        return (ids.stride(0), ids.stride(1), ids.stride(2)) if ids.dim() == 3 \
-            else (0, ids.stride(0), ids.stride(1))
-
+    device = src_ids.device
+    dst.check_pool()
+    src.check_pool()
+    key = ("copy", src, device, rows, cols, pages, kernel, config, dst.pool.data_ptr(),
+           src.pool.data_ptr())
+    prepared = dst.cached(key, lambda: _prepare(dst, src, device, rows, cols, pages=pages,
+                                                kernel=kernel, config=config))
     has_counts = counts is not None
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        copy_rows_kernel[shape.grid](
-            _word_view(dst.pool, word), _word_view(src.pool, word),
-            dst.layer_offsets, src.layer_offsets,
+    with _device_guard(src_ids):
+        copy_rows_kernel[prepared.grid](
+            *prepared.args,
             src_ids, dst_ids, counts if has_counts else src_ids,
-            *plan_strides(src_ids), *plan_strides(dst_ids),
+            *_plan_strides(src_ids), *_plan_strides(dst_ids),
             counts.stride(0) if has_counts else 0,
-            rows, cols, num_layers, shape.num_items,
-            1 if pages else src.block_size, src.block_stride,
-            src.num_blocks if pages else src.num_rows,
-            1 if pages else dst.block_size, dst.block_stride,
-            dst.num_blocks if pages else dst.num_rows,
-            shape.span_bytes // shape.access_bytes,
-            HAS_COUNTS=has_counts, COLS=config.rows_per_program,
-            LAYERS=config.layers_per_program, CHUNK_VECS=shape.chunk_vecs,
-            VEC=shape.access_bytes // word, WORD_BYTES=word,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+            *prepared.sizes,
+            HAS_COUNTS=has_counts, **prepared.constexprs)
+
+
+_NO_GUARD = nullcontext()
+
+
+def _device_guard(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it ``tensor``'s (a no-op context
+    when it already is, or off CUDA)."""
+    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return _NO_GUARD
 
 
 def gather_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,

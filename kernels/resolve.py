@@ -1,93 +1,103 @@
-"""Residency resolution on the device: ``resolve`` as five short Triton launches, no host sync.
+"""Residency resolution on the device: ``resolve`` as ONE Triton launch, one program per row.
 
-``resolve`` has exactly the signature, return type and semantics of
-``hisparse_triton.reference.resolve`` (read that docstring for the rules, including the
-corrupted-state rules); this module only says how the device computes it.
+``resolve`` has the signature, return type and semantics of ``hisparse_triton.reference.resolve``
+(read that docstring for the rules, the corrupted-state rules and the optional ``counters``,
+``out`` and ``workspace`` arguments); this module only says how the device computes it.
+
+Shape of the computation: grid ``(R,)``; the program of batch row ``r`` resolves it from start
+to finish (as vLLM and SGLang do: one CTA per request), in phases separated by CTA barriers
+(``tl.debug_barrier()`` = ``bar.sync``), with per-row scratch tables in global memory (the
+workspace) where one phase hands data to the next. So a resolve is one launch whatever the
+top-k width or hot-buffer size, and counters are added by the same launch (three integer
+``atomic_add`` per row): resolve + gather + counters is two launches per index group.
 
 How hits are found: sort + binary search, no per-request map.
-    For each batch row the ``K`` columns that go to the host path get the int64 key
-    ``g * BLOCK_K + column`` (``BLOCK_K`` = ``K`` padded to a power of two; every other column
-    gets ``2**62 + column`` so it sorts last and still names its column). One ``tl.sort`` per
-    row leaves equal host rows ``g`` in runs, ordered by column, so the first key of a run is
-    the first occurrence. Every hot slot then binary-searches its held host row in its row's
-    sorted keys (``log2(BLOCK_K)`` gathers: 11 for ``K = 2048``), which is slot-parallel and
-    independent of how many slots exist. The alternatives cost more: a dense
-    position -> slot map is ~20 MB per request on DeepSeek-V3.2 and must be kept coherent; a
-    hash table needs atomics, probing and deletion; a slot-side sort costs ``H log H`` with
-    ``H`` up to 32768 per row, against ``K log K + H log K`` here.
+    Every column that goes to the host path gets the key ``g * W + column`` (``W`` = top-k
+    rounded up to a power of two; other columns get ``SENTINEL + column``, so they sort last).
+    Sorting a row's keys puts equal host rows ``g`` in runs ordered by column: the first key
+    of a run is the first occurrence. Every hot slot binary-searches its held host row among
+    the sorted keys (``log2 W`` probes: 11 for top-k 2048). Keys are int32 when
+    ``(num_host_blocks * block_size + 1) * W <= 2**31`` (exact: a host key is below
+    ``2**31 - W``, the sentinel base) and int64 otherwise, which production host pools need
+    (keying by the token position would fit 29 bits, but a slot holds a host row, and a
+    position's host row can change under it, so that key would not be exact).
+    Up to ``SORT`` keys (``MAX_SORT_WIDTH`` = 2048) are sorted in registers and searched
+    there with ``tl.gather`` (``GATHER_SEARCH``); wider rows sort ``SORT``-key tiles in
+    registers and merge them in the row's scratch (``log2(W / SORT)`` passes, each key placed
+    by a binary search of the partner run), then search the scratch. LRU positions are
+    processed ``BLOCK_H`` (up to ``MAX_BLOCK_H`` = 4096) at a time, so neither width spills
+    registers or needs more shared memory than one tile. 16 warps for tiles of 2048 and
+    more: the compile report measured ~110-130 registers per thread there, against ~200-220
+    with 8 warps (one CTA per SM either way; the grid is one program per request).
 
-Where atomics are used, and why they do not decide hits: in a valid state every host row is
-held by at most one slot and every slot appears once in the LRU, so the two ``atomic_min`` below
-each see a single writer per address and act as plain stores. They exist so that a corrupted
-state (a slot named twice in ``lru``, two slots holding one host row) still resolves
-deterministically: the earliest LRU position wins, exactly as the reference says.
+Phases of one program (state row ``st``; ``p`` = LRU position, ``slot = lru[st, p]``):
+0. Repeated state row: a row whose state row an earlier batch row names is padding (scans
+   ``state_rows[:r]``); padding rows write -1 / zeros and touch no state.
+1. Columns: classify (masked / resident / host row ``g``), write the outputs of masked and
+   resident columns, build and sort the keys (merge passes for wide rows); reset run winners.
+2. Snapshot the row's ``lru`` and ``slot_host_rows`` into the workspace (what the later
+   phases read, and what ``restore_resolve_state`` writes back), reset slot owners;
+   ``atomic_min(owner[slot], p)``: the first LRU position naming a slot makes it valid.
+3. Per position: valid?, held row, binary search; a found run gets ``atomic_min(run_pos[run],
+   p)`` (earliest serving position); class 0 (valid) / 2 (invalid) stored.
+4. Walk the sorted keys: a run with a winner is a hit (its columns get the slot's device row,
+   its winner's class becomes 1 = serving); the first column of every missed run is flagged in
+   column order; ``tl.cumsum`` numbers the misses in column order; a second walk writes
+   ``miss_src`` and each miss column's number.
+5. Per position (one running ``tl.cumsum`` packs the evictable and serving ranks; invalid
+   ranks follow): its new LRU position, written with one scatter; the ``m``-th evictable
+   slot takes miss ``m`` (``miss_dst``, ``slot_host_rows``).
+6. Miss columns read their slot's device row; plan tails -1; stats, ``miss_count``, counters.
 
-Launches (``R`` batch rows, ``NC = cdiv(H, BLOCK_H)`` LRU chunks):
-1. ``_resolve_sort_kernel``, grid ``(R, 1 + NC)``: program 0 of a row classifies its columns
-   (masked / resident / host row ``g``), writes the outputs of masked and resident columns,
-   sorts the keys into scratch and resets the run table; programs ``1..NC`` reset the
-   slot-owner table.
-2. ``_resolve_search_kernel``, grid ``(R, NC)``, one lane per LRU position: load the slot id,
-   ``atomic_min`` its position into ``owner[slot]`` (first occurrence = valid), load the held
-   host row, binary-search it; a found position ``atomic_min``s itself into the run's entry.
-3. ``_resolve_classify_kernel``, grid ``(R, NC + 1)``: programs ``< NC`` classify each LRU
-   position (serving hit / evictable / invalid), count both per chunk and copy the old LRU;
-   program ``NC`` walks the sorted keys of its row: hit runs write their columns' device rows,
-   miss runs are numbered in column order (scatter flags to column order, ``tl.cumsum``,
-   gather back) and write ``miss_src``.
-4. ``_resolve_lru_kernel``, grid ``(R, NC)``: prefix over the chunk counts + ``tl.cumsum``
-   inside the chunk give every position its evictable / hit / invalid rank, hence its new LRU
-   position; the permutation is rewritten with one scatter. The ``m``-th evictable slot takes
-   miss ``m``: it writes ``miss_dst[m]`` and its new ``slot_host_rows`` entry.
-5. ``_resolve_finalize_kernel``, grid ``(R,)``: miss columns read their slot's device row from
-   ``miss_dst``, the plan tails are set to -1, stats and ``miss_count`` are written.
-Every phase but the per-row sort and the two per-row column walks is LRU-chunk parallel, so the
-grid grows with ``H`` and not only with the batch.
+Ordering on a GPU: every hand-over between threads of the program through global memory is
+separated by ``bar.sync``, which orders the global accesses of all threads of the CTA before
+those after it (CUDA's ``__syncthreads`` guarantee; writer and reader share an SM). Tables
+written by atomics (slot owners, run winners) are read with ``.cg`` loads (from L2, where
+atomics resolve). Triton emits loads as side-effecting inline PTX, so nothing is hoisted
+across a barrier. The two ``atomic_min`` see one writer per address in a valid state; they only
+make corrupted states (a slot named twice, two slots holding one row) deterministic.
 
-Ordering on a GPU: no program reads what another program of the same launch writes; every
-hand-over between programs crosses a launch boundary. The one hand-over between threads of one
-program through global memory (phase 3's column-order numbering in ``colbuf``) is fenced with
-``tl.debug_barrier()`` = ``bar.sync``, which orders the global stores of all threads of the CTA
-before the loads after it (CUDA's ``__syncthreads`` guarantee; writer and reader share an SM,
-so cached or vectorised loads see the stores). Triton emits loads as side-effecting inline
-PTX ``ld.global`` (never ``ld.global.nc``), so neither LLVM nor ptxas hoists them across it.
-The launcher makes the tensors' device the current CUDA device (Triton launches there).
-
-Costs (reasoned, not yet measured on a GPU) at 64 rows x K 2048 x H 4096: the sort is the only
-super-linear step (a bitonic sort of 2048 int64 keys per row, 66 compare-exchange stages, 8
-warps); the search does 11 dependent loads per slot from a 16 KB row of keys that stays in
-L1/L2; everything else streams ``[R, H]`` int32 scratch and ``[R, K]`` outputs (~10 MB in all,
-a few microseconds of HBM). Five launches cost ~1 us each when replayed from a CUDA graph.
-``BLOCK_K`` is one tile per program, so top-k much beyond 4096 would spill registers.
-
-Safety: every load and store is masked to in-range indices computed in int64 (``state_rows``
-outside ``[0, S)`` -> padding; pages ``< P``; slots ``< H``; new LRU positions are a bijection
-onto ``[0, H)`` by construction and masked anyway). The launcher validates shapes, dtypes and
-devices only; it never reads tensor values, so it is CUDA-graph capturable (all outputs and
-scratch have shapes fixed by the inputs' shapes).
+Safety: every access is masked to in-range indices computed in int64 (state rows outside
+``[0, S)`` -> padding; pages ``< P``; slots ``< H``; new LRU positions are a bijection onto
+``[0, H)`` and masked anyway). The launcher validates shapes, dtypes and devices only; it
+never reads tensor values, so it is CUDA-graph capturable (with a workspace, a repeated call
+allocates nothing).
 """
 
 from __future__ import annotations
 
-import math
 import os
-from contextlib import nullcontext
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.reference import ResolveResult, _check_resolve_args
+from hisparse_triton.reference import (
+    ResolveResult,
+    _check_resolve_args,
+    restore_resolve_state,
+)
+from hisparse_triton.kernels.gather import _device_guard
+from hisparse_triton.resolve_workspace import ResolveWorkspace, scratch_width
+from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see there)
 
-__all__ = ["resolve"]
+__all__ = ["GATHER_SEARCH", "MAX_BLOCK_H", "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH",
+           "ResolveWorkspace", "resolve", "restore_resolve_state"]
 
-_SENTINEL = 1 << 62  # key base of columns that do not go to the host path
+#: Most keys sorted in registers by one program; wider rows are merged in scratch.
+MAX_SORT_WIDTH = 2048
+#: Most LRU positions one program handles per step.
+MAX_BLOCK_H = 4096
+#: Search the sorted keys in registers with ``tl.gather`` (when one tile holds them all)
+#: instead of in the row's key scratch.
+GATHER_SEARCH = True
+
 _I32_MAX = 2**31 - 1
-_MAX_BLOCK_H = 1024
+_SENTINEL64 = 1 << 62
 # The same constants as seen inside @triton.jit bodies (jit globals must be tl.constexpr).
-_SENTINEL_K = tl.constexpr(_SENTINEL)
 _I32_MAX_K = tl.constexpr(_I32_MAX)
+_SENTINEL64_K = tl.constexpr(_SENTINEL64)
 
 
 @triton.jit
@@ -96,271 +106,384 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _slot_device_row(hot_ptr, st64, stride_hot_s, stride_hot_b, slot64, mask, num_device_blocks,
+def _key_at(tile, keys_row, idx, IN_REGS: tl.constexpr):
+    """Sorted key number ``idx`` of the row: from the register tile that holds all of them,
+    or from the row's key scratch."""
+    if IN_REGS:
+        return tl.gather(tile, idx, 0)
+    else:
+        return tl.load(keys_row + idx)
+
+
+@triton.jit
+def _lower_bound(tile, keys_row, target, N: tl.constexpr, LOG2_N: tl.constexpr,
+                 IN_REGS: tl.constexpr):
+    """For each ``target``: the index in ``[0, N)`` of the first of ``N`` sorted keys that is
+    ``>= target``, or ``N - 1`` when every key is smaller (callers check the key there)."""
+    lo = tl.zeros_like(target).to(tl.int32)
+    for i in tl.static_range(LOG2_N):
+        step = (N // 2) >> i
+        probe = _key_at(tile, keys_row, lo + (step - 1), IN_REGS)
+        lo = tl.where(probe < target, lo + step, lo)
+    return lo
+
+
+@triton.jit
+def _slot_device_row(hot_row, stride_hot_b, slot, mask, num_device_blocks,
                      BLOCK_SIZE: tl.constexpr):
-    """Device row of hot slot ``slot64`` of state row ``st64`` (int64), -1 for a bad hot block."""
-    blk = tl.load(hot_ptr + st64 * stride_hot_s + (slot64 // BLOCK_SIZE) * stride_hot_b,
-                  mask=mask, other=0).to(tl.int64)
-    ok = (blk >= 1) & (blk < num_device_blocks)
+    """Device row (int64) of hot slot ``slot`` of the row's hot region; -1 for a bad block."""
+    slot64 = tl.where(mask, slot, 0).to(tl.int64)
+    blk = tl.load(hot_row + (slot64 // BLOCK_SIZE) * stride_hot_b, mask=mask, other=0)
+    blk = blk.to(tl.int64)
+    ok = mask & (blk >= 1) & (blk < num_device_blocks)
     return tl.where(ok, blk * BLOCK_SIZE + slot64 % BLOCK_SIZE, -1)
 
 
 @triton.jit
-def _resolve_sort_kernel(
-    topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr,
-    rows_ptr, keys_ptr, run_pos_ptr, owner_ptr,
-    K, S, P, H,
-    stride_tk_r, stride_tk_c, stride_sr, stride_seq,
-    stride_res_s, stride_res_p, stride_host_s, stride_host_p,
-    num_device_blocks, num_host_blocks,
-    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    r64 = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
-    if pid == 0:
-        st = tl.load(state_rows_ptr + r64 * stride_sr)
-        row_ok = (st >= 0) & (st < S)
-        st64 = tl.where(row_ok, st, 0).to(tl.int64)
-        c = tl.arange(0, BLOCK_K)
-        cm = c < K
-        pos = tl.load(topk_ptr + r64 * stride_tk_r + c * stride_tk_c, mask=cm, other=-1)
-        pos = pos.to(tl.int64)
-        seq = tl.load(seq_lens_ptr + st64 * stride_seq, mask=row_ok, other=0).to(tl.int64)
-        posc = tl.maximum(pos, 0)
-        page = posc // BLOCK_SIZE
-        off = posc % BLOCK_SIZE
-        inr = cm & row_ok & (pos >= 0) & (pos < seq) & (page < P)
-        rb = tl.load(resident_ptr + st64 * stride_res_s + page * stride_res_p, mask=inr,
-                     other=0).to(tl.int64)
-        res = inr & (rb >= 1) & (rb < num_device_blocks)
-        hb = tl.load(host_ptr + st64 * stride_host_s + page * stride_host_p, mask=inr & ~res,
-                     other=0).to(tl.int64)
-        hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
-        out = tl.where(res, rb * BLOCK_SIZE + off, -1)
-        tl.store(rows_ptr + r64 * K + c, out.to(tl.int32), mask=cm)
-        c64 = c.to(tl.int64)
-        key = tl.where(hok, (hb * BLOCK_SIZE + off) * BLOCK_K + c64, c64 + _SENTINEL_K)
-        if row_ok:  # a padding row's keys (sentinel + column) are already sorted
-            key = tl.sort(key)
-        tl.store(keys_ptr + r64 * BLOCK_K + c, key)
-        tl.store(run_pos_ptr + r64 * BLOCK_K + c, tl.full([BLOCK_K], _I32_MAX_K, tl.int32))
+def _sorted_tile(tile, keys_row, run_pos_row, j0, carry, KEY64: tl.constexpr,
+                 LOG2_K: tl.constexpr, BLOCK_K: tl.constexpr, SORT: tl.constexpr,
+                 IN_REGS: tl.constexpr):
+    """Sorted keys ``j0 .. j0 + SORT`` of the row: host path?, host row, column, first of its
+    run?, sorted index where its run starts (``carry``: the run open at ``j0``), the run's
+    serving LRU position (``INT32_MAX`` = none: a miss) and the carry for the next tile."""
+    j = j0 + tl.arange(0, SORT)
+    if IN_REGS:
+        key = tile
     else:
-        p = (pid - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        tl.store(owner_ptr + r64 * H + p, tl.full([BLOCK_H], _I32_MAX_K, tl.int32), mask=p < H)
-
-
-@triton.jit
-def _resolve_search_kernel(
-    state_rows_ptr, slot_rows_ptr, lru_ptr, keys_ptr, run_pos_ptr, owner_ptr, pos_run_ptr,
-    S, H,
-    stride_sr, stride_shr_s, stride_shr_h, stride_lru_s, stride_lru_h,
-    num_host_rows,
-    BLOCK_K: tl.constexpr, LOG2_K: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    r64 = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    st = tl.load(state_rows_ptr + r64 * stride_sr)
-    row_ok = (st >= 0) & (st < S)
-    st64 = tl.where(row_ok, st, 0).to(tl.int64)
-    pm = (p < H) & row_ok
-    slot = tl.load(lru_ptr + st64 * stride_lru_s + p.to(tl.int64) * stride_lru_h, mask=pm,
-                   other=-1)
-    sv = pm & (slot >= 0) & (slot < H)
-    slot64 = tl.where(sv, slot, 0).to(tl.int64)
-    tl.atomic_min(owner_ptr + r64 * H + slot64, p, mask=sv, sem="relaxed")
-    held = tl.load(slot_rows_ptr + st64 * stride_shr_s + slot64 * stride_shr_h, mask=sv,
-                   other=-1).to(tl.int64)
-    ok = sv & (held >= 0) & (held < num_host_rows)
-    target = held * BLOCK_K
-    keys = keys_ptr + r64 * BLOCK_K
-    lo = tl.zeros([BLOCK_H], dtype=tl.int32)
-    for i in tl.static_range(LOG2_K):  # lower bound of target among BLOCK_K sorted keys
-        step = (BLOCK_K // 2) >> i
-        probe = tl.load(keys + lo + (step - 1), mask=ok, other=0)
-        lo = tl.where(probe < target, lo + step, lo)
-    hit_key = tl.load(keys + lo, mask=ok, other=-1)
-    found = ok & ((hit_key >> LOG2_K) == held)
-    tl.atomic_min(run_pos_ptr + r64 * BLOCK_K + lo, p, mask=found, sem="relaxed")
-    tl.store(pos_run_ptr + r64 * H + p, tl.where(found, lo, -1), mask=p < H)
-
-
-@triton.jit
-def _resolve_classify_kernel(
-    state_rows_ptr, lru_ptr, hot_ptr, keys_ptr, run_pos_ptr, owner_ptr, pos_run_ptr,
-    cls_ptr, lru_copy_ptr, counts_ptr, colbuf_ptr, colm_ptr, n_miss_ptr, rows_ptr, miss_src_ptr,
-    K, S, H, NC,
-    stride_sr, stride_lru_s, stride_lru_h, stride_hot_s, stride_hot_b,
-    num_device_blocks,
-    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    r64 = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
-    st = tl.load(state_rows_ptr + r64 * stride_sr)
-    row_ok = (st >= 0) & (st < S)
-    st64 = tl.where(row_ok, st, 0).to(tl.int64)
-    if pid < NC:
-        # LRU positions of this chunk: 0 = evictable, 1 = serving hit, 2 = invalid.
-        p = pid * BLOCK_H + tl.arange(0, BLOCK_H)
-        inb = p < H
-        pm = inb & row_ok
-        slot = tl.load(lru_ptr + st64 * stride_lru_s + p.to(tl.int64) * stride_lru_h, mask=pm,
-                       other=-1)
-        sv = pm & (slot >= 0) & (slot < H)
-        first = tl.load(owner_ptr + r64 * H + tl.where(sv, slot, 0), mask=sv, other=-1)
-        valid = sv & (first == p)
-        run = tl.load(pos_run_ptr + r64 * H + p, mask=pm, other=-1)
-        winner = tl.load(run_pos_ptr + r64 * BLOCK_K + tl.where(run >= 0, run, 0),
-                         mask=pm & (run >= 0), other=-1)
-        serving = pm & (run >= 0) & (winner == p)
-        evict = valid & ~serving
-        cls = tl.where(serving, 1, tl.where(evict, 0, 2))
-        tl.store(cls_ptr + r64 * H + p, cls.to(tl.int8), mask=inb)
-        tl.store(lru_copy_ptr + r64 * H + p, slot, mask=inb)
-        tl.store(counts_ptr + (r64 * NC + pid) * 2, tl.sum(evict.to(tl.int32), axis=0))
-        tl.store(counts_ptr + (r64 * NC + pid) * 2 + 1, tl.sum(serving.to(tl.int32), axis=0))
+        key = tl.load(keys_row + j)
+    if KEY64:
+        host = key < _SENTINEL64_K
     else:
-        # The row's sorted keys: runs of equal host rows, first key = first occurrence.
-        j = tl.arange(0, BLOCK_K)
-        keys = keys_ptr + r64 * BLOCK_K
-        key = tl.load(keys + j)
-        host = key < _SENTINEL_K
-        g = key >> LOG2_K
-        col = (key & (BLOCK_K - 1)).to(tl.int32)
-        prev = tl.load(keys + j - 1, mask=j > 0, other=-1)
-        start = host & ((j == 0) | ((prev >> LOG2_K) != g))
-        run_at = tl.associative_scan(tl.where(start, j, 0), 0, _max_combine)
-        srv_pos = tl.load(run_pos_ptr + r64 * BLOCK_K + run_at, mask=host, other=_I32_MAX_K)
-        hit = host & (srv_pos != _I32_MAX_K)
-        miss = host & ~hit
-        first_col = (tl.load(keys + run_at, mask=host, other=0) & (BLOCK_K - 1)).to(tl.int32)
-        # Hit columns: the serving slot's device row.
-        srv_slot = tl.load(lru_ptr + st64 * stride_lru_s + srv_pos.to(tl.int64) * stride_lru_h,
-                           mask=hit, other=-1)
-        srv_ok = hit & (srv_slot >= 0) & (srv_slot < H)
-        dev = _slot_device_row(hot_ptr, st64, stride_hot_s, stride_hot_b,
-                               tl.where(srv_ok, srv_slot, 0).to(tl.int64), srv_ok,
-                               num_device_blocks, BLOCK_SIZE)
-        tl.store(rows_ptr + r64 * K + col, tl.where(srv_ok, dev, -1).to(tl.int32), mask=hit)
-        # Miss runs numbered in column order of their first column.
-        cbuf = colbuf_ptr + r64 * BLOCK_K
-        tl.store(cbuf + col, (start & miss).to(tl.int32))  # `col` is a permutation of 0..BLOCK_K
-        tl.debug_barrier()
-        c = tl.arange(0, BLOCK_K)
-        flag = tl.load(cbuf + c)
-        n_miss = tl.sum(flag, axis=0)
-        num = tl.cumsum(flag, axis=0) - 1
-        tl.debug_barrier()
-        tl.store(cbuf + c, tl.where(flag != 0, num, -1))
-        tl.store(n_miss_ptr + r64, n_miss)
-        tl.store(miss_src_ptr + r64 * K + c, tl.full([BLOCK_K], -1, tl.int32),
-                 mask=(c >= n_miss) & (c < K))
-        tl.debug_barrier()
-        m = tl.load(cbuf + first_col, mask=miss, other=-1)
-        tl.store(miss_src_ptr + r64 * K + m, g.to(tl.int32), mask=miss & start)
-        tl.store(colm_ptr + r64 * BLOCK_K + col, tl.where(miss, m, -1))
+        host = key < 2147483648 - BLOCK_K
+    g = key >> LOG2_K
+    col = (key & (BLOCK_K - 1)).to(tl.int32)
+    prev = _key_at(tile, keys_row, tl.maximum(j - 1, 0), IN_REGS)
+    start = host & ((j == 0) | ((prev >> LOG2_K) != g))
+    run_at = tl.associative_scan(tl.where(start, j, -1), 0, _max_combine)
+    run_at = tl.maximum(tl.maximum(run_at, carry), 0)
+    srv = tl.load(run_pos_row + run_at, mask=host, other=_I32_MAX_K, cache_modifier=".cg")
+    return host, g, col, start, run_at, srv, tl.max(run_at, axis=0)
 
 
 @triton.jit
-def _resolve_lru_kernel(
-    state_rows_ptr, lru_ptr, slot_rows_ptr, hot_ptr,
-    cls_ptr, lru_copy_ptr, counts_ptr, n_miss_ptr, n_fill_ptr, miss_src_ptr, miss_dst_ptr,
-    K, S, H, NC,
-    stride_sr, stride_lru_s, stride_lru_h, stride_shr_s, stride_shr_h,
-    stride_hot_s, stride_hot_b,
-    num_device_blocks,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NC: tl.constexpr,
-):
-    r64 = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    st = tl.load(state_rows_ptr + r64 * stride_sr)
-    row_ok = (st >= 0) & (st < S)
-    st64 = tl.where(row_ok, st, 0).to(tl.int64)
-    q = tl.arange(0, BLOCK_NC)
-    qm = q < NC
-    n_ev = tl.load(counts_ptr + (r64 * NC + q) * 2, mask=qm, other=0)
-    n_hit = tl.load(counts_ptr + (r64 * NC + q) * 2 + 1, mask=qm, other=0)
-    E = tl.sum(n_ev, axis=0)
-    NS = tl.sum(n_hit, axis=0)
-    pre_ev = tl.sum(tl.where(q < chunk, n_ev, 0), axis=0)
-    pre_hit = tl.sum(tl.where(q < chunk, n_hit, 0), axis=0)
-    pre_inv = chunk * BLOCK_H - pre_ev - pre_hit
-    n_fill = tl.minimum(tl.load(n_miss_ptr + r64), E)
-    n_fill = tl.where(row_ok, n_fill, 0)
-    tl.store(n_fill_ptr + r64, n_fill, mask=chunk == 0)
-    active = row_ok & (NS + n_fill > 0)
-
-    p = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-    pm = (p < H) & active
-    cls = tl.load(cls_ptr + r64 * H + p, mask=pm, other=2)
-    slot = tl.load(lru_copy_ptr + r64 * H + p, mask=pm, other=0)
-    ev = pm & (cls == 0)
-    hit = pm & (cls == 1)
-    inv = pm & (cls == 2)
-    erank = pre_ev + tl.cumsum(ev.to(tl.int32), axis=0) - 1
-    hrank = pre_hit + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-    irank = pre_inv + tl.cumsum(inv.to(tl.int32), axis=0) - 1
-    filled = ev & (erank < n_fill)
-    new_pos = tl.where(ev, tl.where(filled, E - n_fill + erank, erank - n_fill),
-                       tl.where(hit, E + hrank, E + NS + irank))
-    ok = pm & (new_pos >= 0) & (new_pos < H)
-    tl.store(lru_ptr + st64 * stride_lru_s + new_pos.to(tl.int64) * stride_lru_h, slot, mask=ok)
-    # The erank-th evictable slot takes miss erank.
-    fill = filled & (slot >= 0) & (slot < H)
-    slot64 = tl.where(fill, slot, 0).to(tl.int64)
-    src = tl.load(miss_src_ptr + r64 * K + erank, mask=fill, other=-1)
-    dev = _slot_device_row(hot_ptr, st64, stride_hot_s, stride_hot_b, slot64, fill,
-                           num_device_blocks, BLOCK_SIZE)
-    tl.store(miss_dst_ptr + r64 * K + erank, dev.to(tl.int32), mask=fill)
-    tl.store(slot_rows_ptr + st64 * stride_shr_s + slot64 * stride_shr_h, src, mask=fill)
-
-
-@triton.jit
-def _resolve_finalize_kernel(
-    state_rows_ptr, rows_ptr, colm_ptr, n_fill_ptr, miss_src_ptr, miss_dst_ptr,
-    miss_count_ptr, stats_ptr,
-    K, S, stride_sr,
-    BLOCK_K: tl.constexpr,
-):
-    r64 = tl.program_id(0).to(tl.int64)
-    st = tl.load(state_rows_ptr + r64 * stride_sr)
-    row_ok = (st >= 0) & (st < S)
-    n_fill = tl.load(n_fill_ptr + r64)
-    c = tl.arange(0, BLOCK_K)
+def _column_keys(topk_row, stride_tk_c, rows_row, stride_out_c, res_row, stride_res_p,
+                 host_row, stride_host_p, seq, c0, K, P, num_device_blocks, num_host_blocks,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SORT: tl.constexpr,
+                 KEY64: tl.constexpr):
+    """Columns ``c0 .. c0 + SORT``: write the rows of masked and resident columns, return
+    their sort keys, sorted."""
+    c = c0 + tl.arange(0, SORT)
     cm = c < K
-    m = tl.load(colm_ptr + r64 * BLOCK_K + c, mask=cm, other=-1)
-    is_miss = cm & (m >= 0)
-    dst = tl.load(miss_dst_ptr + r64 * K + m, mask=is_miss & (m < n_fill), other=-1)
-    out = tl.load(rows_ptr + r64 * K + c, mask=cm & ~is_miss, other=-1)
-    out = tl.where(is_miss, dst, out)
-    tl.store(rows_ptr + r64 * K + c, out, mask=is_miss)
-    masked = tl.sum((cm & (out == -1)).to(tl.int32), axis=0)
-    tail = cm & (c >= n_fill)
-    tl.store(miss_src_ptr + r64 * K + c, tl.full([BLOCK_K], -1, tl.int32), mask=tail)
-    tl.store(miss_dst_ptr + r64 * K + c, tl.full([BLOCK_K], -1, tl.int32), mask=tail)
-    planned = tl.load(miss_dst_ptr + r64 * K + c, mask=cm & (c < n_fill), other=-1)
-    misses = tl.sum((planned != -1).to(tl.int32), axis=0)
-    tl.store(stats_ptr + r64 * 3, tl.where(row_ok, K - masked - misses, 0))
-    tl.store(stats_ptr + r64 * 3 + 1, tl.where(row_ok, misses, 0))
-    tl.store(stats_ptr + r64 * 3 + 2, tl.where(row_ok, masked, 0))
-    tl.store(miss_count_ptr + r64, n_fill)
+    c64 = c.to(tl.int64)
+    pos = tl.load(topk_row + c64 * stride_tk_c, mask=cm, other=-1).to(tl.int64)
+    posc = tl.maximum(pos, 0)
+    page = posc // BLOCK_SIZE
+    off = posc % BLOCK_SIZE
+    inr = cm & (pos >= 0) & (pos < seq) & (page < P)
+    rb = tl.load(res_row + page * stride_res_p, mask=inr, other=0).to(tl.int64)
+    res = inr & (rb >= 1) & (rb < num_device_blocks)
+    hb = tl.load(host_row + page * stride_host_p, mask=inr & ~res, other=0).to(tl.int64)
+    hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
+    tl.store(rows_row + c64 * stride_out_c, tl.where(res, rb * BLOCK_SIZE + off, -1).to(tl.int32),
+             mask=cm)
+    g = hb * BLOCK_SIZE + off
+    if KEY64:
+        key = tl.where(hok, g * BLOCK_K + c64, c64 + _SENTINEL64_K)
+    else:
+        key = tl.where(hok, (g * BLOCK_K + c64).to(tl.int32), c + (2147483648 - BLOCK_K))
+    return tl.sort(key)
 
 
-def _next_pow2(n: int) -> int:
+@triton.jit
+def _resolve_kernel(
+    topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr, hot_ptr, slot_rows_ptr,
+    lru_ptr,
+    rows_ptr, miss_src_ptr, miss_dst_ptr, miss_count_ptr, stats_ptr,
+    touched_ptr, old_rows_ptr, old_lru_ptr, owner_ptr, cls_ptr, run_pos_ptr, colbuf_ptr,
+    colm_ptr, keys_ptr, keys2_ptr, counters_ptr,
+    K, S, P, H,
+    stride_tk_r, stride_tk_c, stride_sr, stride_seq, stride_res_s, stride_res_p,
+    stride_host_s, stride_host_p, stride_hot_s, stride_hot_b, stride_shr_s, stride_shr_h,
+    stride_lru_s, stride_lru_h, stride_out_r, stride_out_c, stride_cnt,
+    num_device_blocks, num_host_blocks,
+    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_K: tl.constexpr,
+    SORT: tl.constexpr, LOG2_SORT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    KEY64: tl.constexpr, HAS_COUNTERS: tl.constexpr, IN_REGS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    r64 = r.to(tl.int64)
+    st = tl.load(state_rows_ptr + r64 * stride_sr)
+    # Phase 0: a state row named by an earlier batch row makes this row padding.
+    n_same = r * 0
+    for r0 in range(0, r, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        prev = tl.load(state_rows_ptr + rr.to(tl.int64) * stride_sr, mask=rr < r, other=-1)
+        n_same += tl.sum(((prev == st) & (rr < r)).to(tl.int32), axis=0)
+    row_ok = (st >= 0) & (st < S) & (n_same == 0)
+    rows_row = rows_ptr + r64 * stride_out_r
+    plan = r64 * K
+    if row_ok:
+        st64 = st.to(tl.int64)
+        lru_row = lru_ptr + st64 * stride_lru_s
+        shr_row = slot_rows_ptr + st64 * stride_shr_s
+        hot_row = hot_ptr + st64 * stride_hot_s
+        scr_k = r64 * BLOCK_K
+        scr_h = r64 * H
+        num_host_rows = tl.cast(num_host_blocks, tl.int64) * BLOCK_SIZE
+
+        # Phase 1: classify columns, sort keys (register tile, or tiles merged in scratch).
+        seq = tl.load(seq_lens_ptr + st64 * stride_seq).to(tl.int64)
+        topk_row = topk_ptr + r64 * stride_tk_r
+        res_row = resident_ptr + st64 * stride_res_s
+        host_row = host_ptr + st64 * stride_host_s
+        keys_row = keys_ptr + scr_k
+        jt = tl.arange(0, SORT)
+        if IN_REGS:
+            tile = _column_keys(topk_row, stride_tk_c, rows_row, stride_out_c, res_row,
+                                stride_res_p, host_row, stride_host_p, seq, 0, K, P,
+                                num_device_blocks, num_host_blocks, BLOCK_SIZE, BLOCK_K, SORT,
+                                KEY64)
+            tl.store(run_pos_ptr + scr_k + jt, tl.full([SORT], _I32_MAX_K, tl.int32))
+        else:
+            for c0 in range(0, BLOCK_K, SORT):
+                key = _column_keys(topk_row, stride_tk_c, rows_row, stride_out_c, res_row,
+                                   stride_res_p, host_row, stride_host_p, seq, c0, K, P,
+                                   num_device_blocks, num_host_blocks, BLOCK_SIZE, BLOCK_K,
+                                   SORT, KEY64)
+                tl.store(keys_row + c0 + jt, key)
+                tl.store(run_pos_ptr + scr_k + c0 + jt, tl.full([SORT], _I32_MAX_K, tl.int32))
+            if KEY64:  # placeholder: only the register path reads the tile
+                tile = tl.zeros([SORT], tl.int64)
+            else:
+                tile = tl.zeros([SORT], tl.int32)
+            src_row = keys_row
+            dst_row = keys2_ptr + scr_k
+            for lvl in tl.static_range(LOG2_K - LOG2_SORT):  # merge runs of SORT << lvl keys
+                tl.debug_barrier()
+                for i0 in range(0, BLOCK_K, SORT):
+                    i = i0 + jt
+                    key = tl.load(src_row + i)
+                    run = i >> (LOG2_SORT + lvl)
+                    partner = src_row + (run ^ 1) * (SORT << lvl)
+                    lo = _lower_bound(tile, partner, key, SORT << lvl, LOG2_SORT + lvl, False)
+                    rank = lo + (tl.load(partner + lo) < key).to(tl.int32)
+                    dest = (run >> 1) * (SORT << (lvl + 1)) + (i & ((SORT << lvl) - 1)) + rank
+                    tl.store(dst_row + dest, key)
+                src_row, dst_row = dst_row, src_row
+            keys_row = src_row
+
+        # Phase 2: snapshot the row's state, reset slot owners, then claim them.
+        tl.store(touched_ptr + r64, 1)
+        for h0 in range(0, H, BLOCK_H):
+            p = h0 + tl.arange(0, BLOCK_H)
+            pm = p < H
+            p64 = p.to(tl.int64)
+            tl.store(old_lru_ptr + scr_h + p64, tl.load(lru_row + p64 * stride_lru_h, mask=pm),
+                     mask=pm)
+            tl.store(old_rows_ptr + scr_h + p64, tl.load(shr_row + p64 * stride_shr_h, mask=pm),
+                     mask=pm)
+            tl.store(owner_ptr + scr_h + p64, tl.full([BLOCK_H], _I32_MAX_K, tl.int32), mask=pm)
+        tl.debug_barrier()
+        for h0 in range(0, H, BLOCK_H):
+            p = h0 + tl.arange(0, BLOCK_H)
+            pm = p < H
+            slot = tl.load(old_lru_ptr + scr_h + p, mask=pm, other=-1)
+            sv = pm & (slot >= 0) & (slot < H)
+            tl.atomic_min(owner_ptr + scr_h + tl.where(sv, slot, 0), p, mask=sv, sem="relaxed")
+        tl.debug_barrier()
+
+        # Phase 3: valid positions search their held host row among the sorted keys.
+        n_valid = r * 0
+        for h0 in range(0, H, BLOCK_H):
+            p = h0 + tl.arange(0, BLOCK_H)
+            pm = p < H
+            slot = tl.load(old_lru_ptr + scr_h + p, mask=pm, other=-1)
+            sv = pm & (slot >= 0) & (slot < H)
+            slot_c = tl.where(sv, slot, 0)
+            first = tl.load(owner_ptr + scr_h + slot_c, mask=sv, other=-1, cache_modifier=".cg")
+            valid = sv & (first == p)
+            n_valid += tl.sum(valid.to(tl.int32), axis=0)
+            held = tl.load(old_rows_ptr + scr_h + slot_c, mask=valid, other=-1).to(tl.int64)
+            hv = valid & (held >= 0) & (held < num_host_rows)
+            if KEY64:
+                target = tl.where(hv, held, 0) * BLOCK_K
+            else:
+                target = (tl.where(hv, held, 0) * BLOCK_K).to(tl.int32)
+            lo = _lower_bound(tile, keys_row, target, BLOCK_K, LOG2_K, IN_REGS)
+            found = hv & ((_key_at(tile, keys_row, lo, IN_REGS) >> LOG2_K) == held)
+            tl.atomic_min(run_pos_ptr + scr_k + lo, p, mask=found, sem="relaxed")
+            tl.store(cls_ptr + scr_h + p, tl.where(valid, 0, 2), mask=pm)
+        tl.debug_barrier()
+
+        # Phase 4a: hit runs write their columns' rows and mark their serving position;
+        # first columns of missed runs are flagged in column order.
+        n_serving = r * 0
+        carry = r * 0 - 1
+        for j0 in range(0, BLOCK_K, SORT):
+            host, g, col, start, run_at, srv, carry = _sorted_tile(
+                tile, keys_row, run_pos_ptr + scr_k, j0, carry, KEY64, LOG2_K, BLOCK_K, SORT,
+                IN_REGS)
+            hit = host & (srv != _I32_MAX_K)
+            n_serving += tl.sum((start & hit).to(tl.int32), axis=0)
+            srv_c = tl.where(hit, srv, 0)
+            tl.store(cls_ptr + scr_h + srv_c, tl.full([SORT], 1, tl.int32), mask=start & hit)
+            srv_slot = tl.load(old_lru_ptr + scr_h + srv_c, mask=hit, other=-1)
+            dev = _slot_device_row(hot_row, stride_hot_b, srv_slot, hit, num_device_blocks,
+                                   BLOCK_SIZE)
+            tl.store(rows_row + col.to(tl.int64) * stride_out_c, dev.to(tl.int32), mask=hit)
+            tl.store(colbuf_ptr + scr_k + col, (start & ~hit).to(tl.int32))
+        tl.debug_barrier()
+        # Phase 4b: number the missed runs in column order of their first column.
+        n_miss = r * 0
+        for c0 in range(0, BLOCK_K, SORT):
+            c = c0 + jt
+            flag = tl.load(colbuf_ptr + scr_k + c)
+            num = n_miss + tl.cumsum(flag, axis=0) - 1
+            n_miss += tl.sum(flag, axis=0)
+            tl.store(colbuf_ptr + scr_k + c, tl.where(flag != 0, num, -1))
+        tl.debug_barrier()
+        # Phase 4c: the plan's host rows, and each miss column's miss number.
+        carry = r * 0 - 1
+        for j0 in range(0, BLOCK_K, SORT):
+            host, g, col, start, run_at, srv, carry = _sorted_tile(
+                tile, keys_row, run_pos_ptr + scr_k, j0, carry, KEY64, LOG2_K, BLOCK_K, SORT,
+                IN_REGS)
+            miss = host & (srv == _I32_MAX_K)
+            first_col = (_key_at(tile, keys_row, run_at, IN_REGS) & (BLOCK_K - 1)).to(tl.int32)
+            m = tl.load(colbuf_ptr + scr_k + first_col, mask=miss, other=-1)
+            tl.store(miss_src_ptr + plan + m, g.to(tl.int32), mask=miss & start)
+            tl.store(colm_ptr + scr_k + col, tl.where(miss, m, -1))
+        tl.debug_barrier()
+
+        # Phase 5: new LRU order (one scatter) and the fills of the evictable slots.
+        n_evict = n_valid - n_serving
+        n_fill = tl.minimum(n_miss, n_evict)
+        active = (n_serving + n_fill) > 0
+        ev_carry = r * 0
+        hit_carry = r * 0
+        for h0 in range(0, H, BLOCK_H):
+            p = h0 + tl.arange(0, BLOCK_H)
+            pm = p < H
+            cls = tl.load(cls_ptr + scr_h + p, mask=pm, other=3)
+            slot = tl.load(old_lru_ptr + scr_h + p, mask=pm, other=-1)
+            ev = cls == 0
+            hit = cls == 1
+            # One scan for both ranks (BLOCK_H < 2**16); invalid ranks follow from them.
+            both = tl.cumsum(ev.to(tl.int32) + (hit.to(tl.int32) << 16), axis=0)
+            erank = ev_carry + (both & 0xFFFF) - 1
+            hrank = hit_carry + (both >> 16) - 1
+            irank = (p + 1 - ev_carry - hit_carry) - (both & 0xFFFF) - (both >> 16) - 1
+            ev_carry += tl.sum(ev.to(tl.int32), axis=0)
+            hit_carry += tl.sum(hit.to(tl.int32), axis=0)
+            filled = ev & (erank < n_fill)
+            new_pos = tl.where(ev, tl.where(filled, n_evict - n_fill + erank, erank - n_fill),
+                               tl.where(hit, n_evict + hrank, n_evict + n_serving + irank))
+            ok = pm & active & (new_pos >= 0) & (new_pos < H)
+            tl.store(lru_row + new_pos.to(tl.int64) * stride_lru_h, slot, mask=ok)
+            src = tl.load(miss_src_ptr + plan + erank, mask=filled, other=-1)
+            dev = _slot_device_row(hot_row, stride_hot_b, slot, filled, num_device_blocks,
+                                   BLOCK_SIZE)
+            tl.store(miss_dst_ptr + plan + erank, dev.to(tl.int32), mask=filled)
+            tl.store(shr_row + tl.where(filled, slot, 0).to(tl.int64) * stride_shr_h, src,
+                     mask=filled)
+        tl.debug_barrier()
+
+        # Phase 6: miss columns' rows, plan tails, counts.
+        n_masked = r * 0
+        n_planned = r * 0
+        for c0 in range(0, K, SORT):
+            c = c0 + jt
+            cm = c < K
+            c64 = c.to(tl.int64)
+            m = tl.load(colm_ptr + scr_k + c, mask=cm, other=-1)
+            is_miss = cm & (m >= 0)
+            dst = tl.load(miss_dst_ptr + plan + m, mask=is_miss & (m < n_fill), other=-1)
+            out = tl.load(rows_row + c64 * stride_out_c, mask=cm & ~is_miss, other=-1)
+            out = tl.where(is_miss, dst, out)
+            tl.store(rows_row + c64 * stride_out_c, out, mask=is_miss)
+            n_masked += tl.sum((cm & (out == -1)).to(tl.int32), axis=0)
+            tail = cm & (c >= n_fill)
+            tl.store(miss_src_ptr + plan + c, tl.full([SORT], -1, tl.int32), mask=tail)
+            tl.store(miss_dst_ptr + plan + c, tl.full([SORT], -1, tl.int32), mask=tail)
+            planned = tl.load(miss_dst_ptr + plan + c, mask=cm & (c < n_fill), other=-1)
+            n_planned += tl.sum((planned != -1).to(tl.int32), axis=0)
+        hits = K - n_masked - n_planned
+        tl.store(stats_ptr + r64 * 3, hits)
+        tl.store(stats_ptr + r64 * 3 + 1, n_planned)
+        tl.store(stats_ptr + r64 * 3 + 2, n_masked)
+        tl.store(miss_count_ptr + r64, n_fill)
+        if HAS_COUNTERS:
+            tl.atomic_add(counters_ptr, hits.to(tl.int64), sem="relaxed")
+            tl.atomic_add(counters_ptr + stride_cnt, n_planned.to(tl.int64), sem="relaxed")
+            tl.atomic_add(counters_ptr + 2 * stride_cnt, n_masked.to(tl.int64), sem="relaxed")
+    else:
+        # Padding (or a repeated state row): -1 everywhere, zero counts, no state touched.
+        neg = tl.full([SORT], -1, tl.int32)
+        for c0 in range(0, K, SORT):
+            c = c0 + tl.arange(0, SORT)
+            cm = c < K
+            tl.store(rows_row + c.to(tl.int64) * stride_out_c, neg, mask=cm)
+            tl.store(miss_src_ptr + plan + c, neg, mask=cm)
+            tl.store(miss_dst_ptr + plan + c, neg, mask=cm)
+        tl.store(stats_ptr + r64 * 3, 0)
+        tl.store(stats_ptr + r64 * 3 + 1, 0)
+        tl.store(stats_ptr + r64 * 3 + 2, 0)
+        tl.store(miss_count_ptr + r64, 0)
+        tl.store(touched_ptr + r64, 0)
+
+
+# --------------------------------------------------------------------------------- launcher
+
+
+class _Launch(NamedTuple):
+    """Constexprs and options of one resolve launch (a function of the shapes only)."""
+
+    block_k: int
+    sort: int
+    block_h: int
+    key64: bool
+    in_regs: bool
+    num_warps: int
+    constexprs: dict  # the launch's keyword arguments
+
+
+_LAUNCHES: dict[tuple, _Launch] = {}
+
+
+def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _carve_int32(device: torch.device, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Contiguous int32 tensors of ``shapes`` as views of one allocation, each starting at a
-    multiple of 16 elements (64 B: Triton specialises pointers on 16-byte alignment)."""
-    sizes = [math.prod(shape) for shape in shapes]
-    padded = [-(-n // 16) * 16 for n in sizes]
-    buf = torch.empty(sum(padded), dtype=torch.int32, device=device)
-    out, start = [], 0
-    for shape, n, step in zip(shapes, sizes, padded):
-        out.append(buf[start:start + n].view(shape))
-        start += step
-    return out
+def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters: bool,
+            sort_width: Optional[int] = None, block_h: Optional[int] = None,
+            num_warps: Optional[int] = None, gather_search: Optional[bool] = None,
+            block_r: int = 256) -> _Launch:
+    """The launch of a call shape (memoised: the decode loop repeats a few shapes)."""
+    key = (K, H, block_size, num_host_blocks, has_counters, sort_width, block_h, num_warps,
+           gather_search, block_r)
+    launch = _LAUNCHES.get(key)
+    if launch is not None:
+        return launch
+    for name, value in (("sort_width", sort_width), ("block_h", block_h), ("block_r", block_r)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"resolve: {name} must be a power of two >= 16, got {value}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"resolve: num_warps must be a power of two <= 32, got {num_warps}")
+    block_k = scratch_width(K)
+    sort = min(block_k, sort_width or MAX_SORT_WIDTH)
+    bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
+    key64 = (num_host_blocks * block_size + 1) * block_k > 2**31
+    tile = max(sort, bh)
+    warps = num_warps or (16 if tile >= 2048 else 8 if tile >= 1024 else 4)
+    in_regs = (GATHER_SEARCH if gather_search is None else bool(gather_search)) \
+        and sort == block_k
+    constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,
+                      SORT=sort, LOG2_SORT=sort.bit_length() - 1, BLOCK_H=bh, BLOCK_R=block_r,
+                      KEY64=key64, HAS_COUNTERS=has_counters, IN_REGS=in_regs,
+                      num_warps=warps)
+    launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs)
+    _LAUNCHES[key] = launch
+    return launch
 
 
 def _check_backend(device: torch.device) -> None:
@@ -383,17 +506,22 @@ def resolve(
     block_size: int,
     num_device_blocks: int,
     num_host_blocks: int,
+    counters: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[ResolveWorkspace] = None,
 ) -> ResolveResult:
     """Triton implementation of ``hisparse_triton.reference.resolve`` (same contract).
 
-    ``topk [R, K]``, ``state_rows [R]``, ``seq_lens [S]``, ``resident_blocks / host_blocks
-    [S, P]``, ``hot_blocks [S, HB]``, ``slot_host_rows / lru [S, H]``: all int32 on one CUDA
-    device (or CPU under ``TRITON_INTERPRET=1``); ``slot_host_rows`` and ``lru`` are updated in
-    place. Returns ``ResolveResult`` of int32 tensors. No host synchronisation.
+    ``topk [R, K]`` (any integer dtype, any strides), ``state_rows [R]``, ``seq_lens [S]``,
+    ``resident_blocks / host_blocks [S, P]``, ``hot_blocks [S, HB]``, ``slot_host_rows / lru
+    [S, H]`` (int32) on one CUDA device (or CPU under ``TRITON_INTERPRET=1``);
+    ``slot_host_rows`` and ``lru`` are updated in place. ``counters [3] int64``, ``out [R, K]
+    int32``, ``workspace``: see the reference. One launch, no host synchronisation.
     """
     return _resolve(topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
                     slot_host_rows, lru, block_size=block_size,
-                    num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks)
+                    num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+                    counters=counters, out=out, workspace=workspace)
 
 
 def _resolve(
@@ -409,100 +537,46 @@ def _resolve(
     block_size: int,
     num_device_blocks: int,
     num_host_blocks: int,
+    counters: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[ResolveWorkspace] = None,
+    sort_width: Optional[int] = None,
     block_h: Optional[int] = None,
-    num_warps_k: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    gather_search: Optional[bool] = None,
+    block_r: int = 256,
 ) -> ResolveResult:
-    """``resolve`` with a tunable LRU chunk width ``block_h`` (a power of two; tests use small
-    ones to exercise several chunks per row) and warp count ``num_warps_k`` of the three
-    per-row ``BLOCK_K``-wide launches (sort, classify, finalize; default 8 for top-k > 1024,
-    else 4): knobs for a GPU benchmark sweep."""
+    """``resolve`` with launch knobs (tests use small ones to exercise the merge passes and
+    several LRU steps per row; a GPU sweep can tune them): ``sort_width`` keys sorted in
+    registers (a power of two, default ``MAX_SORT_WIDTH``), ``block_h`` LRU positions per
+    step (a power of two, default ``min(next_pow2(H), MAX_BLOCK_H)``), ``num_warps`` (default
+    16 for tiles of 2048 and more, 8 for 1024, else 4), ``gather_search`` (default
+    ``GATHER_SEARCH``), ``block_r`` earlier rows scanned per step for repeated state rows."""
     R, K, S, P, _, H = _check_resolve_args(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
-        lru, block_size, num_device_blocks, num_host_blocks)
-    _check_backend(topk.device)
-    dev = topk.device
-    i32 = torch.int32
-    rows = torch.empty((R, K), dtype=i32, device=dev)
-    miss_src = torch.empty((R, K), dtype=i32, device=dev)
-    miss_dst = torch.empty((R, K), dtype=i32, device=dev)
-    miss_count = torch.empty((R,), dtype=i32, device=dev)
-    stats = torch.empty((R, 3), dtype=i32, device=dev)
-    result = ResolveResult(rows, miss_src, miss_dst, miss_count, stats)
+        lru, block_size, num_device_blocks, num_host_blocks, counters, out, workspace)
+    if not topk.is_cuda:
+        _check_backend(topk.device)
+    has_counters = counters is not None
+    launch = _launch(K, H, block_size, num_host_blocks, has_counters, sort_width, block_h,
+                     num_warps, gather_search, block_r)
+    if workspace is not None:
+        bufs = workspace.buffers(R, K, H)
+        workspace.last = bufs
+    else:
+        bufs = ResolveWorkspace.allocate(R, K, H, topk.device)
+    rows = out if out is not None else bufs.rows
+    result = ResolveResult(rows, *bufs[1:5])
     if R == 0:
         return result
-    if S == 0:  # every row is padding; no state tensor has an element to point at
-        for t in (rows, miss_src, miss_dst):
-            t.fill_(-1)
-        miss_count.zero_()
-        stats.zero_()
-        return result
-
-    BLOCK_K = max(16, _next_pow2(K))
-    LOG2_K = BLOCK_K.bit_length() - 1
-    if block_h is None:
-        BLOCK_H = min(_MAX_BLOCK_H, max(16, _next_pow2(H)))
-    else:
-        if block_h < 16 or block_h & (block_h - 1):
-            raise ValueError(f"resolve: block_h must be a power of two >= 16, got {block_h}")
-        BLOCK_H = block_h
-    NC = -(-H // BLOCK_H)  # (triton.cdiv is a jit function: slow to call from the host)
-    BLOCK_NC = max(2, _next_pow2(NC))
-
-    # Scratch: fixed shapes (graph capturable), every element written before it is read. One
-    # int32 allocation carved into 16-element-aligned views (each allocation costs host time
-    # on every call; the five outputs stay separate tensors: a custom op's outputs must not
-    # alias each other).
-    keys = torch.empty((R, BLOCK_K), dtype=torch.int64, device=dev)
-    cls = torch.empty((R, H), dtype=torch.int8, device=dev)
-    (run_pos, colbuf, colm, owner, pos_run, lru_copy, counts, n_miss, n_fill) = _carve_int32(
-        dev, [(R, BLOCK_K)] * 3 + [(R, H)] * 3 + [(R, NC, 2), (R,), (R,)])
-
-    if num_warps_k is not None and num_warps_k not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"resolve: num_warps_k must be a power of two <= 32, got {num_warps_k}")
-    warps_k = num_warps_k or (8 if BLOCK_K >= 2048 else 4)
-    # Triton launches on the current CUDA device: make it the tensors' device.
-    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
-        _resolve_sort_kernel[(R, 1 + NC)](
-            topk, state_rows, seq_lens, resident_blocks, host_blocks,
-            rows, keys, run_pos, owner,
+    with _device_guard(topk):
+        _resolve_kernel[(R,)](
+            topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
+            slot_host_rows, lru, rows, *bufs[1:], counters if has_counters else bufs.stats,
             K, S, P, H,
-            topk.stride(0), topk.stride(1), state_rows.stride(0), seq_lens.stride(0),
-            resident_blocks.stride(0), resident_blocks.stride(1),
-            host_blocks.stride(0), host_blocks.stride(1),
-            num_device_blocks, num_host_blocks,
-            BLOCK_SIZE=block_size, BLOCK_K=BLOCK_K, BLOCK_H=BLOCK_H, num_warps=warps_k,
-        )
-        _resolve_search_kernel[(R, NC)](
-            state_rows, slot_host_rows, lru, keys, run_pos, owner, pos_run,
-            S, H,
-            state_rows.stride(0), slot_host_rows.stride(0), slot_host_rows.stride(1),
-            lru.stride(0), lru.stride(1),
-            num_host_blocks * block_size,
-            BLOCK_K=BLOCK_K, LOG2_K=LOG2_K, BLOCK_H=BLOCK_H, num_warps=4,
-        )
-        _resolve_classify_kernel[(R, NC + 1)](
-            state_rows, lru, hot_blocks, keys, run_pos, owner, pos_run,
-            cls, lru_copy, counts, colbuf, colm, n_miss, rows, miss_src,
-            K, S, H, NC,
-            state_rows.stride(0), lru.stride(0), lru.stride(1),
-            hot_blocks.stride(0), hot_blocks.stride(1),
-            num_device_blocks,
-            BLOCK_SIZE=block_size, BLOCK_K=BLOCK_K, LOG2_K=LOG2_K, BLOCK_H=BLOCK_H,
-            num_warps=warps_k,
-        )
-        _resolve_lru_kernel[(R, NC)](
-            state_rows, lru, slot_host_rows, hot_blocks,
-            cls, lru_copy, counts, n_miss, n_fill, miss_src, miss_dst,
-            K, S, H, NC,
-            state_rows.stride(0), lru.stride(0), lru.stride(1),
-            slot_host_rows.stride(0), slot_host_rows.stride(1),
-            hot_blocks.stride(0), hot_blocks.stride(1),
-            num_device_blocks,
-            BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_NC=BLOCK_NC, num_warps=4,
-        )
-        _resolve_finalize_kernel[(R,)](
-            state_rows, rows, colm, n_fill, miss_src, miss_dst, miss_count, stats,
-            K, S, state_rows.stride(0),
-            BLOCK_K=BLOCK_K, num_warps=warps_k,
-        )
+            *topk.stride(), state_rows.stride(0), seq_lens.stride(0),
+            *resident_blocks.stride(), *host_blocks.stride(), *hot_blocks.stride(),
+            *slot_host_rows.stride(), *lru.stride(), *rows.stride(),
+            counters.stride(0) if has_counters else 0,
+            num_device_blocks, num_host_blocks, **launch.constexprs)
     return result

@@ -50,9 +50,9 @@ def make_table(num_layers: int, row_bytes: int, num_blocks: int, *, block_size: 
 
 def with_pool(table: RowTable, pool: torch.Tensor) -> RowTable:
     """``table`` over another pool of the same size (e.g. a clone)."""
-    return RowTable(pool=pool, layer_offsets=table.layer_offsets, row_bytes=table.row_bytes,
+    return RowTable(pool=pool, layer_offsets=list(table.offsets), row_bytes=table.row_bytes,
                     block_size=table.block_size, block_stride=table.block_stride,
-                    num_rows=table.num_rows)
+                    num_rows=table.num_rows, device=table.device)
 
 
 def random_plan(num_layers: int, rows: int, cols: int, src_limit: int, dst_limit: int, *,
@@ -246,19 +246,68 @@ def test_bad_arguments_raise_and_change_nothing(match, case):
     assert torch.equal(dst.pool, before)
 
 
-def test_table_outside_its_pool_is_refused_and_revalidated_after_mutation():
-    src = make_table(2, 16, 2, seed=21)
-    dst = make_table(2, 16, 2, seed=22)
-    plan = torch.zeros(1, 1, dtype=torch.int32)
-    ref.copy_rows(dst, src, plan, plan)  # validated and cached
-    before = dst.pool.clone()
-    dst.layer_offsets[1] = dst.pool.numel() - 8  # an in-place edit invalidates the cache
-    with pytest.raises(ValueError, match="layer 1 at byte offset"):
-        ref.copy_rows(dst, src, plan, plan)
-    assert torch.equal(dst.pool, before)
-    bogus = RowTable(dst.pool, torch.tensor([-16, 0]), 16, 4, 64, 8)
+def test_table_outside_its_pool_is_refused_at_construction():
+    pool = torch.zeros(200, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="layer 1 at byte offset 192 spans 128 B"):
+        RowTable(pool, torch.tensor([0, 192]), 16, 4, 64, 8)
     with pytest.raises(ValueError, match="layer 0 at byte offset -16"):
-        ref.copy_rows(bogus, src, plan, plan)
+        RowTable(pool, [-16, 0], 16, 4, 64, 8)
+    with pytest.raises(ValueError, match="1-D int64"):
+        RowTable(pool, torch.tensor([0, 64], dtype=torch.int32), 16, 4, 64, 8)
+
+
+def _aliased_offsets(kind: str, values: list[int]):
+    """An offsets tensor the caller can still change behind the table's back, and how."""
+    if kind == "inference":
+        with torch.inference_mode():
+            t = torch.tensor(values, dtype=torch.int64)
+
+        def change(i, v):
+            with torch.inference_mode():
+                t[i] = v
+        return t, change
+    if kind == "numpy":
+        import numpy as np
+
+        arr = np.array(values, dtype=np.int64)
+        t = torch.from_numpy(arr)
+
+        def change(i, v):
+            arr[i] = v  # no torch version counter sees this
+        return t, change
+    t = torch.tensor(values, dtype=torch.int64)
+
+    def change(i, v):
+        t[i] = v
+    return t, change
+
+
+@pytest.mark.parametrize("kind", ("plain", "inference", "numpy"))
+def test_changing_the_callers_offsets_cannot_move_the_table(kind):
+    """A table owns a copy of its offsets, checked by value once: a later in-place change of
+    the caller's tensor (with or without a working version counter) or of ``layer_offsets``
+    (a copy) changes nothing, so a copy can never be pointed outside the pool."""
+    src = make_table(2, 16, 2, seed=21)
+    base = make_table(2, 16, 2, seed=22)
+    offsets, change = _aliased_offsets(kind, list(base.offsets))
+    dst = RowTable(base.pool, offsets, 16, 4, base.block_stride, base.num_rows)
+    plan = torch.tensor([[0, 1, 5, 7]], dtype=torch.int32)
+    ref.copy_rows(dst, src, plan, plan)  # first use
+    change(1, dst.pool.numel() - 8)       # would put layer 1 past the pool's end
+    dst.layer_offsets[0] = 10**9          # a copy: no effect either
+    assert dst.offsets == base.offsets
+    expected = naive_copy(dst, src, plan, plan, None, pages=False)
+    ref.copy_rows(dst, src, plan, plan)
+    assert torch.equal(dst.pool, expected)
+
+
+def test_table_is_immutable_and_build_matches_init():
+    table = make_table(2, 16, 2, seed=23)
+    with pytest.raises(AttributeError, match="immutable"):
+        table.row_bytes = 32
+    again = RowTable(table.pool, table.layer_offsets, 16, 4, table.block_stride, table.num_rows)
+    assert again.offsets == table.offsets and again.alignment == table.alignment == 16
+    assert again.device_offsets() is table.device_offsets()  # one shared private copy
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

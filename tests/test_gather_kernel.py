@@ -12,6 +12,7 @@ import torch
 
 from hisparse_triton.kernels import gather
 from hisparse_triton import tuning
+from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, builtin_config
 from test_copy_reference import (HUGE, ROW_SIZES, assert_matches_reference, make_table,
                                  naive_copy, random_plan, run_copy, with_pool)
@@ -108,8 +109,36 @@ def test_launch_shape_is_wide_and_capped():
     big = gather.launch_shape(dst, src, 256, 2048, pages=False, kernel="gather", config=config)
     huge = gather.launch_shape(dst, src, 1024, 2048, pages=False, kernel="gather",
                                config=config)
-    assert big.grid == huge.grid == (big.config.grid_programs // 4, 4)
+    # The default grid: 32 programs per SM (132 SMs assumed off CUDA), split over 4 layers.
+    assert config.grid_programs == 0
+    programs = gather.GRID_PROGRAMS_PER_SM * gather.sm_count(torch.device("cpu"))
+    assert gather.sm_count(torch.device("cpu")) == gather.DEFAULT_SM_COUNT == 132
+    assert big.grid == huge.grid == (programs // 4, 4)
     assert huge.num_items == 1024 * 2048 // big.config.rows_per_program
+    capped = gather.launch_shape(dst, src, 1024, 2048, pages=False, kernel="gather",
+                                 config=CopyConfig(grid_programs=64))
+    assert capped.grid == (16, 4)
+
+
+@pytest.mark.parametrize("kind", ("inference", "numpy"))
+def test_changed_caller_offsets_cannot_make_the_kernel_write_out_of_bounds(kernel_device,
+                                                                           kind):
+    """The kernel addresses layers through the table's own offsets: changing the tensor the
+    table was built from (an inference-mode tensor or a numpy-aliased one, which have no
+    working version counter) after first use cannot move a layer outside the pool."""
+    from test_copy_reference import _aliased_offsets
+
+    src = make_table(2, 656, 3, layout="host", seed=30, device=kernel_device)
+    base = make_table(2, 656, 2, layout="device", seed=31, device=kernel_device)
+    offsets, change = _aliased_offsets(kind, list(base.offsets))
+    dst = RowTable(base.pool, offsets, 656, base.block_size, base.block_stride,
+                          base.num_rows, device=kernel_device)
+    s, d, c = random_plan(2, 2, 3, src.num_rows, dst.num_rows, seed=32, device=kernel_device)
+    gather.gather_rows(dst, src, s, d, c)  # first use
+    change(1, dst.pool.numel() - 16)        # layer 1 would end far past the pool
+    expected = naive_copy(dst, src, s, d, c, pages=False)
+    gather.gather_rows(dst, src, s, d, c)
+    assert torch.equal(dst.pool.cpu(), expected)
 
 
 def test_bad_arguments_leave_the_pool_unchanged(kernel_device):
@@ -161,203 +190,75 @@ def test_unpinned_host_pool_is_refused_on_cuda():
 
 # ------------------------------------------------------------- compiled code (no GPU needed)
 
-#: Runs the real launchers at production shapes with every @triton.jit kernel replaced by a
-#: recorder, then compiles each recorded launch for sm_90 (PTX + cubin through the bundled
-#: ptxas; no GPU needed) with the argument specialisation Triton applies at launch (ints
-#: equal to 1 become constexprs, ints and pointers divisible by 16 get the divisibility hint,
-#: ints beyond int32 are i64). Prints one JSON record per launch: registers, spills, and the
-#: widths of the global stores with whether each stored register tuple was loaded by one load
-#: of the same width (for the copy kernel every store is a pool store, so that proves the
-#: bytes move with 16-byte accesses end to end).
-_COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    import triton.backends.nvidia as nv
-except ImportError as e:
-    print("SKIP no triton compile API:", e); sys.exit(0)
-BIN = os.path.join(os.path.dirname(nv.__file__), "bin")
-if not os.path.exists(os.path.join(BIN, "ptxas")):
-    print("SKIP no bundled ptxas"); sys.exit(0)
-from hisparse_triton.kernels import backup, gather, resolve as kres
-from hisparse_triton.row_table import RowTable
-
-TYPES = {torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
-         torch.int64: "i64"}
-RESOLVE = ("_resolve_sort_kernel", "_resolve_search_kernel", "_resolve_classify_kernel",
-           "_resolve_lru_kernel", "_resolve_finalize_kernel")
-launches, tag = [], ["?"]
-
-class Recorder:
-    def __init__(self, fn):
-        self.fn = fn
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: launches.append((tag[0], self.fn, args, kwargs))
-
-for name in RESOLVE:
-    setattr(kres, name, Recorder(getattr(kres, name)))
-gather.copy_rows_kernel = Recorder(gather.copy_rows_kernel)
-kres._check_backend = lambda device: None  # CPU tensors stand in for CUDA ones
-
-def specialize(fn, args, kwargs, force_i64=()):
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    sig, consts, attrs = {}, {}, {}
-    for i, n in enumerate(fn.arg_names):
-        v = args[i] if i < len(args) else kwargs[n]
-        if i >= len(args) or not isinstance(v, torch.Tensor) and v == 1:
-            sig[n], consts[n] = "constexpr", v
-            continue
-        if isinstance(v, torch.Tensor):
-            sig[n], aligned = "*" + TYPES[v.dtype], v.data_ptr() % 16 == 0
-        else:
-            big = n in force_i64 or not -2**31 <= v < 2**31
-            sig[n], aligned = ("i64" if big else "i32"), v % 16 == 0 and n not in force_i64
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, consts, attrs, opts
-
-def usage(cubin):
-    tool = os.path.join(BIN, "cuobjdump")
-    if not os.path.exists(tool):
-        return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
-    return dict(zip(("regs", "stack", "local"), map(int, m.groups()))) if m else {}
-
-def flush(force_i64=()):
-    for what, fn, args, kwargs in launches:
-        sig, consts, attrs, opts = specialize(fn, args, dict(kwargs), force_i64)
-        k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options=opts)
-        ptx = k.asm["ptx"]
-        loads = set(re.findall(r"ld\.global((?:\.v\d)?\.b\d+) \{ ([^}]*) \}", ptx))
-        stores = re.findall(r"st\.global((?:\.v\d)?\.b\d+) \[[^\]]*\], \{ ([^}]*) \}", ptx)
-        print(json.dumps(dict(
-            usage(k.asm["cubin"]), what=what, kernel=fn.__name__, warps=opts.get("num_warps"),
-            stores=sorted({w for w, _ in stores}),
-            unloaded_stores=sum((w, regs) not in loads for w, regs in stores))))
-    launches.clear()
-
-def i32(*shape):
-    return torch.zeros(shape, dtype=torch.int32)
-
-B = 64
-GROUP = sys.argv[1]  # "resolve" or "copy": the test runs the two in parallel processes
-for R, K, H in ((64, 2048, 4096), (64, 2048, 32768), (8, 64, 128)) * (GROUP == "resolve"):
-    S, P = R + 8, 128
-    tag[0] = f"resolve R={R} K={K} H={H}"
-    kres.resolve(i32(R, K), i32(R), i32(S), i32(S, P), i32(S, P), i32(S, H // B), i32(S, H),
-                 i32(S, H), block_size=B, num_device_blocks=100_000, num_host_blocks=1_000_000)
-    flush()
-if GROUP != "copy":
-    print("OK"); sys.exit(0)
-
-def tables(L, row_bytes, lead=16, blocks=4):
-    page = B * row_bytes
-    host = RowTable(torch.empty(lead + L * blocks * page, dtype=torch.uint8),
-                    torch.tensor([lead + l * blocks * page for l in range(L)]), row_bytes, B,
-                    page, blocks * B)
-    dev = RowTable(torch.empty(lead + blocks * L * page, dtype=torch.uint8),
-                   torch.tensor([lead + l * page for l in range(L)]), row_bytes, B, L * page,
-                   blocks * B)
-    return host, dev
-
-CALLS = {
-    "gather": (1, lambda h, d: gather.gather_rows(d, h, i32(64, 2048), i32(64, 2048), i32(64))),
-    "gather per-layer": (4, lambda h, d: gather.gather_rows(
-        d, h, i32(4, 64, 2048), i32(4, 64, 2048), i32(64))),
-    "backup": (61, lambda h, d: backup.backup_rows(h, d, i32(64, 4), i32(64, 4))),
-    "restore": (61, lambda h, d: gather.restore_pages(d, h, i32(64, 16), i32(64, 16), i32(64))),
-    "spill": (1, lambda h, d: backup.spill_pages(h, d, i32(8, 16), i32(8, 16))),
-}
-for row in (656, 1152, 132):
-    for what, (L, call) in CALLS.items():
-        if row == 132 and what == "gather per-layer":
-            continue
-        tag[0] = f"{what} {row}B L={L}"
-        call(*tables(L, row))
-        flush()
-for lead in (2, 1):  # tables only 2- / 1-byte aligned: int16 / uint8 words
-    tag[0] = f"gather 132B lead={lead}"
-    host, dev = tables(2, 132, lead=lead)
-    gather.gather_rows(dev, host, i32(64, 2048), i32(64, 2048), i32(64))
-    flush()
-tag[0] = "gather 656B i64 sizes"  # pools with more than 2**31 spans / bytes per block
-gather.gather_rows(*reversed(tables(1, 656)), i32(64, 2048), i32(64, 2048), i32(64))
-flush(force_i64=("src_block_stride", "dst_block_stride", "src_num_spans", "dst_num_spans"))
-print("OK")
-"""
+#: Resolve widths the compile test covers (the report itself goes up to 32768).
+COMPILED_WIDTHS = (2048, 8192)
 
 
 @pytest.fixture(scope="module")
 def compiled_launches() -> list[dict]:
-    """Compile every kernel launch of the launchers at production shapes for sm_90: two
-    subprocesses without ``TRITON_INTERPRET`` (resolve, copy) run side by side; ~15 s on two
-    cores with a cold Triton cache (the 2048-key sort kernel alone takes ~5 s)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """Every launch of the launchers at production shapes, compiled for sm_90 by
+    ``hisparse_triton.kernels.compile_report`` (PTX + cubin through the bundled ptxas; no GPU
+    needed): resolve at top-k 2048 and 8192, the copies at every row size and layer count.
+    Two subprocesses without ``TRITON_INTERPRET`` (resolve, copy) run side by side; ~40 s on
+    two cores with a cold Triton cache."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, group], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for group in ("resolve", "copy")]
-    records = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-4000:]
-        if out.startswith("SKIP"):
-            pytest.skip(out.strip())
-        lines = out.strip().splitlines()
-        assert lines[-1] == "OK", out[-2000:]
-        records += [json.loads(line) for line in lines[:-1]]
-    return records
+    from hisparse_triton.kernels import compile_report
+
+    try:
+        import triton.backends.nvidia  # noqa: F401  (the bundled ptxas / cuobjdump)
+    except ImportError as exc:
+        pytest.skip(f"no NVIDIA backend in this Triton: {exc}")
+    jobs = (dict(groups=("resolve",), widths=COMPILED_WIDTHS, small_host=False),
+            dict(groups=("copy",)))
+    with ThreadPoolExecutor(2) as pool:
+        docs = list(pool.map(lambda kw: compile_report.report_in_subprocess(90, **kw), jobs))
+    for doc in docs:
+        assert doc["schema"] == "hisparse-triton/compile-report" and doc["arch"] == "sm_90"
+    return [r for doc in docs for r in doc["launches"]]
 
 
 def test_every_kernel_compiles_for_sm90_without_spills(compiled_launches):
     """The interpreter accepts code the compiler rejects (branches binding one name to two
     shapes, bad casts) and says nothing about registers: every launch the launchers make at
-    production shapes (resolve at top-k 2048 x 4096 / 32768 slots and a small shape; the copy
-    kernel for 656 / 1152 / 132 B rows, pages, 1 / 4 / 61 layers, narrow words, i64 sizes)
-    compiles for sm_90, spills nothing to local memory and keeps the register count low
-    enough for several programs per SM."""
+    production shapes (resolve at top-k 2048 and 8192 x up to 32768 slots; the copy kernel for
+    656 / 1152 / 132 B rows, pages, 1 / 4 / 61 layers, narrow words, 64-bit sizes) compiles
+    for sm_90,
+    spills nothing, fits the shared memory of an SM and is one launch per resolve."""
     kernels = {r["kernel"] for r in compiled_launches}
-    assert kernels == {"copy_rows_kernel", "_resolve_sort_kernel", "_resolve_search_kernel",
-                       "_resolve_classify_kernel", "_resolve_lru_kernel",
-                       "_resolve_finalize_kernel"}
-    assert len(compiled_launches) == 3 * 5 + 3 * 5 - 1 + 3
+    assert kernels == {"copy_rows_kernel", "_resolve_kernel"}
+    resolves = [r for r in compiled_launches if r["variant"].startswith("resolve")]
+    widths = {int(r["variant"].split("K=")[1].split()[0]) for r in resolves}
+    assert widths == set(COMPILED_WIDTHS) | {1}
+    assert len({r["variant"] for r in resolves}) == len(resolves)  # one launch per resolve
+    assert len(compiled_launches) - len(resolves) == 3 * 3 * 4 + 3
     for r in compiled_launches:
-        if "regs" not in r:  # no cuobjdump in this Triton: compiling is all we can check
+        where = f"{r['variant']} {r['kernel']}: {r}"
+        assert r["error"] is None, where
+        if "registers" not in r:  # no cuobjdump in this Triton: compiling is all we can check
             continue
-        where = f"{r['what']} {r['kernel']}: {r}"
-        assert r["local"] == 0 and r["stack"] == 0, f"spills: {where}"
-        # Occupancy guard: several programs per SM. Only the 1- / 2-byte word fallback (never
-        # used by the runtime's 4 KiB-aligned pools) holds 16-32 words per thread and more.
-        narrow = "lead=" in r["what"]
-        limit = 255 if narrow else 128 if r["kernel"] == "copy_rows_kernel" else 168
-        assert r["regs"] <= limit, f"register use: {where}"
+        assert not r["spills"], f"spills: {where}"
+        assert r["ctas_per_sm"] >= 1, f"cannot launch: {where}"
+        # Occupancy guard for the copies: several programs per SM (only the 1- / 2-byte word
+        # fallback, never used by the runtime's 4 KiB-aligned pools, holds more words).
+        if r["kernel"] == "copy_rows_kernel" and "lead=" not in r["variant"]:
+            assert r["registers"] <= 128, f"register use: {where}"
 
 
 def test_compiled_copy_kernel_moves_16_byte_words(compiled_launches):
     """16-byte aligned spans (656 / 1152 B rows, every page) are stored with ``v4.b32`` and
     each stored vector was loaded by one ``v4.b32`` load; 132 B rows (4-byte aligned) move as
     ``b32``; 2- / 1-byte aligned tables as ``b16`` / ``b8``."""
-    copies = {r["what"]: r for r in compiled_launches if r["kernel"] == "copy_rows_kernel"}
+    copies = {r["variant"]: r for r in compiled_launches if r["kernel"] == "copy_rows_kernel"}
     for what, r in copies.items():
-        assert r["unloaded_stores"] == 0, r  # every store writes registers one load filled
+        assert r["stores_not_loaded"] == 0, r  # every store writes registers one load filled
         if what.startswith(("restore", "spill")) or "656B" in what or "1152B" in what:
-            assert r["stores"] == [".v4.b32"], r
+            assert r["store_widths"] == [".v4.b32"], r
     for what in ("gather 132B L=1", "backup 132B L=61"):
-        assert copies[what]["stores"] == [".b32"], copies[what]
-    assert copies["gather 132B lead=2"]["stores"] == [".b16"]
-    assert copies["gather 132B lead=1"]["stores"] == [".b8"]
+        assert copies[what]["store_widths"] == [".b32"], copies[what]
+    assert copies["gather 132B L=2 lead=2"]["store_widths"] == [".b16"]
+    assert copies["gather 132B L=2 lead=1"]["store_widths"] == [".b8"]
+    assert copies["gather 656B L=1 i64 sizes"]["store_widths"] == [".v4.b32"]
 
 
 # ------------------------------------------------------------------------ launch configs
@@ -374,7 +275,8 @@ def test_pow2_alignment():
     (dict(rows_per_program=3), "rows_per_program must be a power of two"),
     (dict(access_bytes=32), "access_bytes must be <= 16"),
     (dict(chunk_bytes=8), "chunk_bytes=8 is smaller than access_bytes=16"),
-    (dict(grid_programs=0), "grid_programs must be a positive int"),
+    (dict(grid_programs=-1), "grid_programs must be an int >= 0"),
+    (dict(rows_per_program=2048, chunk_bytes=1024), "MAX_TILE_ELEMENTS = 1048576"),
 ])
 def test_copy_config_rejects_bad_fields(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -383,6 +285,7 @@ def test_copy_config_rejects_bad_fields(fields, match):
 
 def test_builtin_configs():
     assert builtin_config("gather", 656, 4) == CopyConfig(rows_per_program=8, chunk_bytes=1024)
+    assert CopyConfig(rows_per_program=1024, chunk_bytes=1024).rows_per_program == 1024
     assert builtin_config("gather", 16, 1).rows_per_program == 256
     assert builtin_config("backup", 656, 61).layers_per_program == 4
     assert builtin_config("spill", 64 * 656, 61) == CopyConfig(rows_per_program=1,

@@ -111,9 +111,8 @@ def test_env_var_routes_to_the_interpreted_kernel(monkeypatch, launches):
 def test_validate_table_reports_alignment_and_refuses_a_bad_table():
     table = make_table(2, 132, 3, lead=4, gap=16)
     assert ops.validate_table(table) == 4
-    bad = ref.RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
-    with pytest.raises(ValueError, match="layer 1"):
-        ops.validate_table(bad)
+    with pytest.raises(ValueError, match="layer 1"):  # refused when built, by value
+        ref.RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
 
 
 # ---------------------------------------------------------------------- custom ops
@@ -180,16 +179,6 @@ def test_resolve_matches_reference_on_every_backend(kernel_device, monkeypatch, 
 # ---------------------------------------------------------------------- host cost / graphs
 
 
-class _Recorder:
-    """Stands in for a @triton.jit kernel: ``kernel[grid](*args)`` records instead of running."""
-
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(grid)
-
-
 _SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
             "cpu", "numpy")
 
@@ -198,29 +187,31 @@ def test_triton_launchers_read_no_tensor_values(monkeypatch):
     """After a table's first use, the copy launcher and the resolve launcher never read a
     tensor value on the host (no ``.item()``, ``.tolist()``, ``bool(tensor)``, ``nonzero``,
     ...): on CUDA they neither synchronise nor break a CUDA-graph capture."""
-    import hisparse_triton.kernels.resolve as kres
+    from hisparse_triton.kernels.launches import record_launches
 
-    launched: list = []
-    monkeypatch.setattr(gather, "copy_rows_kernel", _Recorder(launched))
-    for name in ("_resolve_sort_kernel", "_resolve_search_kernel", "_resolve_classify_kernel",
-                 "_resolve_lru_kernel", "_resolve_finalize_kernel"):
-        monkeypatch.setattr(kres, name, _Recorder(launched))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors stand in for CUDA ones
     dst, src, s, d, c = _case()
     topk, state_rows, state = _resolve_case()
-    ops.copy_rows(dst, src, s, d, c, backend="triton")  # first use: validates the tables
+    workspace = ops.ResolveWorkspace("cpu")
+    counters = torch.zeros(3, dtype=torch.int64)
+    with record_launches() as launched:
+        ops.copy_rows(dst, src, s, d, c, backend="triton")  # first use of the tables
+        ops.resolve(topk, state_rows, *state.args(), **state.kwargs(), backend="triton",
+                    workspace=workspace, counters=counters)  # first use of the workspace
 
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("a launcher read a tensor value on the host")
+        def refuse(self, *args, **kwargs):
+            raise AssertionError("a launcher read a tensor value on the host")
 
-    for name in _SYNCING:
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-    monkeypatch.setattr(torch, "nonzero", refuse)
-    launched.clear()
-    ops.copy_rows(dst, src, s, d, c, backend="triton")
-    ops.copy_pages(dst, src, s.clamp(max=1), d.clamp(max=1), c, backend="triton")
-    ops.resolve(topk, state_rows, *state.args(), **state.kwargs(), backend="triton")
-    assert len(launched) == 1 + 1 + 5
+        for name in _SYNCING:
+            monkeypatch.setattr(torch.Tensor, name, refuse)
+        monkeypatch.setattr(torch, "nonzero", refuse)
+        launched.clear()
+        ops.copy_rows(dst, src, s, d, c, backend="triton")
+        ops.copy_pages(dst, src, s.clamp(max=1), d.clamp(max=1), c, backend="triton")
+        ops.resolve(topk, state_rows, *state.args(), **state.kwargs(), backend="triton")
+        ops.resolve(topk.long(), state_rows, *state.args(), **state.kwargs(), backend="triton",
+                    workspace=workspace, counters=counters)
+    assert len(launched) == 1 + 1 + 1 + 1
 
 
 def test_eager_calls_skip_the_custom_op_layer(monkeypatch):

@@ -29,11 +29,12 @@ NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
 def run_both(topk: torch.Tensor, state_rows: torch.Tensor, kstate: ResolveState,
-             rstate: ResolveState, *, block_h: int | None = None, what: str = ""):
-    """Kernel on ``kstate`` (its device), reference on ``rstate`` (CPU); compare everything."""
+             rstate: ResolveState, *, what: str = "", **knobs):
+    """Kernel on ``kstate`` (its device, launch ``knobs``: ``block_h``, ``sort_width``,
+    ``num_warps``), reference on ``rstate`` (CPU); compare everything."""
     dev = kstate.lru.device
     got = kres._resolve(topk.to(dev), state_rows.to(dev), *kstate.args(), **kstate.kwargs(),
-                        block_h=block_h)
+                        **knobs)
     want = run_reference(topk.cpu(), state_rows.cpu(), rstate)
     assert_result_equal(got, want, what)
     assert torch.equal(kstate.slot_host_rows.cpu(), rstate.slot_host_rows), f"{what} slot rows"
@@ -200,30 +201,108 @@ def test_padding_only_zero_rows_and_zero_states(kernel_device: torch.device) -> 
 
 
 def test_warp_count_knob_keeps_results(kernel_device: torch.device) -> None:
-    """``num_warps_k`` (the benchmark sweep's knob) changes the launch, not the results."""
+    """``num_warps`` (the benchmark sweep's knob) changes the launch, not the results."""
     state = make_state(num_states=3, pages=6, hot_slots=40, block_size=4, seed=3, prefill=True)
     k, r = pair(state, kernel_device)
     srows = torch.tensor([1, 0], dtype=torch.int32)
     topk = make_topk(state, [1, 0], 32, seed=4)
     got = kres._resolve(topk.to(kernel_device), srows.to(kernel_device), *k.args(),
-                        **k.kwargs(), num_warps_k=2)
-    assert_result_equal(got, run_reference(topk, srows, r), "num_warps_k=2")
+                        **k.kwargs(), num_warps=2)
+    assert_result_equal(got, run_reference(topk, srows, r), "num_warps=2")
     assert torch.equal(k.lru.cpu(), r.lru)
+
+
+# Wide rows: keys sorted in tiles of ``sort_width`` and merged in scratch (1 to 3 merge
+# passes), with int32 keys (small host pool) and int64 keys (a host pool too large for them).
+@pytest.mark.parametrize("top_k, sort_width, hot, block_h", [
+    (33, 16, 40, 16), (64, 16, 64, None), (100, 32, 130, 32), (128, 16, 128, 64)])
+@pytest.mark.parametrize("key64", (False, True), ids=("key32", "key64"))
+def test_merged_sort_tiles_match_reference(top_k: int, sort_width: int, hot: int,
+                                           block_h: int | None, key64: bool,
+                                           kernel_device: torch.device) -> None:
+    state = make_state(num_states=3, pages=(2 * top_k) // 4 + 2, hot_slots=hot, block_size=4,
+                       seed=top_k + sort_width, resident_frac=0.2, null_frac=0.05, prefill=True)
+    if key64:
+        state.num_host_blocks = 2**26  # (2**26 * 4 + 1) * 128 > 2**31: int64 keys
+    launch = kres._launch(top_k, hot, 4, state.num_host_blocks, False, sort_width, block_h)
+    assert launch.key64 == key64 and launch.sort < launch.block_k
+    k, r = pair(state, kernel_device)
+    state_rows = [2, -1, 0, 1]
+    srows = torch.tensor(state_rows, dtype=torch.int32)
+    topk = make_topk(state, state_rows, top_k, seed=top_k, invalid_frac=0.1, dup_frac=0.2)
+    for step in range(2):
+        run_both(topk, srows, k, r, sort_width=sort_width, block_h=block_h,
+                 what=f"k={top_k} sort={sort_width} step {step}")
+        topk = drift_topk(topk, state, state_rows, 77 + step, keep=0.5)
+
+
+@pytest.mark.parametrize("key64", (False, True), ids=("key32", "key64"))
+@pytest.mark.parametrize("gather_search", (True, False), ids=("gather", "scratch"))
+def test_key_width_and_search_keep_results(key64: bool, gather_search: bool,
+                                           kernel_device: torch.device) -> None:
+    """int32 keys where the host pool allows them, int64 otherwise; keys searched in
+    registers (``tl.gather``) or in the row's scratch: same results."""
+    state = make_state(num_states=3, pages=10, hot_slots=48, block_size=4, seed=21,
+                       prefill=True)
+    if key64:
+        state.num_host_blocks = 2**27
+    launch = kres._launch(32, 48, 4, state.num_host_blocks, False, gather_search=gather_search)
+    assert launch.key64 == key64 and launch.in_regs == gather_search
+    k, r = pair(state, kernel_device)
+    srows = torch.tensor([0, 2, 1], dtype=torch.int32)
+    topk = make_topk(state, [0, 2, 1], 32, seed=22, dup_frac=0.2)
+    for step in range(3):
+        run_both(topk, srows, k, r, block_h=16, gather_search=gather_search,
+                 what=f"key64={key64} step {step}")
+        topk = drift_topk(topk, state, [0, 2, 1], 23 + step)
+
+
+def test_repeated_state_rows_across_scan_blocks(kernel_device: torch.device) -> None:
+    """Every program scans the earlier rows' state rows in blocks of ``block_r``: repeats far
+    apart (several blocks) are padding like near ones, in the kernel as in the reference."""
+    state = make_state(num_states=6, pages=4, hot_slots=16, block_size=4, seed=41, prefill=True)
+    names = [(7 * i) % 9 - 2 for i in range(40)]  # -2 .. 6: padding, repeats at any distance
+    k, r = pair(state, kernel_device)
+    topk = make_topk(state, names, 4, seed=42)
+    got = run_both(topk, torch.tensor(names, dtype=torch.int32), k, r, block_r=16,
+                   what="repeats")
+    first = {st: i for i, st in reversed(list(enumerate(names)))}
+    resolved = [i for i, st in enumerate(names) if 0 <= st < 6 and first[st] == i]
+    assert len(resolved) == 6 and got.stats[resolved].sum() > 0
+    assert got.stats[[i for i in range(40) if i not in resolved]].eq(0).all()
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_width_limit_is_named(backend: str, kernel_device: torch.device) -> None:
+    """Both backends refuse a top-k wider than MAX_RESOLVE_WIDTH, naming the limit."""
+    from hisparse_triton import ops
+    from hisparse_triton.tuning import MAX_RESOLVE_WIDTH
+
+    assert kres.MAX_RESOLVE_WIDTH == MAX_RESOLVE_WIDTH == 32768
+    dev = kernel_device if backend == "triton" else torch.device("cpu")
+    K = MAX_RESOLVE_WIDTH + 1
+    state = make_state(num_states=1, pages=1, hot_slots=K, block_size=K, seed=0).to(dev)
+    with pytest.raises(ValueError, match="MAX_RESOLVE_WIDTH = 32768"):
+        ops.resolve(torch.zeros(1, K, dtype=torch.int32, device=dev),
+                    torch.zeros(1, dtype=torch.int32, device=dev), *state.args(),
+                    **state.kwargs(), backend=backend)
 
 
 def test_launcher_validates_like_the_reference(kernel_device: torch.device) -> None:
     state = make_state(num_states=2, pages=4, hot_slots=16, block_size=4, seed=0).to(kernel_device)
     topk = torch.zeros(2, 8, dtype=torch.int32, device=kernel_device)
     srows = torch.zeros(2, dtype=torch.int32, device=kernel_device)
-    with pytest.raises(TypeError, match="topk must be int32"):
-        kres.resolve(topk.long(), srows, *state.args(), **state.kwargs())
+    with pytest.raises(TypeError, match="topk must be an integer tensor"):
+        kres.resolve(topk.float(), srows, *state.args(), **state.kwargs())
     with pytest.raises(ValueError, match="lru has shape"):
         kres.resolve(topk, srows, *state.args()[:-1], state.lru[:, :4], **state.kwargs())
     with pytest.raises(ValueError, match="block_h"):
         kres._resolve(topk, srows, *state.args(), **state.kwargs(), block_h=24)
     before = state.clone()
-    with pytest.raises(ValueError, match="num_warps_k"):
-        kres._resolve(topk, srows, *state.args(), **state.kwargs(), num_warps_k=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        kres._resolve(topk, srows, *state.args(), **state.kwargs(), num_warps=3)
+    with pytest.raises(ValueError, match="sort_width"):
+        kres._resolve(topk, srows, *state.args(), **state.kwargs(), sort_width=48)
     assert torch.equal(state.lru, before.lru)
     assert torch.equal(state.slot_host_rows, before.slot_host_rows)
     with pytest.raises(ValueError, match="all tensors must be on one device"):
@@ -243,9 +322,9 @@ def test_signature_matches_reference() -> None:
     assert inspect.signature(kres.resolve) == inspect.signature(reference.resolve)
 
 
-# Compiling every resolve kernel for sm_90 at production shapes (top-k 2048 x 4096 / 32768
-# slots, and a small shape), with spill and register checks: test_gather_kernel.py
-# (test_every_kernel_compiles_for_sm90_without_spills, one run for all kernels).
+# Compiling the resolve kernel for sm_90 at production shapes (top-k 2048 and 8192 x up to
+# 32768 slots, and every size 1), with spill and occupancy checks: test_gather_kernel.py
+# (test_every_kernel_compiles_for_sm90_without_spills, one compile report for all kernels).
 
 
 # ------------------------------------------------------------------------------ GPU only
@@ -306,4 +385,41 @@ def test_cuda_graph_capture_and_replay() -> None:
     want = run_reference(topk, srows.cpu(), r)
     assert_result_equal(out, want, "graph step 2")
     assert torch.equal(k2.lru.cpu(), r.lru) and torch.equal(k2.slot_host_rows.cpu(),
+                                                            r.slot_host_rows)
+
+
+@NEEDS_CUDA
+@pytest.mark.gpu
+def test_cuda_graph_decode_form_with_workspace() -> None:
+    """The decode form (int64 top-k, workspace, ``out``, counters) captures in a CUDA graph:
+    no allocation once the workspace is warm, every replay matches the reference and adds
+    its stats to the counters on the device."""
+    dev = torch.device("cuda")
+    state, topk = _production_state(dev, seed=2, R=8, K=2048, H=4096)
+    srows = torch.arange(8, dtype=torch.int32, device=dev)
+    topk_d = topk.to(dev).long()
+    workspace = kres.ResolveWorkspace(dev)
+    out = torch.empty(8, 2048, dtype=torch.int32, device=dev)
+    counters = torch.zeros(3, dtype=torch.int64, device=dev)
+    warm = state.clone().to(dev)
+    kres.resolve(topk_d, srows, *warm.args(), **warm.kwargs(), counters=counters, out=out,
+                 workspace=workspace)  # compile, build the workspace views
+    counters.zero_()
+    k, r = pair(state, dev)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        result = kres.resolve(topk_d, srows, *k.args(), **k.kwargs(), counters=counters,
+                              out=out, workspace=workspace)
+    torch.cuda.current_stream().wait_stream(s)
+    total = torch.zeros(3, dtype=torch.int64)
+    for step in range(2):
+        graph.replay()
+        want = run_reference(topk, srows.cpu(), r)
+        assert_result_equal(result, want, f"graph step {step}")
+        total += want.stats.sum(0)
+    torch.cuda.synchronize()
+    assert counters.cpu().tolist() == total.tolist()
+    assert torch.equal(k.lru.cpu(), r.lru) and torch.equal(k.slot_host_rows.cpu(),
                                                             r.slot_host_rows)

@@ -146,10 +146,12 @@ def oracle_resolve(topk: torch.Tensor, state_rows: torch.Tensor, st_: ResolveSta
     dst = [[-1] * K for _ in range(R)]
     count = [0] * R
     stats = [[0, 0, 0] for _ in range(R)]
+    resolved: set[int] = set()
     for r in range(R):
         st = int(state_rows[r])
-        if not 0 <= st < S:
+        if not 0 <= st < S or st in resolved:  # padding, or a state row named again
             continue
+        resolved.add(st)
         order = lru[st]
 
         def dev_row(slot: int) -> int:
@@ -423,7 +425,8 @@ def _valid_args(K: int = 4) -> tuple[tuple, dict]:
 
 
 @pytest.mark.parametrize("mutate, error, match", [
-    (lambda a, k: a.__setitem__(0, a[0].long()), TypeError, "topk must be int32"),
+    (lambda a, k: a.__setitem__(0, a[0].float()), TypeError, "topk must be an integer tensor"),
+    (lambda a, k: a.__setitem__(1, a[1].long()), TypeError, "state_rows must be int32"),
     (lambda a, k: a.__setitem__(1, a[1][:1]), ValueError, "state_rows has shape"),
     (lambda a, k: a.__setitem__(7, a[7][:, :2]), ValueError, "lru has shape"),
     (lambda a, k: a.__setitem__(0, torch.zeros(2, 9, dtype=torch.int32)), ValueError, "H >= K"),

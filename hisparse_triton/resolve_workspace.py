@@ -1,0 +1,171 @@
+"""``ResolveWorkspace``: every buffer a ``resolve`` call needs, allocated once and reused.
+
+A decode step resolves every index group; allocating the outputs and the scratch tables of
+each call costs host time (one allocation and one view per buffer) and, inside a CUDA graph,
+fixed addresses matter. A workspace holds, per call shape ``(R rows, K columns, H slots)``:
+
+- the miss plan and counts the call returns: ``miss_src``, ``miss_dst`` ``[R, K] int32``,
+  ``miss_count [R] int32``, ``stats [R, 3] int32`` (and ``rows [R, K] int32`` when the call
+  gets no ``out=``);
+- the pre-call hot state of every resolved row, for ``restore_resolve_state``:
+  ``old_slot_rows`` / ``old_lru`` ``[R, H] int32`` (the state rows' ``slot_host_rows`` and
+  ``lru`` as they were) and ``touched [R] int32`` (1 = the call resolved this batch row and
+  may have changed its state row; 0 = padding or a repeated state row);
+- the kernel's scratch tables (sort keys, slot owners, run winners, miss numbering).
+
+Results that live in the workspace are valid until the next call with the same workspace
+(every call overwrites them); keep ``rows`` in a caller-owned ``out=`` tensor when they must
+outlive it. Buffers grow lazily: a call with a larger shape reallocates (this allocates, so
+size the workspace up front, or make one call of each shape, before capturing a CUDA graph);
+the views of each shape are built once and cached, so a repeated call allocates nothing and
+builds no views.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["ResolveBuffers", "ResolveWorkspace", "scratch_width"]
+
+_ALIGN = 16  # elements: every view starts 64-byte aligned (Triton specialises on 16 bytes)
+
+
+def scratch_width(top_k: int) -> int:
+    """Columns of the per-row key scratch: ``top_k`` rounded up to a power of two (>= 16)."""
+    return 1 << max(4, (top_k - 1).bit_length())
+
+
+class ResolveBuffers(NamedTuple):
+    """The buffers of one call shape ``(R, K, H)`` (``W = scratch_width(K)``)."""
+
+    rows: torch.Tensor           # [R, K] int32: device rows (when the call has no ``out``)
+    miss_src: torch.Tensor       # [R, K] int32
+    miss_dst: torch.Tensor       # [R, K] int32
+    miss_count: torch.Tensor     # [R] int32
+    stats: torch.Tensor          # [R, 3] int32
+    touched: torch.Tensor        # [R] int32
+    old_slot_rows: torch.Tensor  # [R, H] int32
+    old_lru: torch.Tensor        # [R, H] int32
+    owner: torch.Tensor          # [R, H] int32 scratch: first LRU position naming each slot
+    cls: torch.Tensor            # [R, H] int32 scratch: class of each LRU position
+    run_pos: torch.Tensor        # [R, W] int32 scratch: serving LRU position per key run
+    colbuf: torch.Tensor         # [R, W] int32 scratch: miss numbering in column order
+    colm: torch.Tensor           # [R, W] int32 scratch: miss number per column
+    keys: torch.Tensor           # [R, W] int64 scratch: sorted keys
+    keys2: torch.Tensor          # [R, W] int64 scratch: merge buffer (wide top-k)
+
+
+_INT32_FIELDS = ("rows", "miss_src", "miss_dst", "miss_count", "stats", "touched",
+                 "old_slot_rows", "old_lru", "owner", "cls", "run_pos", "colbuf", "colm")
+_INT64_FIELDS = ("keys", "keys2")
+
+
+def _shapes(R: int, K: int, H: int) -> dict[str, tuple[int, ...]]:
+    W = scratch_width(K)
+    return {"rows": (R, K), "miss_src": (R, K), "miss_dst": (R, K), "miss_count": (R,),
+            "stats": (R, 3), "touched": (R,), "old_slot_rows": (R, H), "old_lru": (R, H),
+            "owner": (R, H), "cls": (R, H), "run_pos": (R, W), "colbuf": (R, W),
+            "colm": (R, W), "keys": (R, W), "keys2": (R, W)}
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _carve(buf: torch.Tensor, names: tuple[str, ...], shapes: dict) -> dict[str, torch.Tensor]:
+    out, start = {}, 0
+    for name in names:
+        shape = shapes[name]
+        n = 1
+        for s in shape:
+            n *= s
+        out[name] = buf[start:start + n].view(shape)
+        start += _size(shape)
+    return out
+
+
+def _need(R: int, K: int, H: int) -> tuple[int, int]:
+    shapes = _shapes(R, K, H)
+    return (sum(_size(shapes[n]) for n in _INT32_FIELDS),
+            sum(_size(shapes[n]) for n in _INT64_FIELDS))
+
+
+def _check_shape(R: int, K: int, H: int) -> None:
+    for name, value, low in (("rows", R, 0), ("width", K, 1), ("slots", H, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"ResolveWorkspace: {name} must be an int >= {low}, got {value!r}")
+
+
+def _normalise(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` (tensors always carry an index; compare like them)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class ResolveWorkspace:
+    """Reusable outputs and scratch of ``resolve`` on one device (see the module docstring).
+
+    ``ResolveWorkspace(device)`` grows on demand; ``ResolveWorkspace(device, max_rows, width,
+    slots)`` allocates up front for calls of up to ``max_rows`` rows of ``width`` top-k
+    columns against ``slots`` hot slots per request. Not thread-safe: one caller at a time.
+    """
+
+    def __init__(self, device: torch.device | str, max_rows: int = 0, width: int = 0,
+                 slots: int = 0):
+        self.device = _normalise(torch.device(device))
+        self._i32 = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._i64 = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._views: dict[tuple[int, int, int], ResolveBuffers] = {}
+        #: The buffers of the most recent call (what ``restore_resolve_state`` reads).
+        self.last: Optional[ResolveBuffers] = None
+        if max_rows or width or slots:
+            self.reserve(max_rows, width, slots)
+
+    def reserve(self, max_rows: int, width: int, slots: int) -> None:
+        """Grow the buffers to fit calls of up to ``max_rows x width`` against ``slots``."""
+        _check_shape(max_rows, width, slots)
+        n32, n64 = _need(max_rows, width, slots)
+        if n32 > self._i32.numel() or n64 > self._i64.numel():
+            self._i32 = torch.empty(max(n32, self._i32.numel()), dtype=torch.int32,
+                                    device=self.device)
+            self._i64 = torch.empty(max(n64, self._i64.numel()), dtype=torch.int64,
+                                    device=self.device)
+            self._views.clear()  # old views point at the old buffers
+            self.last = None
+
+    def buffers(self, rows: int, width: int, slots: int) -> ResolveBuffers:
+        """The views of one call shape (cached; grows the buffers first when needed)."""
+        views = self._views.get((rows, width, slots))
+        if views is None:
+            self.reserve(rows, width, slots)
+            shapes = _shapes(rows, width, slots)
+            views = ResolveBuffers(**_carve(self._i32, _INT32_FIELDS, shapes),
+                                   **_carve(self._i64, _INT64_FIELDS, shapes))
+            self._views[(rows, width, slots)] = views
+        return views
+
+    @staticmethod
+    def allocate(rows: int, width: int, slots: int, device: torch.device) -> ResolveBuffers:
+        """One-off buffers (a call without a workspace): the returned outputs are separate
+        tensors (they never alias each other), the scratch is carved from one allocation."""
+        _check_shape(rows, width, slots)
+        shapes = _shapes(rows, width, slots)
+        scratch = _INT32_FIELDS[5:]
+        i32 = torch.empty(sum(_size(shapes[n]) for n in scratch), dtype=torch.int32,
+                          device=device)
+        i64 = torch.empty(sum(_size(shapes[n]) for n in _INT64_FIELDS), dtype=torch.int64,
+                          device=device)
+        outputs = {name: torch.empty(shapes[name], dtype=torch.int32, device=device)
+                   for name in _INT32_FIELDS[:5]}
+        return ResolveBuffers(**outputs, **_carve(i32, scratch, shapes),
+                              **_carve(i64, _INT64_FIELDS, shapes))
+
+    def __repr__(self) -> str:
+        return (f"ResolveWorkspace(device={self.device}, int32={self._i32.numel()}, "
+                f"int64={self._i64.numel()}, shapes={sorted(self._views)})")

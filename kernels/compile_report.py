@@ -1,0 +1,410 @@
+"""Compile every kernel launch the runtime can make for an NVIDIA GPU, on any machine.
+
+    python -m hisparse_triton.kernels.compile_report --arch sm_90 [--json PATH|-]
+
+No GPU is needed: the report runs the real launchers (``kernels.resolve.resolve``,
+``kernels.gather.gather_rows`` / ``restore_pages``, ``kernels.backup.backup_rows`` /
+``spill_pages``) on CPU tensors of production shapes with every ``@triton.jit`` kernel replaced
+by a recorder, then compiles each recorded launch for the chosen architecture with Triton's own
+launch-time specialisation (the binder a real launch uses: ints equal to 1 become constants,
+pointers and ints divisible by 16 get the divisibility hint) and the ``ptxas`` / ``cuobjdump``
+that ship with Triton. For each launch it prints:
+
+- ``registers`` per thread; ``stack_bytes`` and ``local_bytes`` per thread (where ``ptxas``
+  puts spilled registers) and ``spills`` (true when either is non-zero);
+- ``shared_bytes``: the dynamic shared memory Triton asks for at launch;
+- ``sass_instructions``: instructions in the cubin (a size, not a time: loops count once);
+- ``ctas_per_sm``: resident programs per SM at that register / shared-memory / thread use
+  (the CUDA occupancy rules for the architecture: registers allocated per warp in units of
+  256, 1 KB of shared memory reserved per CTA), ``limited_by`` naming the binding limit; 0
+  means the kernel cannot launch (e.g. shared memory over the per-CTA limit);
+- ``grid``: the grid the launcher asked for;
+- ``store_widths`` (the PTX global store widths, e.g. ``.v4.b32`` = 16 bytes) and
+  ``stores_not_loaded`` (stores whose register tuple no load of the same width filled: 0
+  means a copy kernel moves its bytes with loads and stores of one width end to end).
+
+Variants (what the runtime can launch): resolve at top-k widths 2,048 ... 32,768 (the largest
+``device_buffer_size`` the config accepts), hot buffers up to 32,768 slots, 1 and 64 batch
+rows, a production-sized host pool (and a small one where the launcher picks other code),
+and every size 1 (Triton specialises ints equal to 1 into constants);
+the row / page copies at 132 B (indexer), 656 B (fp8 MLA) and 1,152 B (bf16 MLA) rows for 1,
+4 and 61 layers, a gather over tables only 2- or 1-byte aligned (int16 / uint8 words) and one
+over pools with more than 2**31 rows (64-bit size arguments). Identical specialisations are compiled once. The JSON document
+(``--json``) has the schema ``hisparse-triton/compile-report`` version 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from hisparse_triton.kernels.launches import record_launches
+
+__all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "compile_report", "main", "occupancy",
+           "report_in_subprocess"]
+
+#: Per-SM limits of the architectures the report knows (CUDA occupancy calculator values).
+ARCH_LIMITS: dict[int, dict[str, int]] = {
+    80: dict(regs_per_sm=65536, threads_per_sm=2048, ctas_per_sm=32, smem_per_sm=167936,
+             smem_per_cta=166912, smem_reserved=1024),
+    90: dict(regs_per_sm=65536, threads_per_sm=2048, ctas_per_sm=32, smem_per_sm=233472,
+             smem_per_cta=232448, smem_reserved=1024),
+    100: dict(regs_per_sm=65536, threads_per_sm=2048, ctas_per_sm=32, smem_per_sm=233472,
+              smem_per_cta=232448, smem_reserved=1024),
+}
+#: Top-k widths of the resolve variants: 2,048 (DeepSeek-V3.2 / GLM-5) up to the largest
+#: ``device_buffer_size`` the config accepts (speculative decoding resolves Q x K columns).
+RESOLVE_WIDTHS = (2048, 4096, 8192, 16384, 32768)
+#: Hot-buffer sizes of the resolve variants (each used with every width it can hold).
+RESOLVE_SLOTS = (4096, 8192, 16384, 32768)
+ROW_BYTES = (132, 656, 1152)
+LAYERS = (1, 4, 61)
+_BLOCK = 64
+_BIG_HOST_BLOCKS = 1_000_000  # 64M host rows: production host pools (int64 sort keys)
+_SMALL_HOST_BLOCKS = 4_096    # 256K host rows
+
+
+def occupancy(arch: int, num_warps: int, registers: int, shared_bytes: int
+              ) -> tuple[int, str]:
+    """``(ctas_per_sm, limiting resource)`` of a kernel on ``sm_<arch>``."""
+    lim = ARCH_LIMITS[arch]
+    threads = num_warps * 32
+    if shared_bytes > lim["smem_per_cta"]:
+        return 0, "shared"
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    limits = {
+        "ctas": lim["ctas_per_sm"],
+        "threads": lim["threads_per_sm"] // threads,
+        "registers": (lim["regs_per_sm"] // regs_per_warp) // num_warps,
+        "shared": lim["smem_per_sm"] // (shared_bytes + lim["smem_reserved"]),
+    }
+    name = min(limits, key=lambda k: limits[k])
+    return limits[name], name
+
+
+# ------------------------------------------------------------------------------ variants
+
+
+def _i32(*shape: int):
+    import torch
+
+    return torch.zeros(shape, dtype=torch.int32)
+
+
+def _resolve_calls(widths: Sequence[int], small_host: bool = True
+                   ) -> list[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from hisparse_triton.kernels import resolve as kres
+
+    params = inspect.signature(kres.resolve).parameters
+    calls = []
+
+    def call(R: int, K: int, H: int, host_blocks: int, S: int = 0, P: int = 128,
+             B: int = _BLOCK, device_blocks: int = 100_000) -> Callable[[], None]:
+        def run() -> None:
+            states = S or R + 8
+            extra = {}
+            if "counters" in params:  # the runtime accumulates counters in the kernel
+                extra["counters"] = torch.zeros(3, dtype=torch.int64)
+            kres.resolve(_i32(R, K), _i32(R), _i32(states), _i32(states, P),
+                         _i32(states, P), _i32(states, -(-H // B)), _i32(states, H),
+                         _i32(states, H), block_size=B, num_device_blocks=device_blocks,
+                         num_host_blocks=host_blocks, **extra)
+        return run
+
+    for K in widths:
+        for H in (h for h in RESOLVE_SLOTS if h >= K):
+            for R in (1, 64):
+                calls.append((f"resolve K={K} H={H} R={R}", call(R, K, H, _BIG_HOST_BLOCKS)))
+    for K in (k for k in widths if k <= 8192 and small_host):
+        calls.append((f"resolve K={K} H={max(K, 4096)} R=64 small-host",
+                      call(64, K, max(K, 4096), _SMALL_HOST_BLOCKS)))
+    # Every size 1 (Triton turns int arguments equal to 1 into constants).
+    calls.append(("resolve K=1 H=1 R=1 ones", call(1, 1, 1, 1, S=1, P=1, B=1,
+                                                   device_blocks=1)))
+    return calls
+
+
+def _tables(L: int, row_bytes: int, blocks: int = 4, lead: int = 4096):
+    import torch
+
+    from hisparse_triton.row_table import RowTable
+
+    page = _BLOCK * row_bytes
+    host = RowTable(torch.empty(lead + L * blocks * page, dtype=torch.uint8),
+                    torch.tensor([lead + layer * blocks * page for layer in range(L)]),
+                    row_bytes, _BLOCK, page, blocks * _BLOCK)
+    dev = RowTable(torch.empty(lead + blocks * L * page, dtype=torch.uint8),
+                   torch.tensor([lead + layer * page for layer in range(L)]), row_bytes, _BLOCK,
+                   L * page, blocks * _BLOCK)
+    return host, dev
+
+
+def _copy_calls() -> list[tuple[str, Callable[[], None]]]:
+    from hisparse_triton.kernels import backup, gather
+
+    kinds = {
+        # a resolve miss plan of 64 requests x top-k 2048 (per-layer plans for followers)
+        "gather": lambda h, d, L: gather.gather_rows(d, h, _i32(64, 2048), _i32(64, 2048),
+                                                     _i32(64)),
+        # the write-through of one decode step: a few new rows per request
+        "backup": lambda h, d, L: backup.backup_rows(h, d, _i32(64, 4), _i32(64, 4)),
+        "restore": lambda h, d, L: gather.restore_pages(d, h, _i32(64, 16), _i32(64, 16),
+                                                        _i32(64)),
+        "spill": lambda h, d, L: backup.spill_pages(h, d, _i32(8, 16), _i32(8, 16)),
+    }
+    calls = []
+    for row in ROW_BYTES:
+        for L in LAYERS:
+            for kind, fn in kinds.items():
+                calls.append((f"{kind} {row}B L={L}",
+                              lambda fn=fn, L=L, row=row: fn(*_tables(L, row), L)))
+    for lead in (2, 1):  # tables only 2- / 1-byte aligned (never the runtime's pools)
+        calls.append((f"gather 132B L=2 lead={lead}", lambda lead=lead: kinds["gather"](
+            *_tables(2, 132, lead=lead), 2)))
+    calls.append(("gather 656B L=1 i64 sizes", _gather_i64_sizes))
+    return calls
+
+
+def _gather_i64_sizes() -> None:
+    """A gather whose pools have more than 2**31 rows and bytes per block (meta tensors: no
+    memory), so the launch passes those sizes as 64-bit ints."""
+    import torch
+
+    from hisparse_triton.kernels import gather
+    from hisparse_triton.row_table import RowTable
+
+    meta, page = torch.device("meta"), _BLOCK * 656
+    rows = (1 << 31) + _BLOCK
+    host = RowTable(torch.empty(rows * 656, dtype=torch.uint8, device=meta), [0], 656, _BLOCK,
+                    page, rows)
+    stride = (1 << 31) + page
+    dev = RowTable(torch.empty(4 * stride, dtype=torch.uint8, device=meta), [0], 656, _BLOCK,
+                   stride, 4 * _BLOCK)
+    plan = torch.zeros(64, 2048, dtype=torch.int32, device=meta)
+    gather.gather_rows(dev, host, plan, plan, torch.zeros(64, dtype=torch.int32, device=meta))
+
+
+# ------------------------------------------------------------------------------ compiling
+
+
+def _tools() -> tuple[str, str]:
+    from triton import knobs
+
+    return knobs.nvidia.ptxas.path, knobs.nvidia.cuobjdump.path
+
+
+def _cubin_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack, local (spill) bytes and SASS instruction count of a cubin."""
+    tool = _tools()[1]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
+    out = dict(zip(("registers", "stack_bytes", "local_bytes"), map(int, m.groups()))) if m \
+        else {}
+    if m:
+        out["spills"] = out["stack_bytes"] + out["local_bytes"] > 0
+    out["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
+    return out
+
+
+def _ptx_accesses(ptx: str) -> dict[str, Any]:
+    """Widths of the global stores, and how many stored register tuples no load of the same
+    width produced."""
+    loads = set(re.findall(r"ld\.global(?:\.[\w:]+)*?((?:\.v\d)?\.b\d+) \{ ([^}]*) \}", ptx))
+    stores = re.findall(r"st\.global(?:\.[\w:]+)*?((?:\.v\d)?\.b\d+) \[[^\]]*\], \{ ([^}]*) \}",
+                        ptx)
+    return {"store_widths": sorted({w for w, _ in stores}),
+            "stores_not_loaded": sum((w, regs) not in loads for w, regs in stores)}
+
+
+class _Compiler:
+    """Compiles recorded launches for one architecture; identical specialisations once."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.arch = arch
+        self.target = GPUTarget("cuda", arch, 32)
+        self.backend = make_backend(self.target)
+        self.cache: dict[str, dict[str, Any]] = {}
+
+    def specialise(self, fn: Any, args: tuple, kwargs: dict):
+        from triton.runtime.jit import create_function_from_signature
+
+        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        return fn._pack_args(self.backend, options, bound, specialization, options)
+
+    def compile(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        import triton
+        from triton.compiler import ASTSource
+
+        options, signature, constexprs, attrs = self.specialise(fn, args, kwargs)
+        key = repr((fn.fn.__qualname__, sorted(signature.items()), sorted(constexprs.items()),
+                    sorted(attrs.items()), sorted(options.__dict__.items())))
+        if key in self.cache:
+            return self.cache[key]
+        start = time.perf_counter()
+        try:
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                    target=self.target, options=options.__dict__)
+            info = _cubin_usage(kernel.asm["cubin"])
+            info.update(_ptx_accesses(kernel.asm["ptx"]))
+            info["shared_bytes"] = int(kernel.metadata.shared)
+            info["num_warps"] = int(kernel.metadata.num_warps)
+            ctas, limit = occupancy(self.arch, info["num_warps"], info.get("registers", 0),
+                                    info["shared_bytes"])
+            info["ctas_per_sm"], info["limited_by"] = ctas, limit
+            info["error"] = None
+        except Exception as exc:  # a kernel that does not compile is a finding, not a crash
+            info = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                    "num_warps": options.num_warps}
+        info["compile_s"] = round(time.perf_counter() - start, 2)
+        self.cache[key] = info
+        return info
+
+
+def _grid(grid: Any) -> list[int]:
+    return [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
+
+
+def compile_report(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"),
+                   widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
+                   progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Record and compile every launch of ``groups`` (``"resolve"``, ``"copy"``); resolve at
+    the top-k ``widths`` (plus, with ``small_host``, a host pool small enough for int32 sort
+    keys). Returns the report payload (``{"arch", "triton", "launches"}``).
+
+    Must run without ``TRITON_INTERPRET=1`` (the interpreter replaces the kernels by Python
+    functions): use ``report_in_subprocess`` from an interpreted process.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_report needs the compiled kernels: unset TRITON_INTERPRET "
+                           "(or call report_in_subprocess).")
+    if arch not in ARCH_LIMITS:
+        raise ValueError(f"unknown arch sm_{arch}; known: "
+                         f"{', '.join(f'sm_{a}' for a in ARCH_LIMITS)}.")
+    import triton
+
+    compiler = _Compiler(arch)
+    calls = (_resolve_calls(widths, small_host) if "resolve" in groups else []) \
+        + (_copy_calls() if "copy" in groups else [])
+    tag = ["?"]
+    with record_launches(tag=tag) as launches:
+        for what, call in calls:
+            tag[0] = what
+            call()
+    # Compile with the kernel modules restored (kernels call their jit helpers by name).
+    records: list[dict[str, Any]] = []
+    for launch in launches:
+        name = launch.kernel.fn.__name__
+        if progress is not None:
+            progress(f"{launch.tag}: {name}")
+        info = compiler.compile(launch.kernel, launch.args, dict(launch.kwargs))
+        records.append({"variant": launch.tag, "kernel": name, "grid": _grid(launch.grid),
+                        **info})
+    return {"arch": f"sm_{arch}", "triton": triton.__version__, "launches": records}
+
+
+def report_in_subprocess(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"),
+                         widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
+                         timeout: float = 1800) -> dict[str, Any]:
+    """``compile_report`` in a fresh interpreter without ``TRITON_INTERPRET`` (usable from
+    tests that run the kernels in the interpreter). Returns the JSON document."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "hisparse_triton.kernels.compile_report", f"--arch=sm_{arch}",
+           "--json", "-", "--kernels", ",".join(groups),
+           "--widths", ",".join(str(w) for w in widths)] + ([] if small_host
+                                                            else ["--no-small-host"])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile report failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
+
+
+def _format(payload: dict[str, Any]) -> str:
+    head = (f"{'variant':<40} {'kernel':<28} {'grid':<14} {'warps':>5} {'regs':>4} "
+            f"{'spill':>5} {'smem':>7} {'sass':>6} {'cta/SM':>6}")
+    lines = [f"compile report for {payload['arch']} (triton {payload['triton']})", head]
+    for r in payload["launches"]:
+        grid = "x".join(map(str, r["grid"]))
+        if r.get("error"):
+            lines.append(f"{r['variant']:<40} {r['kernel']:<28} {grid:<14} ERROR {r['error']}")
+            continue
+        lines.append(f"{r['variant']:<40} {r['kernel']:<28} {grid:<14} {r['num_warps']:>5} "
+                     f"{r.get('registers', '?'):>4} "
+                     f"{r.get('stack_bytes', 0) + r.get('local_bytes', 0):>5} "
+                     f"{r['shared_bytes']:>7} {r.get('sass_instructions', '?'):>6} "
+                     f"{r['ctas_per_sm']:>6}")
+    return "\n".join(lines)
+
+
+def _arch(text: str) -> int:
+    m = re.fullmatch(r"sm_?(\d+)a?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--arch must look like sm_90, got {text!r}")
+    return int(m.group(1))
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from hisparse_triton.commands.output import (add_json_flag, json_document, report_stream,
+                                                 write_json)
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hisparse_triton.kernels.compile_report",
+        description="Compile every kernel launch of the runtime for an NVIDIA architecture "
+                    "(no GPU needed) and report registers, spills, shared memory, SASS size "
+                    "and occupancy.")
+    parser.add_argument("--arch", type=_arch, default=90, help="target, e.g. sm_90 (default)")
+    parser.add_argument("--kernels", default="resolve,copy",
+                        help="comma-separated groups: resolve, copy (default both)")
+    parser.add_argument("--widths", type=_ints, default=list(RESOLVE_WIDTHS),
+                        help="resolve top-k widths (default 2048..32768)")
+    parser.add_argument("--no-small-host", dest="small_host", action="store_false",
+                        help="skip the resolve variants with a small host pool (int32 keys)")
+    add_json_flag(parser, "the report")
+    args = parser.parse_args(argv)
+    groups = [g for g in args.kernels.split(",") if g]
+    bad = [g for g in groups if g not in ("resolve", "copy")]
+    if bad:
+        parser.error(f"--kernels: unknown group(s) {bad}; expected resolve, copy")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter hides the compiled kernels
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.call([sys.executable, "-m", "hisparse_triton.kernels.compile_report",
+                                *(argv if argv is not None else sys.argv[1:])], env=env)
+    stream = report_stream(args.json)
+    payload = compile_report(args.arch, groups=groups, widths=args.widths,
+                             small_host=args.small_host, progress=lambda s: print(f"compiling {s}", file=sys.stderr))
+    print(_format(payload), file=stream)
+    if args.json is not None:
+        write_json(json_document("compile-report", 1, payload), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
