@@ -6,8 +6,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-#: Largest hot buffer (rows per request) the resolve kernel is designed for.
-MAX_DEVICE_BUFFER_SIZE = 32768
+from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # torch-free
+
+#: Largest hot buffer (rows per request): the widest top-k row the resolve kernel resolves
+#: (``MAX_RESOLVE_WIDTH``; a speculative step resolves up to ``device_buffer_size`` columns).
+MAX_DEVICE_BUFFER_SIZE = MAX_RESOLVE_WIDTH
 
 #: Resident pages a request keeps on the GPU at steady state (the page being written and
 #: the one before it).
@@ -61,7 +64,8 @@ class HiSparseConfig:
             origin = (" (the default, (max_decode_query_len + 1) * index_topk; set "
                       "device_buffer_size explicitly)" if defaulted else "")
             raise ValueError(f"HiSparseConfig.device_buffer_size={size}{origin} exceeds the "
-                             f"maximum of {MAX_DEVICE_BUFFER_SIZE}.")
+                             f"maximum of {MAX_DEVICE_BUFFER_SIZE} (the resolve kernel's "
+                             f"widest row, MAX_RESOLVE_WIDTH).")
         if self.host_pool_gib is None:
             raise ValueError("HiSparseConfig.host_pool_gib is required when HiSparse is "
                              "enabled (the size of the pinned host pool in GiB).")

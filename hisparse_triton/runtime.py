@@ -30,10 +30,11 @@ pinned, non-blocking copy per plan; counters accumulate on the device; with the 
 backend on CUDA the reference ops do sync). ``stats()`` reads the device counters (one
 sync); ``host_cache`` read on the CPU needs a ``torch.cuda.synchronize()`` first.
 
-Row lifetime: the rows ``resolve`` returns stay valid until the next ``commit()`` or
-``free_request()`` (which may hand their blocks to other requests) and, for hot rows, the
-next ``resolve`` of the same index group for the same request (which may evict them). So a
-step is: ``append_slots`` -> write KV -> ``resolve`` per index group -> attention ->
+Row lifetime: ``resolve`` returns the index group's persistent rows tensor (fixed shapes:
+CUDA-graph friendly), which its next ``resolve`` overwrites; the row ids in it stay valid
+until the next ``commit()`` or ``free_request()`` (which may hand their blocks to other
+requests) and, for hot rows, the next ``resolve`` of the same index group for the same
+request (which may evict them). So a step is: ``append_slots`` -> write KV -> ``resolve`` per index group -> attention ->
 ``commit()``.
 
 Every call is all-or-nothing: a call that raises (bad input, a full pool, or torch itself
@@ -377,7 +378,9 @@ class HiSparseRuntime:
           one slot and one transfer), the result is ``[R, Q, K]``.
         Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for the leader and
         every follower (-1 = masked), until the next ``commit()``/``free_request()`` or the
-        next resolve of this index group for the same request. Misses are gathered host ->
+        next resolve of this index group for the same request; the tensor itself is the
+        index group's persistent output, overwritten by its next resolve (copy it to keep
+        it). Misses are gathered host ->
         device into the hot rows of all of the index group's layers in one launch. Counters
         accumulate on the device; nothing here waits for the device (a CPU ``topk`` is staged
         through pinned memory; narrow integer dtypes convert losslessly, 64-bit ones

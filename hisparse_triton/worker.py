@@ -51,7 +51,6 @@ from hisparse_triton.step_plan import StepPlan, TableLayout
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
-_INT32_MAX = 2**31 - 1
 #: Pinned staging buffers for plans in flight (the CPU may run this many plans ahead).
 STAGING_SLOTS = 4
 
@@ -116,6 +115,7 @@ class _IndexGroupState:
     slot_host_rows: torch.Tensor = field(repr=False)  # [S, H] int32 view
     lru: torch.Tensor = field(repr=False)             # [S, H] int32 view
     counters: torch.Tensor = field(repr=False)        # [3] int64 view
+    rows_out: Optional[torch.Tensor] = field(repr=False, default=None)  # [R, K] last rows
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -329,6 +329,8 @@ class HiSparseWorker:
         self._staging_events: list[Optional[torch.cuda.Event]] = [None] * STAGING_SLOTS
         self._staging_next = 0
         self._plan_device = torch.empty(0, dtype=torch.int32, device=dev)
+        # Scratch and miss plan of every resolve (calls run one after another on a stream).
+        self._workspace = self._ops.ResolveWorkspace(dev)
         host_buf, dev_buf = self._host_pool.tensor, self._device_pool.tensor
         B = self.block_size
         groups = self.groups
@@ -582,7 +584,8 @@ class HiSparseWorker:
         is ``[R, Q, K]``. Returns ``[R, K] int32``
         rows of ``device_cache(layer)`` valid for the leader and every follower (-1 =
         masked), until the next plan that releases pages or the next resolve of this index
-        group for the same request. Misses are gathered host -> device into the hot rows of
+        group for the same request; the tensor is the index group's persistent output,
+        overwritten by its next resolve (fixed shapes: CUDA-graph friendly). Misses are gathered host -> device into the hot rows of
         all of the index group's layers in one launch; counters accumulate on the device;
         fixed shapes, no host sync (CUDA-graph friendly). Only shapes are checked.
         """
@@ -602,23 +605,29 @@ class HiSparseWorker:
             return torch.empty(shape, dtype=torch.int32, device=self.device)
         with torch.inference_mode(False), torch.no_grad():
             state_rows = self._on_device(state_rows, "state_rows")
-            topk = self._on_device(topk, "topk")
-            if topk.dtype != torch.int32:
-                if topk.dtype.itemsize < 4:
-                    topk = topk.to(torch.int32)           # lossless
-                else:  # int64 / uint32 / uint64: saturate, so huge positions mask, never wrap
-                    topk = topk.to(torch.int64).clamp(-1, _INT32_MAX).to(torch.int32)
-            topk = topk.contiguous()
+            topk = self._on_device(topk, "topk")   # any integer dtype: converted in-kernel
+            out = group.rows_out
+            if out is None or out.shape != (R, K):
+                out = group.rows_out = torch.empty(R, K, dtype=torch.int32, device=self.device)
             ops = self._ops
+            # One launch: rows, the miss plan, the counters; the workspace keeps the
+            # pre-call hot state of the rows it resolves, so a failed gather can undo it.
             result = ops.resolve(
                 topk, state_rows, self.seq_lens, group.resident_table, self.host_table,
                 group.hot_table, group.slot_host_rows, group.lru, block_size=self.block_size,
                 num_device_blocks=self.num_device_blocks, num_host_blocks=self.num_host_blocks,
-                backend=self.backend)
-            ops.copy_rows(group.device_table, group.host_table, result.miss_src,
-                          result.miss_dst, result.miss_count, backend=self.backend)
-            group.counters += result.stats.sum(dim=0)
-        return result.rows.view(shape)
+                counters=group.counters, out=out, workspace=self._workspace,
+                backend=self._kernel_backend)
+            try:
+                ops.copy_rows(group.device_table, group.host_table, result.miss_src,
+                              result.miss_dst, result.miss_count,
+                              backend=self._kernel_backend)
+            except BaseException:  # undo the resolve: hot state and counters
+                ops.restore_resolve_state(self._workspace, state_rows, group.slot_host_rows,
+                                          group.lru)
+                group.counters -= result.stats.sum(dim=0)
+                raise
+        return out.view(shape)
 
     def _on_device(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         """``tensor`` on the worker's device; a CPU tensor bound for CUDA is staged through

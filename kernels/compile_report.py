@@ -35,7 +35,6 @@ over pools with more than 2**31 rows (64-bit size arguments). Identical speciali
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
@@ -340,7 +339,7 @@ def report_in_subprocess(arch: int = 90, *, groups: Sequence[str] = ("resolve", 
     return json.loads(proc.stdout)
 
 
-def _format(payload: dict[str, Any]) -> str:
+def format_report(payload: dict[str, Any]) -> str:
     head = (f"{'variant':<40} {'kernel':<28} {'grid':<14} {'warps':>5} {'regs':>4} "
             f"{'spill':>5} {'smem':>7} {'sass':>6} {'cta/SM':>6}")
     lines = [f"compile report for {payload['arch']} (triton {payload['triton']})", head]
@@ -357,54 +356,7 @@ def _format(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _arch(text: str) -> int:
-    m = re.fullmatch(r"sm_?(\d+)a?", text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"--arch must look like sm_90, got {text!r}")
-    return int(m.group(1))
+if __name__ == "__main__":  # the same as `hisparse-triton compile-report`
+    from hisparse_triton.commands.compile_report import main
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from hisparse_triton.commands.output import (add_json_flag, json_document, report_stream,
-                                                 write_json)
-
-    parser = argparse.ArgumentParser(
-        prog="python -m hisparse_triton.kernels.compile_report",
-        description="Compile every kernel launch of the runtime for an NVIDIA architecture "
-                    "(no GPU needed) and report registers, spills, shared memory, SASS size "
-                    "and occupancy.")
-    parser.add_argument("--arch", type=_arch, default=90, help="target, e.g. sm_90 (default)")
-    parser.add_argument("--kernels", default="resolve,copy",
-                        help="comma-separated groups: resolve, copy (default both)")
-    parser.add_argument("--widths", type=_ints, default=list(RESOLVE_WIDTHS),
-                        help="resolve top-k widths (default 2048..32768)")
-    parser.add_argument("--no-small-host", dest="small_host", action="store_false",
-                        help="skip the resolve variants with a small host pool (int32 keys)")
-    add_json_flag(parser, "the report")
-    args = parser.parse_args(argv)
-    groups = [g for g in args.kernels.split(",") if g]
-    bad = [g for g in groups if g not in ("resolve", "copy")]
-    if bad:
-        parser.error(f"--kernels: unknown group(s) {bad}; expected resolve, copy")
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter hides the compiled kernels
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        return subprocess.call([sys.executable, "-m", "hisparse_triton.kernels.compile_report",
-                                *(argv if argv is not None else sys.argv[1:])], env=env)
-    stream = report_stream(args.json)
-    payload = compile_report(args.arch, groups=groups, widths=args.widths,
-                             small_host=args.small_host, progress=lambda s: print(f"compiling {s}", file=sys.stderr))
-    print(_format(payload), file=stream)
-    if args.json is not None:
-        write_json(json_document("compile-report", 1, payload), args.json)
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

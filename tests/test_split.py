@@ -484,3 +484,50 @@ def test_device_rows_of_a_row_aligned_plan_are_the_same_bytes():
     with make_runtime() as rt:
         with pytest.raises(ValueError, match="not row-aligned"):
             rt.device_rows(L0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_failed_gather_leaves_the_hot_state_as_it_was(monkeypatch, backend):
+    """resolve updates slot ownership and LRU in place, then gathers: when the gather
+    raises, the hot state is restored, so later calls never return another position's
+    bytes."""
+    with make_runtime(max_num_seqs=2, threshold=1, backend=backend) as rt:
+        oracle = DenseOracle(rt, seed=8)
+        rt.add_request("a", 36, 4)
+        oracle.add("a")
+        write_random(rt, oracle, "a", 36)
+        rt.commit()
+        topk = torch.arange(TOPK, dtype=torch.int32).view(1, -1)
+        rt.resolve(L0, ["a"], topk)                      # a warm hot buffer
+        before = rt._debug_snapshot()
+        ops = rt.worker._ops
+
+        def failing_copy(*args, **kwargs):
+            raise RuntimeError("injected gather failure")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "copy_rows", failing_copy)
+            with pytest.raises(RuntimeError, match="injected gather failure"):
+                rt.resolve(L0, ["a"], topk + 8)          # all misses, then the gather fails
+        assert rt._debug_snapshot() == before
+        for shift in (8, 0, 16):
+            oracle.check_resolve(L0, ["a"], topk + shift, rt.resolve(L0, ["a"], topk + shift))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_state_row_named_twice_resolves_once(backend):
+    """resolve_rows with one state row twice: the first batch row resolves it, the second
+    is padding (-1, no state touched), the same on both backends; later calls stay exact."""
+    with make_runtime(max_num_seqs=2, threshold=1, backend=backend) as rt:
+        oracle = DenseOracle(rt, seed=9)
+        rt.add_request("a", 36, 4)
+        oracle.add("a")
+        write_random(rt, oracle, "a", 36)
+        rt.commit()
+        row = rt.state_row("a")
+        topk = torch.stack([torch.arange(TOPK), torch.arange(8, 8 + TOPK)]).to(torch.int32)
+        rows = rt.resolve_rows(L0, torch.tensor([row, row], dtype=torch.int32), topk)
+        oracle.check_resolve(L0, ["a"], topk[:1], rows[:1])
+        assert rows[1].eq(-1).all()
+        for _ in range(2):
+            oracle.check_resolve(L0, ["a"], topk[1:], rt.resolve(L0, ["a"], topk[1:]))

@@ -122,6 +122,3 @@ def resolve_host_cost(batch: int = 64, top_k: int = 2048, hot_slots: int = 4096,
             "api": "workspace" if extra else "allocating",
             "batch": batch, "top_k": top_k, "hot_slots": hot_slots, "layers": layers}
 
-
-if __name__ == "__main__":
-    print(resolve_host_cost())

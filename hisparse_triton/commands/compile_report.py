@@ -1,0 +1,100 @@
+"""``hisparse-triton compile-report``: compile every kernel launch the runtime can make for
+an NVIDIA architecture, on any machine (no GPU), and print registers, spills, shared memory,
+SASS size and occupancy per launch (``hisparse_triton.kernels.compile_report`` explains
+every column). Also ``python -m hisparse_triton.kernels.compile_report``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Optional, Sequence
+
+from hisparse_triton.commands.output import (
+    add_json_flag,
+    json_document,
+    report_stream,
+    write_json,
+)
+
+def _arch(text: str) -> int:
+    m = re.fullmatch(r"sm_?(\d+)a?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--arch must look like sm_90, got {text!r}")
+    return int(m.group(1))
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``compile-report`` and its flags."""
+    parser = subparsers.add_parser(
+        "compile-report", help="compile every kernel launch for a GPU architecture (no GPU "
+                               "needed): registers, spills, shared memory, occupancy",
+        description="Compile every kernel launch of the runtime for an NVIDIA architecture "
+                    "(no GPU needed) and report registers, spills, shared memory, SASS size "
+                    "and occupancy.")
+    parser.add_argument("--arch", type=_arch, default=90, help="target, e.g. sm_90 (default)")
+    parser.add_argument("--kernels", default="resolve,copy",
+                        help="comma-separated groups: resolve, copy (default both)")
+    parser.add_argument("--widths", type=_ints, default=None,
+                        help="resolve top-k widths (default 2048..32768, every width the config accepts)")
+    parser.add_argument("--no-small-host", dest="small_host", action="store_false",
+                        help="skip the resolve variants with a small host pool (int32 keys)")
+    add_json_flag(parser, "the report")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``hisparse-triton compile-report``."""
+    groups = [g for g in args.kernels.split(",") if g]
+    bad = [g for g in groups if g not in ("resolve", "copy")]
+    if bad:
+        raise ValueError(f"--kernels: unknown group(s) {bad}; expected resolve, copy")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter hides the compiled kernels
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.call([sys.executable, "-m", "hisparse_triton", "compile-report",
+                                *_flags(args)], env=env)
+    from hisparse_triton.kernels.compile_report import (
+        RESOLVE_WIDTHS,
+        compile_report,
+        format_report,
+    )
+
+    stream = report_stream(args.json)
+    widths = args.widths if args.widths is not None else list(RESOLVE_WIDTHS)
+    payload = compile_report(args.arch, groups=groups, widths=widths,
+                             small_host=args.small_host,
+                             progress=lambda what: print(f"compiling {what}", file=sys.stderr))
+    print(format_report(payload), file=stream)
+    if args.json is not None:
+        write_json(json_document("compile-report", 1, payload), args.json)
+    return 0
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The command line that reproduces ``args`` (for the run outside the interpreter)."""
+    flags = ["--arch", f"sm_{args.arch}", "--kernels", args.kernels]
+    if args.widths is not None:
+        flags += ["--widths", ",".join(map(str, args.widths))]
+    if not args.small_host:
+        flags.append("--no-small-host")
+    if args.json is not None:
+        flags += ["--json", args.json]
+    return flags
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hisparse_triton.kernels.compile_report ...``: the same command."""
+    from hisparse_triton.cli import main as cli_main
+
+    return cli_main(["compile-report", *(sys.argv[1:] if argv is None else argv)])
+
+
