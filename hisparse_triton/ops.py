@@ -196,6 +196,12 @@ except ImportError:  # pragma: no cover - very old torch
         return None
 
 
+def is_eager(tensors: tuple[Optional[Tensor], ...]) -> bool:
+    """Whether a call on ``tensors`` may bypass the ``torch.library`` dispatch (no tracing,
+    plain tensors, no dispatch mode): callers that launch kernels directly check this."""
+    return _eager(tensors)
+
+
 def _current_dispatch_mode():
     return _get_current_dispatch_mode()
 

@@ -132,10 +132,13 @@ class ResolveWorkspace:
         _check_shape(max_rows, width, slots)
         n32, n64 = _need(max_rows, width, slots)
         if n32 > self._i32.numel() or n64 > self._i64.numel():
-            self._i32 = torch.empty(max(n32, self._i32.numel()), dtype=torch.int32,
-                                    device=self.device)
-            self._i64 = torch.empty(max(n64, self._i64.numel()), dtype=torch.int64,
-                                    device=self.device)
+            # Ordinary tensors even inside inference mode: later calls write them in place
+            # from either mode.
+            with torch.inference_mode(False):
+                self._i32 = torch.empty(max(n32, self._i32.numel()), dtype=torch.int32,
+                                        device=self.device)
+                self._i64 = torch.empty(max(n64, self._i64.numel()), dtype=torch.int64,
+                                        device=self.device)
             self._views.clear()  # old views point at the old buffers
             self.last = None
 

@@ -116,6 +116,9 @@ class _IndexGroupState:
     lru: torch.Tensor = field(repr=False)             # [S, H] int32 view
     counters: torch.Tensor = field(repr=False)        # [3] int64 view
     rows_out: Optional[torch.Tensor] = field(repr=False, default=None)  # [R, K] last rows
+    rows_view: Optional[torch.Tensor] = field(repr=False, default=None)  # it, as returned
+    bound: Optional[object] = field(repr=False, default=None)  # kernels' BoundResolve
+    bound_gather: Optional[object] = field(repr=False, default=None)  # kernels' BoundCopy
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -368,6 +371,20 @@ class HiSparseWorker:
                 slot_host_rows=self._slot_host_rows[ig.number], lru=self._lru[ig.number],
                 counters=self._counters[ig.number])
 
+        if self._kernel_backend == "triton":
+            from hisparse_triton.kernels.gather import BoundCopy
+            from hisparse_triton.kernels.resolve import BoundResolve
+
+            for state in self._index_groups.values():
+                state.bound = BoundResolve(
+                    self.seq_lens, state.resident_table, self.host_table, state.hot_table,
+                    state.slot_host_rows, state.lru, block_size=B,
+                    num_device_blocks=self.num_device_blocks,
+                    num_host_blocks=self.num_host_blocks, counters=state.counters,
+                    workspace=self._workspace)
+                state.bound_gather = BoundCopy(state.device_table, state.host_table,
+                                               pages=False, kernel="gather")
+
         by_size: dict[int, list[str]] = {}
         for layer in groups.source_layers:
             by_size.setdefault(self._layer_row_bytes(layer, host=True), []).append(layer)
@@ -585,8 +602,9 @@ class HiSparseWorker:
         rows of ``device_cache(layer)`` valid for the leader and every follower (-1 =
         masked), until the next plan that releases pages or the next resolve of this index
         group for the same request; the tensor is the index group's persistent output,
-        overwritten by its next resolve (fixed shapes: CUDA-graph friendly). Misses are gathered host -> device into the hot rows of
-        all of the index group's layers in one launch; counters accumulate on the device;
+        overwritten by its next resolve (fixed shapes: CUDA-graph friendly). Misses are
+        gathered host -> device into the hot rows of all of the index group's layers in one
+        launch; counters accumulate on the device;
         fixed shapes, no host sync (CUDA-graph friendly). Only shapes are checked.
         """
         self._check_open()
@@ -603,31 +621,44 @@ class HiSparseWorker:
                              f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
         if R == 0:
             return torch.empty(shape, dtype=torch.int32, device=self.device)
-        with torch.inference_mode(False), torch.no_grad():
-            state_rows = self._on_device(state_rows, "state_rows")
-            topk = self._on_device(topk, "topk")   # any integer dtype: converted in-kernel
-            out = group.rows_out
-            if out is None or out.shape != (R, K):
-                out = group.rows_out = torch.empty(R, K, dtype=torch.int32, device=self.device)
-            ops = self._ops
-            # One launch: rows, the miss plan, the counters; the workspace keeps the
-            # pre-call hot state of the rows it resolves, so a failed gather can undo it.
+        # No grad-mode context here: only the kernels (or the reference's int ops) touch
+        # the worker's tensors, which works inside and outside inference mode alike.
+        state_rows = self._on_device(state_rows, "state_rows")
+        topk = self._on_device(topk, "topk")   # any integer dtype: converted in-kernel
+        out = group.rows_out
+        if out is None or out.shape != (R, K):
+            with torch.inference_mode(False):
+                out = group.rows_out = torch.empty(R, K, dtype=torch.int32,
+                                                   device=self.device)
+            group.rows_view = out.view(shape) if len(shape) == 3 else out
+        elif group.rows_view.shape != shape:
+            group.rows_view = out.view(shape) if len(shape) == 3 else out
+        ops = self._ops
+        # One launch: rows, the miss plan, the counters; the workspace keeps the pre-call
+        # hot state of the rows it resolves, so a failed gather can undo it. The Triton
+        # path reuses the checks and launch arguments of this group and shape.
+        if group.bound is not None and ops.is_eager((topk, state_rows)):
+            result = group.bound(topk, state_rows, out)
+        else:
             result = ops.resolve(
                 topk, state_rows, self.seq_lens, group.resident_table, self.host_table,
                 group.hot_table, group.slot_host_rows, group.lru, block_size=self.block_size,
-                num_device_blocks=self.num_device_blocks, num_host_blocks=self.num_host_blocks,
-                counters=group.counters, out=out, workspace=self._workspace,
-                backend=self._kernel_backend)
-            try:
+                num_device_blocks=self.num_device_blocks,
+                num_host_blocks=self.num_host_blocks, counters=group.counters, out=out,
+                workspace=self._workspace, backend=self._kernel_backend)
+        try:
+            if group.bound_gather is not None and ops.is_eager((result.miss_src,)):
+                group.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
+            else:
                 ops.copy_rows(group.device_table, group.host_table, result.miss_src,
                               result.miss_dst, result.miss_count,
                               backend=self._kernel_backend)
-            except BaseException:  # undo the resolve: hot state and counters
-                ops.restore_resolve_state(self._workspace, state_rows, group.slot_host_rows,
-                                          group.lru)
-                group.counters -= result.stats.sum(dim=0)
-                raise
-        return out.view(shape)
+        except BaseException:  # undo the resolve: hot state and counters
+            ops.restore_resolve_state(self._workspace, state_rows, group.slot_host_rows,
+                                      group.lru)
+            group.counters -= result.stats.sum(dim=0)
+            raise
+        return group.rows_view
 
     def _on_device(self, tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         """``tensor`` on the worker's device; a CPU tensor bound for CUDA is staged through

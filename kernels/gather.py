@@ -294,6 +294,49 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
             HAS_COUNTS=has_counts, **prepared.constexprs)
 
 
+class BoundCopy:
+    """A copy between two fixed tables whose plans are persistent tensors (a runtime's miss
+    plan in its resolve workspace): the checks and launch arguments of a plan are computed
+    once per plan tensors and kept, so a call is a dictionary lookup and the launch.
+    ``bound(src_ids, dst_ids, counts)`` has the semantics of ``launch_copy``."""
+
+    def __init__(self, dst: RowTable, src: RowTable, *, pages: bool, kernel: str,
+                 config: Optional[CopyConfig] = None) -> None:
+        self._dst, self._src = dst, src
+        self._pages, self._kernel, self._config = pages, kernel, config
+        self._calls: dict[tuple, tuple] = {}
+
+    def _prepare(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                 counts: Optional[torch.Tensor]) -> tuple:
+        dst, src = self._dst, self._src
+        check_copy_args(dst, src, src_ids, dst_ids, counts, pages=self._pages)
+        rows, cols = src_ids.shape[-2], src_ids.shape[-1]
+        if rows == 0 or cols == 0:
+            return (None, (), {}, src_ids, dst_ids, counts)
+        dst.check_pool()
+        src.check_pool()
+        prepared = _prepare(dst, src, src_ids.device, rows, cols, pages=self._pages,
+                            kernel=self._kernel, config=self._config)
+        has_counts = counts is not None
+        args = (*prepared.args, src_ids, dst_ids, counts if has_counts else src_ids,
+                *_plan_strides(src_ids), *_plan_strides(dst_ids),
+                counts.stride(0) if has_counts else 0, *prepared.sizes)
+        return (prepared.grid, args, dict(HAS_COUNTS=has_counts, **prepared.constexprs),
+                src_ids, dst_ids, counts)
+
+    def __call__(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                 counts: Optional[torch.Tensor] = None) -> None:
+        key = (id(src_ids), id(dst_ids), id(counts))
+        call = self._calls.get(key)
+        if call is None or call[3] is not src_ids or call[4] is not dst_ids \
+                or call[5] is not counts:
+            call = self._calls[key] = self._prepare(src_ids, dst_ids, counts)
+        grid, args, constexprs = call[:3]
+        if grid is not None:
+            with _device_guard(src_ids):
+                copy_rows_kernel[grid](*args, **constexprs)
+
+
 _NO_GUARD = nullcontext()
 
 

@@ -82,7 +82,7 @@ from hisparse_triton.kernels.gather import _device_guard
 from hisparse_triton.resolve_workspace import ResolveWorkspace, scratch_width
 from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see there)
 
-__all__ = ["GATHER_SEARCH", "MAX_BLOCK_H", "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH",
+__all__ = ["BoundResolve", "GATHER_SEARCH", "MAX_BLOCK_H", "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH",
            "ResolveWorkspace", "resolve", "restore_resolve_state"]
 
 #: Most keys sorted in registers by one program; wider rows are merged in scratch.
@@ -484,6 +484,65 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
     launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs)
     _LAUNCHES[key] = launch
     return launch
+
+
+class BoundResolve:
+    """A resolve whose state tensors never change (a runtime's tables, hot state, counters
+    and workspace): what depends only on them and on a call's shape (argument checks, launch
+    shape, strides, buffers) is done once per shape and kept, so a call on the decode path
+    does a dictionary lookup and the launch.
+
+    ``bound(topk, state_rows, out)`` has the semantics of ``resolve(topk, state_rows,
+    seq_lens, ..., counters=counters, out=out, workspace=workspace)``; a call of a new shape
+    (or dtype, strides, device, ``out``) runs the full checks first. The state tensors must
+    keep their storage and shape (views of a runtime's persistent tables do).
+    """
+
+    def __init__(self, seq_lens: torch.Tensor, resident_blocks: torch.Tensor,
+                 host_blocks: torch.Tensor, hot_blocks: torch.Tensor,
+                 slot_host_rows: torch.Tensor, lru: torch.Tensor, *, block_size: int,
+                 num_device_blocks: int, num_host_blocks: int, counters: torch.Tensor,
+                 workspace: ResolveWorkspace) -> None:
+        self._state = (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
+                       lru)
+        self._sizes = (block_size, num_device_blocks, num_host_blocks)
+        self._counters, self._workspace = counters, workspace
+        self._calls: dict[tuple, tuple] = {}
+
+    def _prepare(self, topk: torch.Tensor, state_rows: torch.Tensor,
+                 out: torch.Tensor) -> tuple:
+        seq_lens, resident, host, hot, slot_rows, lru = self._state
+        block_size, num_device_blocks, num_host_blocks = self._sizes
+        counters, workspace = self._counters, self._workspace
+        R, K, S, P, _, H = _check_resolve_args(
+            topk, state_rows, seq_lens, resident, host, hot, slot_rows, lru, block_size,
+            num_device_blocks, num_host_blocks, counters, out, workspace)
+        if not topk.is_cuda:
+            _check_backend(topk.device)
+        launch = _launch(K, H, block_size, num_host_blocks, True)
+        bufs = workspace.buffers(R, K, H)
+        result = ResolveResult(out, *bufs[1:5])
+        head = (seq_lens, resident, host, hot, slot_rows, lru, out, *bufs[1:], counters,
+                K, S, P, H)
+        tail = (state_rows.stride(0), seq_lens.stride(0), *resident.stride(), *host.stride(),
+                *hot.stride(), *slot_rows.stride(), *lru.stride(), *out.stride(),
+                counters.stride(0), num_device_blocks, num_host_blocks)
+        return (R,), head, topk.stride(), tail, launch.constexprs, bufs, result
+
+    def __call__(self, topk: torch.Tensor, state_rows: torch.Tensor,
+                 out: torch.Tensor) -> ResolveResult:
+        key = (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
+               state_rows.dtype, state_rows.device, state_rows.stride(), id(out))
+        call = self._calls.get(key)
+        if call is None or call[-1].rows is not out:
+            call = self._calls[key] = self._prepare(topk, state_rows, out)
+        grid, head, topk_strides, tail, constexprs, bufs, result = call
+        self._workspace.last = bufs
+        if grid[0]:
+            with _device_guard(topk):
+                _resolve_kernel[grid](topk, state_rows, *head, *topk_strides, *tail,
+                                      **constexprs)
+        return result
 
 
 def _check_backend(device: torch.device) -> None:

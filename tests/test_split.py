@@ -507,6 +507,9 @@ def test_a_failed_gather_leaves_the_hot_state_as_it_was(monkeypatch, backend):
 
         with monkeypatch.context() as patch:
             patch.setattr(ops, "copy_rows", failing_copy)
+            for state in rt.worker._index_groups.values():   # the bound Triton gather too
+                if state.bound_gather is not None:
+                    patch.setattr(state, "bound_gather", failing_copy)
             with pytest.raises(RuntimeError, match="injected gather failure"):
                 rt.resolve(L0, ["a"], topk + 8)          # all misses, then the gather fails
         assert rt._debug_snapshot() == before
@@ -531,3 +534,51 @@ def test_a_state_row_named_twice_resolves_once(backend):
         assert rows[1].eq(-1).all()
         for _ in range(2):
             oracle.check_resolve(L0, ["a"], topk[1:], rt.resolve(L0, ["a"], topk[1:]))
+
+
+@pytest.mark.parametrize("q", [1, 2])
+def test_resolve_rows_is_at_most_three_launches_and_no_torch_op(q):
+    """The decode call of one index group: resolve + gather (+ counters, in the resolve
+    kernel) in <= 3 kernel launches, no torch operation before, between or after them."""
+    import dataclasses as dc
+    import os
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hisparse_triton.kernels.launches import record_launches
+
+    metadata_only = {"view", "_unsafe_view", "reshape", "as_strided", "alias", "expand",
+                     "slice", "select", "unsqueeze", "squeeze"}   # no device work
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in metadata_only:
+                Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    if not os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    base = make_runtime(max_num_seqs=2)
+    config = dc.replace(base.config, hisparse=dc.replace(base.config.hisparse,
+                                                         max_decode_query_len=q))
+    rt = HiSparseRuntime(base.kv_cache_config, config, max_num_seqs=2, device="cpu",
+                         backend="triton", free_block_watermark=1.0)
+    base.close()
+    with rt:
+        rt.add_request("a", 36, 8)
+        rt.append_slots("a", 36)
+        rt.commit()
+        state_rows = rt.state_rows(["a", None])
+        shape = (2, q, TOPK // q) if q > 1 else (2, TOPK)
+        topk = torch.randint(0, 36, shape, dtype=torch.int64)   # int64: converted in-kernel
+        with record_launches(store=False) as launches:
+            rt.resolve_rows(L0, state_rows, topk)                # warm: shapes, buffers
+            launches.clear()
+            Ops.count = 0
+            with Ops():
+                rows = rt.worker.resolve_rows(L0, state_rows, topk)
+        assert len(launches) <= 3 and len(launches) == 2
+        assert Ops.count == 0
+        assert rows.shape == shape

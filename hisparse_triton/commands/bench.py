@@ -24,7 +24,7 @@ from hisparse_triton.commands.argtypes import (
     ratio_list,
 )
 from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add_top_k_flag
-from hisparse_triton.commands.output import add_json_flag, write_json
+from hisparse_triton.commands.output import add_json_flag, json_document, report_stream, write_json
 from hisparse_triton.presets import list_presets
 
 OPS = ("gather", "backup", "restore", "spill", "resolve")
@@ -105,6 +105,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "source rows / the torch reference")
     timing.add_argument("--no-graph", action="store_true",
                         help="skip the CUDA-graph replays of the Triton kernels")
+    timing.add_argument("--host", action="store_true",
+                        help="instead of the sweep: the host (Python) cost of the decode path "
+                             "with every kernel launch stubbed out, on CPU: one resolve_rows "
+                             "and a whole DeepSeek-V3.2-shaped decode step at batch 64 "
+                             "(bookkeeping + 61 index groups), with launches per step")
     add_seed_flag(timing, what="the workloads")
     out = parser.add_argument_group("output")
     add_output_flags(out)
@@ -164,8 +169,47 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
+#: Host-cost targets: per ``resolve_rows`` (besides Triton's launch call), per eager decode
+#: step of DeepSeek-V3.2 at batch 64, and kernel launches per step (3 per index group).
+HOST_TARGETS = {"resolve_rows_us": 25.0, "step_ms": 3.0, "step_launches": 183}
+
+
+def run_host(args: argparse.Namespace) -> int:
+    """``bench --host``: the decode path's host cost with the launches stubbed out."""
+    from hisparse_triton.benchmarks.host_cost import resolve_host_cost
+    from hisparse_triton.benchmarks.step_cost import decode_step_host_cost
+
+    batch = args.batch[0] if args.batch else 64
+    top_k = args.top_k or 2048
+    hot = args.hot_slots or max(4096, 2 * top_k)
+    steps = 10 if args.quick else 40
+    ops_level = resolve_host_cost(batch, top_k, hot, iters=50 if args.quick else 200)
+    step = decode_step_host_cost(batch, steps, top_k=top_k, device_buffer_size=hot)
+    met = {name: step[name] <= limit for name, limit in HOST_TARGETS.items()}
+    lines = [
+        f"host cost, kernel launches stubbed (CPU): {step['geometry']}, batch {batch}",
+        f"  ops.resolve + ops.copy_rows   {ops_level['us_per_call']:8.1f} us per call "
+        f"({ops_level['launches_per_call']} launches)",
+        f"  worker.resolve_rows           {step['resolve_rows_us']:8.1f} us per call "
+        f"(target <= {HOST_TARGETS['resolve_rows_us']:g}; {step['resolve_rows_launches']} "
+        f"launches, {step['resolve_rows_torch_ops']} torch ops)",
+        f"  bookkeeping per step          {step['bookkeeping_ms']:8.3f} ms (append_decode + "
+        f"step + apply + mirror; the in-process facade: {step['facade_bookkeeping_ms']:.3f} ms)",
+        f"  whole eager decode step       {step['step_ms']:8.3f} ms (target <= "
+        f"{HOST_TARGETS['step_ms']:g}); {step['step_launches']} kernel launches (target <= "
+        f"{HOST_TARGETS['step_launches']}), {step['step_torch_ops']} torch ops",
+    ]
+    print("\n".join(lines), file=report_stream(args.json))
+    if args.json:
+        write_json(json_document("bench-host", 1, {
+            "ops": ops_level, "step": step, "targets": HOST_TARGETS, "met": met}), args.json)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write ``--json`` / ``--plot``."""
+    if args.host:
+        return run_host(args)
     if args.plot:
         _check_plot_available()
     from hisparse_triton import benchmarks as bm

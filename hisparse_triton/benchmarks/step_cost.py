@@ -1,0 +1,163 @@
+"""Host (Python) cost of a whole eager decode step, with the kernel launches stubbed out.
+
+What a serving stack's CPU pays per decode step at DeepSeek-V3.2 structure (61 sparse
+layers, every layer an index-group leader, the planner's 6 resident + 6 hot groups, block 64,
+top-k 2048, a 4096-row hot buffer) and batch 64, measured on CPU tensors that stand in for
+CUDA ones, with every Triton launch replaced by a counting stand-in
+(``kernels.launches.record_launches``), so what is left is the runtime's own Python:
+
+- ``bookkeeping``: ``scheduler.append_decode`` + ``scheduler.step()`` + ``worker.apply`` +
+  ``worker.mirror`` (the stack's path through the two halves), and the facade's
+  ``append_slots`` per request + ``commit()`` for comparison;
+- ``resolve_rows``: one ``worker.resolve_rows`` call (checks, dispatch, the two launchers);
+- ``step``: bookkeeping + one ``resolve_rows`` per index group, and the kernel launches and
+  torch operations one step issues.
+
+Rows are shrunk to 64 B (latent) and 13 B (indexer) so the pools fit a CPU machine: the host
+cost does not depend on row bytes. Times are the thread's CPU time (``time.thread_time``), so
+other load on the machine inflates them little.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hisparse_triton.presets import ModelGeometry, build_kv_cache_spec
+
+#: DeepSeek-V3.2's layer structure with small rows (see the module docstring).
+GEOMETRY = ModelGeometry(name="dsv32-structure", description="DeepSeek-V3.2 structure, small rows",
+                         num_layers=61, mla_head_size=64, mla_dtype="uint8",
+                         max_model_len=163_840, indexer_head_size=13)
+
+__all__ = ["GEOMETRY", "decode_step_host_cost"]
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the torch operations run inside it (each one a launch or a copy on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _interpreter_env() -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` while the runtime is built: its Triton backend then accepts
+    CPU tensors (no kernel runs: the launches are stubbed)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _cpu_times(fn: Callable[[], Any], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return times
+
+
+def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048,
+                          device_buffer_size: int = 4096, prompt_len: int = 512,
+                          layers: int = GEOMETRY.num_layers) -> dict[str, Any]:
+    """Host milliseconds / microseconds of a decode step (see the module docstring); medians
+    over ``steps`` steps. Returns a JSON-able dict."""
+    from hisparse_triton.kernels.launches import record_launches
+    from hisparse_triton.runtime import HiSparseRuntime
+    from hisparse_triton.workload import plan_for_workload
+
+    spec = build_kv_cache_spec(GEOMETRY, num_layers=layers)
+    plan = plan_for_workload(spec, max_model_len=prompt_len + 4 * steps + 64,
+                             num_requests=batch, topk=top_k,
+                             device_buffer_size=device_buffer_size, prompt_len=prompt_len)
+    ids = [f"r{i}" for i in range(batch)]
+    with _interpreter_env(), record_launches(store=False) as launches:
+        rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch,
+                             device="cpu", backend="triton", free_block_watermark=1.0)
+        try:
+            scheduler, worker = rt.scheduler, rt.worker
+            for rid in ids:  # prefill, offloaded: every resolve goes through the hot path
+                rt.add_request(rid, prompt_len, 4 * steps + 64)
+                rt.append_slots(rid, prompt_len)
+                rt.commit()
+            leaders = scheduler.leaders
+            state_rows = torch.from_numpy(scheduler.state_rows(ids))
+            rng = np.random.default_rng(0)
+            topk = torch.from_numpy(rng.integers(0, prompt_len, (batch, top_k),
+                                                 dtype=np.int64).astype(np.int32))
+
+            def bookkeeping() -> Any:
+                scheduler.append_decode(ids)
+                step_plan = scheduler.step()
+                worker.apply(step_plan)
+                return step_plan
+
+            def resolves() -> None:
+                for leader in leaders:
+                    worker.resolve_rows(leader, state_rows, topk)
+
+            def split_step() -> None:
+                step_plan = bookkeeping()
+                resolves()
+                worker.mirror(step_plan)
+
+            def facade_step() -> None:
+                for rid in ids:
+                    rt.append_slots(rid, 1)
+                rt.commit()
+
+            for _ in range(2):  # warm: caches, workspace sizes, persistent outputs
+                split_step()
+            launches.clear()
+            counter = _OpCounter()
+            with counter:
+                split_step()
+            step_launches, step_ops = len(launches), counter.count
+            launches.clear()
+            resolve_counter = _OpCounter()
+            with resolve_counter:
+                worker.resolve_rows(leaders[0], state_rows, topk)
+            per_resolve_launches = len(launches)
+            step_times = _cpu_times(split_step, steps)
+            resolve_times = [t / len(leaders) for t in _cpu_times(resolves, steps)]
+
+            def bookkeeping_only() -> None:
+                worker.mirror(bookkeeping())
+
+            book_times = _cpu_times(bookkeeping_only, steps)
+            facade_times = _cpu_times(facade_step, steps)
+        finally:
+            rt.close()
+    median = statistics.median
+    return {
+        "geometry": f"DeepSeek-V3.2 structure: {layers} sparse layers, {len(leaders)} index "
+                    f"groups, block 64, top-k {top_k}, hot buffer {device_buffer_size}",
+        "batch": batch, "steps": steps, "index_groups": len(leaders),
+        "resolve_rows_us": round(1e6 * median(resolve_times), 1),
+        "resolve_rows_launches": per_resolve_launches,
+        "resolve_rows_torch_ops": resolve_counter.count,
+        "bookkeeping_ms": round(1e3 * median(book_times), 3),
+        "facade_bookkeeping_ms": round(1e3 * median(facade_times), 3),
+        "step_ms": round(1e3 * median(step_times), 3),
+        "step_launches": step_launches,
+        "step_torch_ops": step_ops,
+    }
