@@ -24,10 +24,13 @@ step that cannot start inside the budget is recorded as skipped):
    contiguous pinned copy, all in one run;
 2. ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
    replay, torch reference);
-3. ``tune``: 656 B rows, gather and backup, 1 and 4 layers (``--quick`` grid), into
-   ``$OUT/tuning-cache.json`` (the user's cache is not touched);
-4. ``tests``: ``pytest tests`` on CUDA (pytest-xdist workers when installed: the first
+   ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
+   index groups, every request on the host path): eager device / host time, the 61
+   resolves replayed from one CUDA graph, misses and GB/s gathered per step;
+3. ``tests``: ``pytest tests`` on CUDA (pytest-xdist workers when installed: the first
    Triton compile of each kernel specialisation costs about 1-3 s, in parallel there);
+4. ``tune``: 656 B rows, gather and backup, 1 and 4 layers (``--quick`` grid), into
+   ``$OUT/tuning-cache.json`` (the user's cache is not touched);
 5. ``bench-tuned``: step 1's gather / backup figures again with the tuned cache;
 6. the rest of the sweep while the budget lasts: 656 B page copies, 656 B small transfers
    (the torch backend too), resolve at other batch sizes, 132 and 1152 B rows.
@@ -97,12 +100,14 @@ STEPS = (
          75,
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
           "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 35),
+    Step("decode-step", "decode", ("--decode-step",), 60, ("--decode-step", "--quick"), 40),
+    Step("tests", "tests", ("tests",), 150,
+         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
+          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",
+          "tests/test_cuda_graph.py", "tests/test_launch_budget.py"), 75),
     Step("tune", "tune",
          ("--row-bytes", "656", "--kernel", "gather,backup", "--layers", "1,4", "--quick"), 110,
          ("--row-bytes", "656", "--kernel", "gather,backup", "--layers", "1", "--quick"), 40),
-    Step("tests", "tests", ("tests",), 150,
-         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
-          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py"), 75),
     Step("bench-tuned", "bench",
          (*TARGET_ROWS, "--ops", "gather,backup", "--methods", "triton,contiguous",
           "--miss-ratios", "1,0.067"), 60),
@@ -296,6 +301,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  tuned {rec['kernel']} {rec['row_bytes']} B L{rec['num_layers']}: "
                      f"{best.get('gbps')} GB/s vs default {default.get('gbps')} GB/s "
                      f"(x{rec.get('speedup_vs_default')})")
+    decode = (report.get("steps", {}).get("decode-step") or {}).get("result") or {}
+    if decode.get("eager_step_device_ms") is not None:
+        lines.append(f"  decode step ({decode.get('preset')}, batch {decode.get('batch')}): "
+                     f"eager {decode['eager_step_device_ms']} ms device / "
+                     f"{decode.get('eager_step_host_ms')} ms host; graph "
+                     f"{decode.get('graph_resolve_us_per_group')} us per index group "
+                     f"(target <= 15); {decode.get('h2d_gbps_in_step')} GB/s gathered")
     bench = report.get("bench")
     if bench:
         lines += _ceilings(bench)
@@ -393,6 +405,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if step.kind == "tests":
             record = _run(tests_command(tuple(flags), cuda), log, limit)
             record["summary"] = pytest_summary(record["tail"])
+        elif step.kind == "decode":
+            record = _run(cli + ["bench", *flags, "--json", str(target)], log, limit)
+            record["result"] = _load_json(target)
         elif step.kind == "tune":
             record = _run(cli + ["tune", *flags, "--cache", str(cache), "--json", str(target),
                                  "--no-progress"], log, limit)

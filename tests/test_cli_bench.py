@@ -316,7 +316,7 @@ def test_gpu_check_plan_fits_the_budget():
 
     full = gpu_check.plan(argparse.Namespace(only=None, skip="", dry_run=False, quick=False))
     names = [s.name for s in full]
-    assert names[:4] == ["bench-targets", "bench-resolve", "tune", "tests"]
+    assert names[:5] == ["bench-targets", "bench-resolve", "decode-step", "tests", "tune"]
     # Install, the first four steps and their SIGINT grace fit the default budget (380 s) and
     # leave room under the device tool's 600 s per command.
     assert sum(s.limit_s for s in full[:4]) + 60 <= 600
@@ -365,7 +365,7 @@ def test_gpu_check_worst_case_timeline(tmp_path, monkeypatch, quick):
     assert rc == 1  # every step timed out
     report = json.loads((tmp_path / f"nvidia-test-{report_date()}.json").read_text())
     ran = [name for name, s in report["steps"].items() if not s.get("skipped")]
-    expected = ["bench-targets", "bench-resolve", "tune", "tests"]
+    expected = ["bench-targets", "bench-resolve", "decode-step", "tests"]
     assert ran[:4] == expected  # even when every step runs into its limit
     budget = 240 if quick else 400
     assert clock.now - 1000.0 <= budget + gpu_check.GRACE_S  # ends inside the budget

@@ -5,7 +5,7 @@ Every timed call starts from the same state: ``ResolveWorkload`` snapshots a war
 the step's miss ratio is exactly the prescribed one (``measured_miss_ratio`` is read from the
 ``stats`` of a checked call). Methods:
 
-- ``triton``: one call through ``ops.resolve`` (5 kernel launches), CUDA events around the
+- ``triton``: one call through ``ops.resolve`` (one kernel launch), CUDA events around the
   call, L2 flushed after the restore (``timing.event_time``). When the CPU cannot enqueue the
   launches faster than the GPU runs them, the figure includes that launch cost: it is what an
   eager Python caller pays;

@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ GEOMETRY = ModelGeometry(name="dsv32-structure", description="DeepSeek-V3.2 stru
                          num_layers=61, mla_head_size=64, mla_dtype="uint8",
                          max_model_len=163_840, indexer_head_size=13)
 
-__all__ = ["GEOMETRY", "decode_step_host_cost"]
+__all__ = ["GEOMETRY", "decode_step_device", "decode_step_host_cost"]
 
 
 class _OpCounter(TorchDispatchMode):
@@ -161,3 +161,113 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
         "step_launches": step_launches,
         "step_torch_ops": step_ops,
     }
+
+
+def decode_step_device(batch: int = 64, prompt_len: int = 4096, steps: int = 12, *,
+                       preset: str = "deepseek-v3.2-fp8", layers: Optional[int] = None,
+                       locality: float = 0.87, distinct_steps: int = 6,
+                       device: str = "cuda") -> dict[str, Any]:
+    """A whole decode step of a preset on a device (real rows, real kernels): every running
+    request offloaded (``free_block_watermark=1.0``: the host path), top-k from a locality
+    trace (``locality`` of each selection repeated from the previous step's).
+
+    Times, per step: the eager step (bookkeeping + one ``resolve_rows`` per index group +
+    the mirror) on the device clock and on the host clock, and the index groups' resolves
+    captured in ONE CUDA graph and replayed (CUDA only). Also misses and bytes gathered per
+    step. On a CPU device (the Triton interpreter) only a smoke run makes sense.
+    """
+    from hisparse_triton.presets import get_preset
+    from hisparse_triton.runtime import HiSparseRuntime
+    from hisparse_triton.workload import TopkTrace, plan_for_workload
+
+    geometry = get_preset(preset)
+    spec = build_kv_cache_spec(geometry, num_layers=layers)
+    top_k = geometry.index_topk
+    max_len = prompt_len + steps * (distinct_steps + 4) + 64
+    plan = plan_for_workload(spec, max_model_len=max_len, num_requests=batch, topk=top_k,
+                             device_buffer_size=2 * top_k, prompt_len=prompt_len)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch, device=dev,
+                         backend="triton", free_block_watermark=1.0)
+    try:
+        scheduler, worker = rt.scheduler, rt.worker
+        ids = [f"r{i}" for i in range(batch)]
+        for rid in ids:
+            rt.add_request(rid, prompt_len, max_len - prompt_len)
+            rt.append_slots(rid, prompt_len)      # the prompt's KV bytes do not matter here
+            rt.commit()
+        leaders = scheduler.leaders
+        trace = TopkTrace(top_k, locality, seed=0)
+        selections = [{leader: torch.from_numpy(np.stack([
+            trace.next((rid, leader), prompt_len) for rid in ids]).astype(np.int32)).to(dev)
+            for leader in leaders} for _ in range(distinct_steps)]
+        state_rows = torch.from_numpy(scheduler.state_rows(ids)).to(dev)
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+        def eager_step(topk: dict) -> None:
+            scheduler.append_decode(ids)
+            step_plan = scheduler.step()
+            worker.apply(step_plan)
+            for leader in leaders:
+                worker.resolve_rows(leader, state_rows, topk[leader])
+            worker.mirror(step_plan)
+
+        for i in range(2):  # compile and warm
+            eager_step(selections[i % distinct_steps])
+        sync()
+        before = worker.stats()
+        host, device_ms = [], []
+        for i in range(steps):
+            topk = selections[i % distinct_steps]
+            sync()
+            start = time.perf_counter()
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                begin.record()
+            eager_step(topk)
+            host.append(time.perf_counter() - start)
+            if cuda:
+                end.record()
+                sync()
+                device_ms.append(begin.elapsed_time(end))
+        after = worker.stats()
+        result: dict[str, Any] = {
+            "preset": preset, "batch": batch, "prompt_len": prompt_len, "top_k": top_k,
+            "device_buffer_size": 2 * top_k, "index_groups": len(leaders), "steps": steps,
+            "locality": locality,
+            "eager_step_host_ms": round(1e3 * statistics.median(host), 3),
+            "eager_step_device_ms": round(statistics.median(device_ms), 3) if cuda else None,
+            "misses_per_step": (after.misses - before.misses) / steps,
+            "h2d_bytes_per_step": (after.h2d_bytes - before.h2d_bytes) / steps,
+        }
+        if cuda and device_ms:
+            result["h2d_gbps_in_step"] = round(
+                result["h2d_bytes_per_step"] / (result["eager_step_device_ms"] * 1e6), 2)
+            static = {leader: selections[0][leader].clone() for leader in leaders}
+            graph = torch.cuda.CUDAGraph()
+            sync()
+            with torch.cuda.graph(graph):
+                for leader in leaders:
+                    worker.resolve_rows(leader, state_rows, static[leader])
+            replay = []
+            for i in range(steps):
+                for leader in leaders:
+                    static[leader].copy_(selections[(i + 1) % distinct_steps][leader])
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                begin.record()
+                graph.replay()
+                end.record()
+                sync()
+                replay.append(begin.elapsed_time(end))
+            result["graph_resolves_ms"] = round(statistics.median(replay), 3)
+            result["graph_resolve_us_per_group"] = round(
+                1e3 * statistics.median(replay) / len(leaders), 2)
+        return result
+    finally:
+        rt.close()

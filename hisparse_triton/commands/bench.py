@@ -110,6 +110,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "with every kernel launch stubbed out, on CPU: one resolve_rows "
                              "and a whole DeepSeek-V3.2-shaped decode step at batch 64 "
                              "(bookkeeping + 61 index groups), with launches per step")
+    timing.add_argument("--decode-step", action="store_true",
+                        help="instead of the sweep (CUDA): a whole decode step of --preset "
+                             "(default deepseek-v3.2-fp8) at --batch 64, every request on the "
+                             "host path: eager step time, the index groups' resolves replayed "
+                             "from one CUDA graph, misses and GB/s gathered per step")
     add_seed_flag(timing, what="the workloads")
     out = parser.add_argument_group("output")
     add_output_flags(out)
@@ -206,10 +211,40 @@ def run_host(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_decode_step(args: argparse.Namespace) -> int:
+    """``bench --decode-step``: a whole decode step on the GPU (``step_cost``)."""
+    from hisparse_triton.benchmarks.step_cost import decode_step_device
+
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        raise ValueError("--decode-step times kernels: it needs a CUDA device "
+                         "(`bench --host` measures the host side on any machine).")
+    result = decode_step_device(batch=args.batch[0] if args.batch else 64,
+                                prompt_len=4096 if not args.quick else 2560,
+                                steps=6 if args.quick else 12,
+                                preset=args.preset or "deepseek-v3.2-fp8", device=str(device))
+    lines = [f"decode step: {result['preset']}, batch {result['batch']}, {result['prompt_len']}"
+             f"-token histories, {result['index_groups']} index groups, every request on the "
+             f"host path (locality {result['locality']})",
+             f"  eager step: {result['eager_step_device_ms']} ms on the device, "
+             f"{result['eager_step_host_ms']} ms on the host; {result['misses_per_step']:.0f} "
+             f"misses, {result['h2d_bytes_per_step'] / 2**20:.1f} MiB gathered per step "
+             f"({result.get('h2d_gbps_in_step')} GB/s over the step)",
+             f"  one CUDA graph of every index group's resolve_rows: "
+             f"{result.get('graph_resolves_ms')} ms per step, "
+             f"{result.get('graph_resolve_us_per_group')} us per index group"]
+    print("\n".join(lines), file=report_stream(args.json))
+    if args.json:
+        write_json(json_document("bench-decode-step", 1, result), args.json)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write ``--json`` / ``--plot``."""
     if args.host:
         return run_host(args)
+    if args.decode_step:
+        return run_decode_step(args)
     if args.plot:
         _check_plot_available()
     from hisparse_triton import benchmarks as bm
