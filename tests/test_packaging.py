@@ -175,10 +175,17 @@ def test_every_environment_variable_is_in_the_readme_table():
     assert names <= table, f"not in the README's table: {sorted(names - table)}"
 
 
-def test_the_readme_and_these_modules_never_point_to_an_internal_brief():
-    """The user has no internal design brief: these files never point to one."""
-    owned = [ROOT / "README.md", PACKAGE / "__init__.py", PACKAGE / "errors.py",
-             PACKAGE / "pools.py", PACKAGE / "memory.py", PACKAGE / "shared_pool.py",
-             PACKAGE / "compat.py", PACKAGE / "commands" / "shm.py"]
-    for path in owned:
-        assert "DESIGN.md" not in path.read_text(encoding="utf-8"), path
+def test_no_shipped_file_points_to_an_internal_brief():
+    """The user has no internal design brief: no doc, module, kernel, benchmark or example
+    points to one (the docs explain things in their own words)."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.toml"], cwd=ROOT,
+                             capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    paths = [ROOT / name for name in tracked.stdout.split() if not name.startswith("tests/")]
+    assert len(paths) > 50
+    offenders = [str(p.relative_to(ROOT)) for p in paths
+                 if "DESIGN" + ".md" in p.read_text(encoding="utf-8")]
+    assert not offenders, offenders
