@@ -63,29 +63,10 @@ from hisparse_triton.worker import BACKENDS, HiSparseWorker, WorkerStats
 
 
 @dataclass(frozen=True)
-class HiSparseStats(SchedulerStats):
+class HiSparseStats(SchedulerStats, WorkerStats):
     """Counters and pool occupancy of a runtime (``HiSparseRuntime.stats()``): every
-    ``SchedulerStats`` field (occupancy and residency) plus the worker's transfer counters.
-
-    - ``hits``: resolved top-k columns served from a resident page or a hot slot;
-      ``misses``: distinct host rows gathered (once per index group, however many follower
-      layers copy them); ``masked``: columns that resolved to -1.
-    - ``h2d_bytes``: bytes gathered host -> device (misses x row bytes x layers of the index
-      group); ``d2h_bytes``: bytes mirrored device -> host by ``commit()`` (0 on a rank that
-      does not write a shared host pool).
-    """
-
-    hits: int
-    misses: int
-    masked: int
-    h2d_bytes: int
-    d2h_bytes: int
-
-    @property
-    def hit_rate(self) -> float:
-        """``hits / (hits + misses)`` (1.0 when nothing was resolved)."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 1.0
+    ``SchedulerStats`` field (occupancy and residency) and every ``WorkerStats`` field
+    (hits, misses, masked, bytes moved each way, plans applied), with ``hit_rate``."""
 
 
 class RuntimeStatsSnapshot:
@@ -103,8 +84,7 @@ class RuntimeStatsSnapshot:
 
 
 def _combine(s: SchedulerStats, w: WorkerStats) -> HiSparseStats:
-    return HiSparseStats(**dataclasses.asdict(s), hits=w.hits, misses=w.misses,
-                         masked=w.masked, h2d_bytes=w.h2d_bytes, d2h_bytes=w.d2h_bytes)
+    return HiSparseStats(**dataclasses.asdict(s), **dataclasses.asdict(w))
 
 
 def _delegate(half: str, name: str, doc: str = "") -> property:

@@ -36,6 +36,14 @@ def halves(rt: HiSparseRuntime, **kwargs):
     return scheduler, worker
 
 
+def run_plan(scheduler, worker):
+    """One plan through the worker: apply, (the forward), mirror."""
+    plan = scheduler.step()
+    worker.apply(plan)
+    worker.mirror(plan)
+    return plan
+
+
 def test_scheduler_runs_without_importing_torch():
     code = (
         "import sys\n"
@@ -207,8 +215,7 @@ def test_state_row_of_a_freed_request_is_reset_before_reuse():
         with worker:
             scheduler.add_request("a", 30, 4)
             scheduler.append_slots("a", 30)
-            worker.apply(p := scheduler.step())
-            worker.mirror(p)
+            run_plan(scheduler, worker)
             scheduler.free_request("a")
             scheduler.add_request("b", 4, 4)
             plan = scheduler.step()
@@ -263,8 +270,7 @@ def test_worker_apply_is_atomic_when_torch_raises_part_way(monkeypatch):
         with worker:
             scheduler.add_request("a", 12, 4)
             scheduler.append_slots("a", 12)
-            worker.apply(p := scheduler.step())
-            worker.mirror(p)
+            run_plan(scheduler, worker)
             scheduler.free_request("a")                  # a reset ...
             scheduler.add_request("b", 9, 4)
             scheduler.append_slots("b", 9)               # ... and writes
