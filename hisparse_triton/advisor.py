@@ -152,7 +152,6 @@ def run_advise(settings: AdviseSettings,
                          f"top-k must fit the hot buffer.")
     streams, source = trace_streams(settings, top_k, context)
     gpu_bytes = int(settings.gpu_memory_gib * GIB)
-    link_bps = settings.link_gbps * 1e9
     rows_out = []
     for block in settings.block_sizes:
         for buffer in buffers:
