@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hisparse_triton import ops
-from hisparse_triton import reference as ref
+from hisparse_triton.ops.resolve import reference as ref
 from hisparse_triton.kernels import backup, gather
 from test_copy_reference import make_table, random_plan, run_copy, run_reference, with_pool
 

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from hisparse_triton.resolve_workspace import ResolveWorkspace
+from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import MAX_RESOLVE_WIDTH, pow2_alignment
 

@@ -46,9 +46,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hisparse_triton import reference
-from hisparse_triton.reference import ResolveResult, restore_resolve_state
-from hisparse_triton.resolve_workspace import ResolveWorkspace
+from hisparse_triton.ops.resolve import reference
+from hisparse_triton.ops.resolve.reference import ResolveResult, restore_resolve_state
+from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
 from hisparse_triton.row_table import RowTable
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "ResolveWorkspace", "copy_pages",

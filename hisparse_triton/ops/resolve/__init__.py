@@ -1,0 +1,6 @@
+"""The ``resolve`` op family: top-k positions -> device rows, a miss plan and hot-state updates.
+
+Modules: ``reference`` (the pure-torch definition, bit-exact oracle and CPU backend),
+``workspace`` (``ResolveWorkspace``: reusable outputs and scratch). The Triton kernel and its
+launcher live in ``hisparse_triton.kernels.resolve``.
+"""
