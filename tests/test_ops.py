@@ -7,6 +7,7 @@ import torch
 
 from hisparse_triton import ops
 from hisparse_triton.ops.resolve import reference as ref
+from hisparse_triton.row_table import RowTable
 from hisparse_triton.kernels import backup, gather
 from test_copy_reference import make_table, random_plan, run_copy, run_reference, with_pool
 
@@ -112,7 +113,7 @@ def test_validate_table_reports_alignment_and_refuses_a_bad_table():
     table = make_table(2, 132, 3, lead=4, gap=16)
     assert ops.validate_table(table) == 4
     with pytest.raises(ValueError, match="layer 1"):  # refused when built, by value
-        ref.RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
+        RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
 
 
 # ---------------------------------------------------------------------- custom ops

@@ -46,9 +46,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from hisparse_triton.ops.copy import contract as copy_contract
+from hisparse_triton.ops.copy import reference as copy_reference
 from hisparse_triton.ops.resolve import reference
-from hisparse_triton.ops.resolve.reference import ResolveResult, restore_resolve_state
-from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
+from hisparse_triton.ops.resolve.contract import ResolveResult, check_resolve_extras
+from hisparse_triton.ops.resolve.workspace import ResolveWorkspace, restore_resolve_state
 from hisparse_triton.row_table import RowTable
 
 __all__ = ["BACKENDS", "ENV_VAR", "BackendUnavailableError", "ResolveWorkspace", "copy_pages",
@@ -101,7 +103,7 @@ def validate_table(table: RowTable, device: Optional[torch.device | str] = None)
     pinned (checked once per pool). Returns the power-of-two alignment (<= 16 B) of its layer
     offsets. Raises ``ValueError`` on a bad table (the layers were checked against the pool
     when the table was built)."""
-    alignment = reference.table_alignment(table)
+    alignment = copy_contract.table_alignment(table)
     if device is not None and torch.device(device).type == "cuda":
         from hisparse_triton.kernels.gather import validate_pool
 
@@ -141,7 +143,7 @@ def _kernel_modules():
 
 def _define_copy_op(name: str, pages: bool):
     """Register ``hisparse_triton::<name>`` (CPU: reference, CUDA: Triton, fake: no-op)."""
-    reference_fn = reference.copy_pages if pages else reference.copy_rows
+    reference_fn = copy_reference.copy_pages if pages else copy_reference.copy_rows
 
     @torch.library.custom_op(f"hisparse_triton::{name}", mutates_args=("dst_pool",),
                              device_types="cpu")
@@ -215,8 +217,8 @@ def _copy(op, pages: bool, dst: RowTable, src: RowTable, src_ids: Tensor, dst_id
     choice = _choose(backend, src_ids.is_cuda, src_ids.device)
     tensors = (dst.pool, src.pool, src_ids, dst_ids, counts)
     if choice == "torch" and (_eager(tensors) or not _all_cpu(tensors)):
-        (reference.copy_pages if pages else reference.copy_rows)(dst, src, src_ids, dst_ids,
-                                                                 counts)
+        (copy_reference.copy_pages if pages else copy_reference.copy_rows)(dst, src, src_ids,
+                                                                           dst_ids, counts)
     elif choice == "triton" and (_eager(tensors) or not src_ids.is_cuda):
         _copy_launcher(pages, dst, src)(dst, src, src_ids, dst_ids, counts)
     else:  # traced: the registered op (CPU: reference, CUDA: Triton)
@@ -334,7 +336,7 @@ def _traced_resolve(args: tuple, sizes: dict, counters: Optional[Tensor], out: O
     topk, state_rows, *_, slot_host_rows, lru = args
     R, K = topk.shape
     S, H = lru.shape
-    reference._check_resolve_extras(R, K, H, topk.device, counters, out, workspace)
+    check_resolve_extras(R, K, H, topk.device, counters, out, workspace)
     if workspace is not None:  # the pre-call state, before the op updates it in place
         touched = reference.first_occurrences(state_rows, S)
         if S:
@@ -351,4 +353,4 @@ def _traced_resolve(args: tuple, sizes: dict, counters: Optional[Tensor], out: O
         if counters is not None:
             counters += result.stats.sum(0)
         return result
-    return reference._emit(result, touched, old_rows, old_lru, H, counters, out, workspace)
+    return reference.emit_result(result, touched, old_rows, old_lru, H, counters, out, workspace)
