@@ -16,13 +16,15 @@ Each op has the signature of its torch reference (``ops.<family>.reference``) pl
 The op's device is the device of its index tensors (``topk``; ``src_rows`` / ``src_blocks``):
 the device the kernels run on. Pools may be elsewhere (a pinned CPU host pool on CUDA).
 
-The ops are also registered as ``torch.library`` custom ops (``registry.register_family``,
-recorded in ``registry.OP_TABLE``) under the ``hisparse_triton`` namespace (``torch.ops.hisparse_triton.{resolve,copy_rows,copy_pages}``): CPU kernel = the
-reference, CUDA kernel = Triton, fake kernels for ``torch.compile`` (fixed output shapes; the
-copy ops declare the destination pool mutated, ``resolve`` declares ``slot_host_rows`` and
-``lru`` mutated). Custom ops take tensors and scalars only, so a ``RowTable`` travels flattened
-as ``(pool, offsets, row_bytes, block_size, block_stride, num_rows)`` with ``offsets`` a list of
-ints (the table's own copy: the op rebuilds the table without reading a device tensor).
+The ops are also registered as ``torch.library`` custom ops under the ``hisparse_triton``
+namespace (``torch.ops.hisparse_triton.{resolve,copy_rows,copy_pages}``, registered by
+``registry.register_family`` and listed in ``OP_TABLE``): CPU kernel = the reference, CUDA
+kernel = Triton, fake kernels for ``torch.compile`` (fixed output shapes; the copy ops declare
+the destination pool mutated, ``resolve`` declares ``slot_host_rows`` and ``lru`` mutated).
+Custom ops take tensors and scalars only, so a ``RowTable`` travels flattened as ``(pool,
+offsets, row_bytes, block_size, block_stride, num_rows)`` (``flat_table``) with ``offsets`` a
+list of ints (the table's own copy: the op rebuilds the table without reading a device
+tensor).
 
 Eager calls (plain tensors, no ``torch.compile`` / export tracing, no dispatch mode) skip the
 ``torch.library`` dispatch and call the chosen implementation directly: the custom-op layer
