@@ -43,7 +43,7 @@ from hisparse_triton.errors import RuntimeClosedError
 from hisparse_triton.groups import IndexGroup, PlanGroups
 from hisparse_triton.layout import device_row_layout, underlying_layer_name
 from hisparse_triton.memory import MemoryRequest, check_memory
-from hisparse_triton.pools import DevicePool, HostPool
+from hisparse_triton.worker.pools import DevicePool, HostPool
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import StepPlan, TableLayout
