@@ -17,7 +17,7 @@ this module: ``kernel_backend``, ``new_workspace``, ``validate_tables``, ``copy_
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
@@ -26,6 +26,9 @@ from hisparse_triton.row_table import RowTable
 from hisparse_triton.worker.layers import PoolLayers
 from hisparse_triton.worker.placement import on_device
 from hisparse_triton.worker.tables import PlanTables
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hisparse_triton.ops import ResolveWorkspace
 
 __all__ = ["HotCache", "HotState", "check_topk", "copy_rows", "kernel_backend",
            "launch_config_source", "load_ops", "new_workspace", "validate_tables"]
@@ -49,7 +52,7 @@ def kernel_backend(backend: str, device: torch.device) -> str:
         raise ValueError(str(exc)) from None
 
 
-def new_workspace(device: torch.device):
+def new_workspace(device: torch.device) -> "ResolveWorkspace":
     """A ``ResolveWorkspace``: scratch and miss plan shared by the resolves of one worker
     (they run one after another on a stream)."""
     return load_ops().ResolveWorkspace(device)
@@ -149,15 +152,16 @@ class HotCache:
       the request tables it reads (views of the worker's arena).
     - ``device_table`` / ``host_table``: its layers' rows in the device / host pool;
       ``row_bytes``: bytes of one row of one layer.
-    - ``number``: its position in ``state`` (``HotState``); ``workspace``: the shared
-      ``ResolveWorkspace``; ``kernel``: ``"triton"`` or ``"torch"``.
+    - ``state``: the stacked ``HotState`` (the cache holds views of its ``group.number``
+      entries); ``workspace``: the shared ``ResolveWorkspace``; ``kernel``: ``"triton"`` or
+      ``"torch"``; the sizes: what the resolve checks block ids against.
     """
 
     def __init__(self, group: IndexGroup, *, seq_lens: torch.Tensor,
                  host_blocks: torch.Tensor, resident_table: torch.Tensor,
                  hot_table: torch.Tensor, device_table: RowTable, host_table: RowTable,
-                 row_bytes: int, state: HotState, workspace, kernel: str, block_size: int,
-                 num_device_blocks: int, num_host_blocks: int) -> None:
+                 row_bytes: int, state: HotState, workspace: "ResolveWorkspace", kernel: str,
+                 block_size: int, num_device_blocks: int, num_host_blocks: int) -> None:
         self.group = group
         self.seq_lens, self.host_blocks = seq_lens, host_blocks
         self.resident_table, self.hot_table = resident_table, hot_table
@@ -185,7 +189,7 @@ class HotCache:
 
     @classmethod
     def for_group(cls, group: IndexGroup, tables: PlanTables, layers: PoolLayers,
-                  state: HotState, workspace, kernel: str) -> "HotCache":
+                  state: HotState, workspace: "ResolveWorkspace", kernel: str) -> "HotCache":
         """The hot cache of ``group`` over a worker's tables, pools and hot state."""
         device_table, host_table, row_bytes = layers.row_tables(group.layers)
         return cls(group, seq_lens=tables.seq_lens, host_blocks=tables.host_blocks,
