@@ -67,7 +67,7 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from hisparse_triton.block_pool import BlockPool
+from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.config import ACTIVE_TAIL_PAGES, EngineConfig
 from hisparse_triton.errors import (
     CapacityError,
@@ -85,8 +85,8 @@ from hisparse_triton.groups import (
     ResidentGroup,
     SlidingWindowGroup,
 )
-from hisparse_triton.journal import Journal
-from hisparse_triton.prefix_cache import PrefixCache, PrefixEntry, page_hashes
+from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.prefix_cache import PrefixCache, PrefixEntry, page_hashes
 from hisparse_triton.specs import KVCacheConfig, cdiv
 from hisparse_triton.step_plan import StepPlan, TableLayout
 

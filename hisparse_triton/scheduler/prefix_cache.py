@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from hisparse_triton.journal import Journal
+from hisparse_triton.scheduler.journal import Journal
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Hashable, Iterable, Iterator, Optional
 
 from hisparse_triton.errors import BlockPoolError, CapacityError
-from hisparse_triton.journal import Journal
+from hisparse_triton.scheduler.journal import Journal
 
 NULL_BLOCK = 0
 
