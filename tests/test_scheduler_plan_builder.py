@@ -1,4 +1,5 @@
-"""The plan builder: the one writer of table entries, resets and losses; mirror rows."""
+"""The plan builder: the one writer of table entries, resets and losses; mirror rows; the
+human-readable ``StepPlan.describe``."""
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
 from hisparse_triton.step_plan import TableLayout
+from scheduler_plans import make_scheduler
 
 LAYOUT = TableLayout(max_num_seqs=2, width=10, host_col=1, host_width=3, group_cols=(4, 7),
                      group_widths=(3, 3))
@@ -66,3 +68,19 @@ def test_mirror_rows_put_one_token_spans_last():
     h, d = mirror_rows([], resident, block_size=4)
     assert h.shape == (0,) and d.shape == (1, 0)
 
+
+def test_describe_summarises_a_plan():
+    s = make_scheduler(max_num_seqs=2)
+    s.add_request("a", 9, 4)
+    s.append_slots("a", 9)
+    plan = s.step()
+    text = plan.describe()
+    assert text.splitlines()[0].startswith("StepPlan 1 (commit)")
+    assert "1 state row reset: [0]" in text
+    assert f"{plan.num_writes} table writes" in text
+    detailed = plan.describe(s.layout)
+    assert "on state rows [0]: 1 seq lens, 4 host blocks" in detailed
+    assert "9 mirror rows" in text and "no lost page" in text
+    assert len(text.splitlines()) <= 8
+    empty = s.step(mirror=False)
+    assert "(no commit)" in empty.describe() and "nothing to mirror" in empty.describe()
