@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hisparse_triton.benchmarks.settings import KERNEL_METHODS, TRANSFER_OPS
+from hisparse_triton.benchmarks.registry import TRANSFER_OPS
+from hisparse_triton.benchmarks.settings import KERNEL_METHODS
 
 
 class MissingPlotDependency(RuntimeError):

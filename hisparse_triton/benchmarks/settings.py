@@ -1,4 +1,5 @@
-"""What a benchmark sweep measures: the names of ops and methods, and ``BenchSettings``.
+"""What a benchmark sweep measures: the methods, and ``BenchSettings`` (the ops come from
+``registry``).
 
 No torch import at module level beyond what ``BenchSettings.for_device`` needs to read the L2
 size of a CUDA device.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hisparse_triton.benchmarks.registry import ALL_OPS
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
 
 #: ``schema`` / ``schema_version`` of the JSON ``bench`` writes (3: the version key is
@@ -16,18 +18,12 @@ from hisparse_triton.config import ACTIVE_TAIL_PAGES
 SCHEMA = "hisparse-triton/bench"
 VERSION = 3
 
-TRANSFER_OPS = ("gather", "backup", "restore", "spill")
-ROW_OPS = ("gather", "backup")
-PAGE_OPS = ("restore", "spill")
-ALL_OPS = TRANSFER_OPS + ("resolve",)
 #: Methods a user can ask for. ``triton_graph`` figures (CUDA-graph replay of the Triton
 #: kernels) come with ``triton`` on CUDA unless ``BenchSettings.graph`` is false.
 KERNEL_METHODS = ("triton", "torch")
 BASELINES = ("eager", "contiguous")
 METHODS = KERNEL_METHODS + BASELINES
 GRAPH_METHOD = "triton_graph"
-#: Direction of each transfer op: ``"h2d"`` or ``"d2h"``.
-DIRECTION = {"gather": "h2d", "backup": "d2h", "restore": "h2d", "spill": "d2h"}
 
 #: Rows per block (page) of the benchmark pools, as in the planner's layouts.
 BLOCK_SIZE = 64

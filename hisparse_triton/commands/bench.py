@@ -15,11 +15,14 @@ import argparse
 import sys
 from typing import Any
 
+from hisparse_triton.benchmarks.registry import ALL_OPS
+from hisparse_triton.benchmarks.settings import METHODS
 from hisparse_triton.commands.argtypes import (
     bounded_int,
     bounded_int_list,
     bounded_number,
     choice_list,
+    op_list,
     output_path,
     ratio_list,
 )
@@ -27,8 +30,6 @@ from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add
 from hisparse_triton.commands.output import add_json_flag, json_document, report_stream, write_json
 from hisparse_triton.presets import list_presets
 
-OPS = ("gather", "backup", "restore", "spill", "resolve")
-METHODS = ("triton", "torch", "eager", "contiguous")
 
 
 #: Plausible ranges of the numeric flags (a value outside is rejected with the range named).
@@ -86,8 +87,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="hot-buffer slots per request for resolve (default 4096)")
     sweep.add_argument("--seq-len", type=bounded_int(1, 1 << 22), default=None, metavar="N",
                        help="tokens per request for resolve (default 32768)")
-    sweep.add_argument("--ops", type=choice_list(OPS), default=None, metavar="LIST",
-                       help=f"what to measure: {','.join(OPS)} (default all)")
+    sweep.add_argument("--ops", type=op_list(ALL_OPS), default=None, metavar="LIST",
+                       help=f"what to measure: {','.join(ALL_OPS)}, or a group: rows, pages, "
+                            f"transfers, all (default all)")
     sweep.add_argument("--methods", type=choice_list(METHODS), default=None, metavar="LIST",
                        help=f"methods: {','.join(METHODS)} (default all; triton needs CUDA)")
     sweep.add_argument("--quick", action="store_true",
