@@ -153,7 +153,7 @@ def _recommendation(p: dict[str, Any]) -> list[str]:
             why = "no HiSparse setting of the sweep fits the budget"
         elif hs_batch <= best["batch"]:
             why = (f"the best HiSparse setting reaches {hs:,.0f} tokens/s at batch {hs_batch}: "
-                   f"it runs no more requests than all-GPU here, so its gathers only cost time")
+                   f"it runs no more requests than all-GPU here, so its gathers can only cost time")
         else:
             why = (f"the best HiSparse setting reaches {hs:,.0f} tokens/s at batch {hs_batch}: "
                    f"its gathers cost more than its larger batch gains")
