@@ -16,11 +16,11 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(tuning_cache.ENV_VAR, str(tmp_path / "cache") + "/")
+def _builtin_configs_only(monkeypatch, request):
+    """No tuned config is read (the search starts from the built-in defaults)."""
+    monkeypatch.setenv(tuning_cache.ENV_VAR, "off")
     tuning_cache.invalidate()
-    yield
-    tuning_cache.invalidate()
+    request.addfinalizer(tuning_cache.invalidate)
 
 
 def test_default_is_the_builtin_config():
