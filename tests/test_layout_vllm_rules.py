@@ -8,6 +8,8 @@ Every expected number here is what vLLM 0.33.0's own planner returns for the sam
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_triton.config import GIB, EngineConfig, HiSparseConfig
 from hisparse_triton.layout import (
@@ -262,3 +264,37 @@ def test_host_pool_places_leaders_first_with_index_sharing():
         config, build_kv_cache_spec("glm-5")), 80 * GIB, 256 * GIB)
     offsets = [t.offset for t in plain.kv_cache_tensors if t.host_resident]
     assert offsets == sorted(offsets)
+
+
+# --- properties of the grouping --------------------------------------------------------------
+
+@st.composite
+def regular_specs(draw):
+    kinds = draw(st.lists(st.tuples(
+        st.sampled_from([16, 64]), st.sampled_from([1, 2, 4]), st.sampled_from([None, 64, 256]),
+        st.integers(0, 2), st.integers(1, 6)), min_size=1, max_size=4))
+    specs = {}
+    for t, (block, heads, size, extra, count) in enumerate(kinds):
+        spec = full(heads, block=block) if size is None else \
+            window(heads, size, block=block, extra=extra)
+        specs.update({f"t{t}.{j}": spec for j in range(count)})
+    names = draw(st.permutations(sorted(specs)))
+    return {name: specs[name] for name in names}
+
+
+@settings(max_examples=150, deadline=None)
+@given(regular_specs())
+def test_grouping_covers_every_layer_once_within_one_type(specs):
+    groups = group_regular_layers(specs)
+    flat = [name for group in groups for name in group]
+    assert sorted(flat) == sorted(specs) and all(groups)
+    for group in groups:
+        assert len({uniform_type_key(specs[name]) for name in group}) == 1
+        order = [name for name in specs if name in group]
+        by_page = {}
+        for name in group:  # within one page size, layers keep model order
+            by_page.setdefault(specs[name].page_size_bytes, []).append(name)
+        for names in by_page.values():
+            assert names == [n for n in order if n in names]
+    built = regular_kv_cache_groups(specs)
+    assert [g.layer_names for g in built] == groups
