@@ -366,3 +366,85 @@ def random_fp8_rows(rng: np.random.Generator, n: int) -> np.ndarray:
     scales = rng.uniform(0.01, 4.0, size=(n, 4)).astype(np.float32)
     rows[:, 512:528] = scales.view(np.uint8).reshape(n, 16)
     return rows
+
+
+# ------------------------------------------------------------------------------- gathers
+
+
+def naive_gather(host: np.ndarray, hot: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                 selected: np.ndarray, hbs: int, block_stride: int, hot_rows: int) -> None:
+    """vLLM's ``copy_row_warp`` / ``zero_row_warp`` on flat byte arrays: for each selected
+    entry, host row ``src`` -> hot row ``dst`` (zeros when ``src >= host rows``); ``src < 0``
+    or ``dst`` outside the hot rows skips."""
+    host_rows, row_bytes = host.shape
+    for (r, c) in zip(*np.nonzero(selected)):
+        g, d = int(src[r, c]), int(dst[r, c])
+        if g < 0 or d < 0 or d >= hot_rows:
+            continue
+        off = (d // hbs) * block_stride + (d % hbs) * row_bytes
+        hot[off:off + row_bytes] = host[g] if g < host_rows else 0
+
+
+def naive_gather_plan(host, hot, global_indices, hot_indices, miss_mask, rsi, hbs, block_stride,
+                      hot_rows, attention_block_stride) -> np.ndarray:
+    """``hisparse_gather_plan_kernel``: returns the attention indices it writes."""
+    R, K = global_indices.shape
+    padding = np.zeros(R, bool) if rsi is None else rsi[:R] < 0
+    attention = np.array([[-1 if padding[r] else attention_of(int(hot_indices[r, c]), hbs,
+                                                              attention_block_stride)
+                           for c in range(K)] for r in range(R)], np.int64).reshape(R, K)
+    naive_gather(host, hot, global_indices, hot_indices,
+                 (miss_mask != 0) & ~padding[:, None], hbs, block_stride, hot_rows)
+    return attention
+
+
+def naive_gather_compact(host, hot, miss_global, miss_hot, counts, hbs, block_stride,
+                         hot_rows) -> None:
+    R, K = miss_global.shape
+    selected = np.arange(K)[None, :] < np.clip(counts[:R], 0, K)[:, None]
+    naive_gather(host, hot, miss_global, miss_hot, selected, hbs, block_stride, hot_rows)
+
+
+def naive_invalidate(dgi: np.ndarray, rsi: np.ndarray, req: np.ndarray,
+                     written: np.ndarray) -> np.ndarray:
+    """``hisparse_invalidate_written_slots_kernel`` on a copy of ``dgi``."""
+    out = dgi.copy()
+    S = out.shape[0]
+    for t in range(len(written)):
+        q = int(req[t])
+        if not 0 <= q < len(rsi):
+            continue
+        st, slot = int(rsi[q]), int(written[t])
+        if 0 <= st < S and slot >= 0:
+            out[st][out[st] == slot] = -1
+    return out
+
+
+def naive_upconvert(src: np.ndarray, dst: np.ndarray, block_table: np.ndarray,
+                    workspace_starts: np.ndarray, batch: int, seq_starts=None, host=None,
+                    host_row_ids=None, device_row_ids=None) -> None:
+    """``cp_gather_and_upconvert_fp8_kv_cache`` on numpy arrays (``dst`` as uint16 bits):
+    per request its rows, in request order (a later request overwrites)."""
+    T = dst.shape[0]
+    nb, B, _ = src.shape
+    flat = src.reshape(nb * B, 656)
+    for q in range(batch):
+        lo = min(int(workspace_starts[q]), T)
+        hi = min(int(workspace_starts[q + 1]), T) if q + 1 < batch else T
+        for t in range(max(lo, 0), hi):
+            s = (int(seq_starts[q]) if seq_starts is not None else 0) + t - lo
+            row = None
+            if s >= 0 and s // B < block_table.shape[1]:
+                b = int(block_table[q, s // B])
+                if host is None:
+                    if 0 <= b < nb:
+                        row = flat[b * B + s % B]
+                elif b >= 0 and b * B + s % B < host_row_ids.size:
+                    i = b * B + s % B
+                    d = int(device_row_ids.reshape(-1)[i]) if device_row_ids is not None else -1
+                    h = int(host_row_ids.reshape(-1)[i])
+                    if 0 <= d < nb * B:
+                        row = flat[d]
+                    elif 0 <= h < host.shape[0]:
+                        row = host[h]
+            dst[t] = naive_upconvert_row(bytes(row)) if row is not None else 0
