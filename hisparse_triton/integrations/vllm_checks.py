@@ -18,7 +18,8 @@ from torch import Tensor
 
 __all__ = ["FP8_HEAD_DIM", "FP8_ROW_BYTES", "GatherGeometry", "MAX_HOT_SIZE", "ResolveGeometry",
            "UpconvertGeometry", "check_gather_compact", "check_gather_plan",
-           "check_invalidate_written_slots", "check_resolve_residency", "check_upconvert"]
+           "check_invalidate_written_slots", "check_resolve_residency", "check_upconvert",
+           "check_upconvert_addresses", "checked"]
 
 #: Largest hot buffer (slots per request): LRU slots are int16.
 MAX_HOT_SIZE = 32768
@@ -28,6 +29,28 @@ FP8_ROW_BYTES = 656
 FP8_HEAD_DIM = 576
 _INT32_MAX = 2**31 - 1
 _FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+#: Accepted argument signatures -> the check's result (see ``checked``).
+_ACCEPTED: dict[tuple, object] = {}
+_MAX_ACCEPTED = 4096
+
+
+def checked(check, args: tuple):
+    """``check(*args)``, remembered by the arguments' signature: every tensor's dtype, shape,
+    strides and device index, and every other argument itself (all the checks look at; the
+    one address check, ``check_upconvert``'s alignment, is redone by its launcher). A call in
+    a layout already accepted costs one tuple and one lookup; a new layout runs the full check
+    (which raises on bad input and remembers nothing)."""
+    key = (check, *[(a.dtype, a.shape, a.stride(), a.get_device())
+                    if a.__class__ is Tensor else a for a in args])
+    result = _ACCEPTED.get(key)
+    if result is None:
+        result = check(*args)
+        if len(_ACCEPTED) >= _MAX_ACCEPTED:
+            _ACCEPTED.clear()
+        _ACCEPTED[key] = result
+    return result
 
 
 def _fail(op: str, message: str, kind: type = ValueError) -> None:
@@ -320,6 +343,14 @@ def check_invalidate_written_slots(device_global_indices, request_state_indices,
     return written_slots.numel()
 
 
+def check_upconvert_addresses(src_cache: Tensor, dst: Tensor) -> None:
+    """The FP8 gather reads 4-byte scale words and writes 4-byte-aligned rows."""
+    if src_cache.data_ptr() % 4 or dst.data_ptr() % 4:
+        _fail("cp_gather_and_upconvert_fp8_kv_cache",
+              f"src_cache (0x{src_cache.data_ptr():x}) and dst (0x{dst.data_ptr():x}) must be "
+              "4-byte aligned")
+
+
 class UpconvertGeometry(NamedTuple):
     """What ``cp_gather_and_upconvert_fp8_kv_cache`` needs besides its tensors."""
 
@@ -347,13 +378,14 @@ def check_upconvert(src_cache, dst, block_table, workspace_starts, batch_size: i
         _fail(op, f"src_cache must be [num_blocks, block_size, {FP8_ROW_BYTES}] with "
                   f"contiguous rows, got shape {tuple(src_cache.shape)} strides "
                   f"{src_cache.stride()}")
-    if src_cache.stride(0) % 4 or src_cache.stride(1) % 4 or src_cache.data_ptr() % 4:
+    if src_cache.stride(0) % 4 or src_cache.stride(1) % 4:
         _fail(op, f"src_cache rows must be 4-byte aligned, got strides {src_cache.stride()}")
+    check_upconvert_addresses(src_cache, dst)
     _tensor(op, "dst", dst, torch.bfloat16, 2, device)
     if dst.shape[1] != FP8_HEAD_DIM:
         _fail(op, f"dst rows must hold {FP8_HEAD_DIM} values (head_dim must be 576 for MLA), "
                   f"got {dst.shape[1]}")
-    if dst.shape[0] and (dst.stride(1) != 1 or dst.stride(0) % 2 or dst.data_ptr() % 4):
+    if dst.shape[0] and (dst.stride(1) != 1 or dst.stride(0) % 2):
         _fail(op, f"dst rows must be contiguous and 4-byte aligned, got strides {dst.stride()}")
     _tensor(op, "workspace_starts", workspace_starts, i32, None, device)
     _contiguous(op, "workspace_starts", workspace_starts)
