@@ -20,13 +20,14 @@ Resolve: grid ``(R,)``, one program per row of ``global_indices``.
    sorted keys (the union); a hit marks the runs it serves (``atomic_min`` of the position:
    the oldest serves) and the position's class; evictable slots are ranked in LRU order
    (``tl.cumsum``) into a rank-indexed scratch.
-3. Per row of the request, in batch order: walk the sorted keys; a run's first key that no
-   earlier row of the request holds (binary search of the earlier rows) is a first
-   reference; a first reference without a hit is a miss, numbered in (row, column) order
-   (``tl.cumsum`` over the column-indexed flags, carried across rows); miss ``m`` takes the
-   ``m``-th evictable slot, updates ``device_global_indices`` and writes its plan entry into
-   column ``m % K`` of the request's ``m // K``-th row; every run stores its resolved hot row
-   (packed with a served bit) and every column reads its run's.
+3. Per row of the request, in batch order, two walks of its sorted keys: (a) a run's first
+   key that no earlier row of the request holds (binary search of the earlier rows) is a
+   first reference; a first reference without a hit is a miss, flagged by column; the
+   flags are numbered in (row, column) order (``tl.cumsum``, carried across rows); (c) miss
+   ``m`` takes the ``m``-th evictable slot, updates ``device_global_indices`` and writes its
+   plan entry into column ``m % K`` of the request's ``m // K``-th row; every run's first key
+   holds the run's hot row (packed with a served bit; hits and runs of earlier rows were
+   stored in (a)), which its other keys take from the tile (``tl.gather``) or carry over.
 4. The LRU is rewritten with one scatter (stale evictables, filled slots, hits), swap counts
    and uint64 stats (``atomic_add``) are written.
 Phases hand data over through global scratch separated by ``tl.debug_barrier()``; atomically
@@ -378,12 +379,14 @@ def _resolve_residency_kernel(
                     n_miss += tl.sum(flag, axis=0)
                     tl.store(colm_row + c0 + jt, tl.where(flag != 0, num, -1))
                 tl.debug_barrier()
-                # (c) misses take evictable slots; plan entries; state.
+                # (c) misses take evictable slots (state, plan entries); then every host-path
+                # column reads its run's value: a run's first key holds it ((a) or here), a
+                # run still open at a tile's end carries it into the next tile.
                 carry = r * 0 - 1
+                open_run = r64 * 0
                 for j0 in range(0, W, SORT):
-                    host, g, col, start, run_at, srv, carry = _sorted_tile(
-                        jt, keys_row, run_row, j0, carry, KEY64, LOG2_W, W,
-                        SORT, False)
+                    host, g, col, start, run_at, srv, next_carry = _sorted_tile(
+                        jt, keys_row, run_row, j0, carry, KEY64, LOG2_W, W, SORT, False)
                     m = tl.load(colm_row + col, mask=host & start, other=-1)
                     first = host & start & (m >= 0)
                     have = first & (m < n_evict)
@@ -405,25 +408,24 @@ def _resolve_residency_kernel(
                         at = prow.to(tl.int64) * K + m % K
                         tl.store(swap_host_ptr + at, g.to(tl.int32), mask=first)
                         tl.store(swap_dev_ptr + at, dev.to(tl.int32), mask=first)
-                    packed = tl.where(served, (1 << 32) | (dev & 0xFFFFFFFF), 0xFFFFFFFF)
-                    tl.store(val_row + j0 + jt, packed, mask=first)
                     n_served += tl.sum(served.to(tl.int32), axis=0)
-                tl.debug_barrier()
-                # (d) every host-path column reads its run's value.
-                carry = r * 0 - 1
-                for j0 in range(0, W, SORT):
-                    host, g, col, start, run_at, srv, carry = _sorted_tile(
-                        jt, keys_row, run_row, j0, carry, KEY64, LOG2_W, W,
-                        SORT, False)
-                    packed = tl.load(val_row + run_at, mask=host, other=0)
+                    mine = tl.where(served, (1 << 32) | (dev & 0xFFFFFFFF), 0xFFFFFFFF)
+                    tl.store(val_row + j0 + jt, mine, mask=first)
+                    stored = tl.load(val_row + j0 + jt, mask=host & start & ~first, other=0)
+                    at_start = tl.where(first, mine, stored)
+                    packed = tl.where(run_at >= j0,
+                                      tl.gather(at_start, tl.maximum(run_at - j0, 0), 0),
+                                      open_run)
+                    open_run = tl.sum(tl.where(jt == SORT - 1, packed, 0), axis=0)
+                    carry = next_carry
                     value = (packed & 0xFFFFFFFF).to(tl.int32).to(tl.int64)  # wraps like int32
                     is_served = host & ((packed >> 32) != 0)
-                    m = tl.load(colm_row + col, mask=host, other=-1)
-                    n_hits += tl.sum((is_served & ~(start & (m >= 0))).to(tl.int32), axis=0)
+                    n_hits += tl.sum((is_served & ~first).to(tl.int32), axis=0)
                     tl.store(hot_ptr + row64 * K + col, value.to(tl.int32), mask=host)
                     if HAS_ATTN:
                         tl.store(attn_ptr + row64 * stride_attn + col,
                                  _attention_of(value, abs_stride, HBS).to(tl.int32), mask=host)
+                tl.debug_barrier()  # the next row's (a) reads this row's run values
                 row = tl.load(next_ptr + row64, mask=i + 1 < n_rows, other=r)
 
             # Phase 4: new LRU order, swap counts, stats.

@@ -283,3 +283,21 @@ def test_triton_kernel_over_several_steps(kernel_device):
                                     positions=64)
         keep = rng.random(case.global_indices.shape) < 0.5   # half the selection repeats
         case.global_indices = np.where(keep, case.global_indices, fresh.global_indices)
+
+
+@pytest.mark.slow
+def test_triton_kernel_at_deepseek_shapes(kernel_device):
+    """vLLM ``test_resolve_production_shapes``: top-k 2048 into 4096 slots (the register
+    tiles of production: one 2048-key sort, 4096 LRU positions per step), a warm state that
+    holds half of the selection."""
+    case = with_identity_source(cold_case(2048, 4096, num_rows=1, seed=8), [0])
+    rng = np.random.default_rng(8)
+    g = case.global_indices[0] + 4                     # host rows (identity source, +1 block)
+    held = rng.permutation(4096)
+    case.dgi[0, held[:1024]] = g[:1024]
+    others = np.setdiff1d(np.arange(case.host_rows), g)   # held rows nobody selects
+    case.dgi[0, held[1024:1536]] = rng.choice(others, 512, replace=False)
+    case.lru[0] = rng.permutation(4096).astype(np.int16)
+    want = run_resolve(vllm_reference.hisparse_resolve_residency, case)
+    assert want["swap_counts"][0] == 1024 and want["stats"].tolist() == [1024, 1024]
+    assert_same(run_resolve(_kernel(), case, kernel_device), want)
