@@ -73,21 +73,22 @@ def underlying_layer_name(group_layer_name: str) -> str:
     return group_layer_name
 
 
-def group_kind(group: KVCacheGroupSpec) -> str:
-    """One of ``GROUP_KINDS``: what a group of a HiSparse layout holds.
+def group_kind(group: KVCacheGroupSpec) -> GroupKind:
+    """What a group of a HiSparse layout holds: a ``GroupKind`` (a ``str`` equal to one of
+    ``GROUP_KINDS``).
 
     Read from the group's role and spec type; in a planned ``KVCacheConfig`` the
     ``hisparse_topology`` (``kind_of``) says the same and is the source of truth.
     """
     if group.role is KVCacheGroupRole.HISPARSE_SOURCE:
-        return "source"
+        return GroupKind.SOURCE
     if group.role is KVCacheGroupRole.HISPARSE_INDEXER:
-        return "indexer"
+        return GroupKind.INDEXER
     if isinstance(group.kv_cache_spec, HiSparseResidentSpec):
-        return "resident"
+        return GroupKind.RESIDENT
     if isinstance(group.kv_cache_spec, HiSparseHotSpec):
-        return "hot"
-    return "regular"
+        return GroupKind.HOT
+    return GroupKind.REGULAR
 
 
 def _is_derived(spec: KVCacheSpec) -> bool:

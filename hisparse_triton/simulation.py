@@ -214,7 +214,7 @@ def _check_memory(what: str, flag: Optional[int], needed: int, available: int) -
 def _available_device_bytes(device: Any) -> int:
     import torch
 
-    from hisparse_triton.pools import available_ram_bytes
+    from hisparse_triton.memory import available_ram_bytes
 
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -402,7 +402,7 @@ def run_simulation(settings: SimSettings,
     _check_memory("device", s.device_blocks, kvc.num_blocks * kvc.bytes_per_block,
                   _available_device_bytes(device))
     host_stride = kvc.hisparse_host_block_stride
-    from hisparse_triton.pools import available_ram_bytes
+    from hisparse_triton.memory import available_ram_bytes
 
     _check_memory("host", s.host_blocks, kvc.hisparse_host_num_blocks * host_stride,
                   available_ram_bytes())

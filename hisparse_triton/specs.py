@@ -53,14 +53,23 @@ class KVCacheGroupRole(enum.Enum):
     HISPARSE_INDEXER = "hisparse_indexer"
 
 
-class GroupKind(enum.Enum):
-    """What a group of a HiSparse plan holds (the value is the name ``plan`` prints)."""
+class GroupKind(str, enum.Enum):
+    """What a group of a HiSparse plan holds: the one spelling of a group kind, shared by
+    the planner (``layout.group_kind``, ``HiSparseTopology.kind_of``), the device group
+    classes and the scheduler's managers. A ``str``: a member equals, prints and
+    serialises as its value (the name ``plan`` prints)."""
 
     SOURCE = "source"  # host-resident sparse-MLA history (the source of truth)
     INDEXER = "indexer"  # the indexer K cache, on the GPU at full length
     RESIDENT = "resident"  # GPU pages new sparse KV is written to (a cache of the host)
     HOT = "hot"  # per-request hot-buffer pages of the same layers
     REGULAR = "regular"  # any other attention layer (full, sliding window)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 def _check_positive(owner: str, **values: int) -> None:

@@ -56,7 +56,7 @@ from hisparse_triton.integrations.vllm_checks import (
 )
 from hisparse_triton.kernels.gather import _device_guard
 from hisparse_triton.kernels.resolve import _lower_bound, _sorted_tile  # noqa: F401 (jit)
-from hisparse_triton.resolve_workspace import scratch_width
+from hisparse_triton.ops.resolve.workspace import scratch_width
 
 __all__ = ["MAX_SORT_WIDTH", "hisparse_invalidate_written_slots",
            "hisparse_resolve_residency"]

@@ -497,7 +497,8 @@ def test_resolve_triton_plumbing(kernel_device):
 
 
 def test_a_wrong_resolve_is_reported(monkeypatch):
-    from hisparse_triton import ops, reference
+    from hisparse_triton import ops
+    from hisparse_triton.ops.resolve import reference
 
     def off_by_one(*args, **kwargs):
         kwargs.pop("backend", None)
@@ -513,7 +514,7 @@ def test_a_wrong_resolve_is_reported(monkeypatch):
 
 @pytest.mark.parametrize("ratio", [1.0, 0.3, 0.067])
 def test_resolve_workload_prescribes_the_miss_ratio(ratio):
-    from hisparse_triton import reference
+    from hisparse_triton.ops.resolve import reference
 
     work = bm.ResolveWorkload(3, 64, 160, 1024, ratio, torch.device("cpu"), seed=2)
     assert (work.slot_host_rows >= 0).all()  # warm: every slot holds a row

@@ -256,8 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device is not None:
         report["device"] = device_time(args.device, args.batch, args.top_k, args.hot_slots,
                                        miss_ratio=args.miss_ratio)
-    json.dump(report, sys.stdout, indent=1)
-    print()
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
     return 0
 
 

@@ -271,7 +271,7 @@ class Tuner:
         items to exercise the grid-stride loop) and the reference result."""
         import torch
 
-        from hisparse_triton import reference
+        from hisparse_triton.ops.copy import reference
         from hisparse_triton.row_table import RowTable
 
         gen = torch.Generator().manual_seed(seed + 1)

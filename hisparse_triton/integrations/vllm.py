@@ -120,7 +120,7 @@ _LOGGED: list[bool] = []
 def _select(device: torch.device) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device`` (``$HISPARSE_TRITON_BACKEND``)."""
     if not _SELECT:
-        from hisparse_triton.ops import select_backend
+        from hisparse_triton.ops.backends import select_backend
 
         _SELECT.append(select_backend)
     return _SELECT[0](None, device)
