@@ -127,8 +127,9 @@ class PlanTables:
         self.group_tables = [self.arena[:, col:col + width]
                              for col, width in zip(L.group_cols, L.group_widths)]
         self.next_step = 1
-        #: The last plan applied while its mirror rows are still to be copied, else None.
-        self.mirror_due: Optional[StepPlan] = None
+        # Applied plans whose mirror rows are still to be copied, in plan order, each with
+        # its device data once a later upload would overwrite it (None: the last upload).
+        self._due: list[list] = []
         self._ring = StagingRing(device)
         self._last: Optional[_Undo] = None
 
@@ -142,17 +143,29 @@ class PlanTables:
         """Plans applied (and not reverted)."""
         return self.next_step - 1
 
+    @property
+    def mirror_due(self) -> Optional[StepPlan]:
+        """The oldest applied plan whose mirror rows are still to be copied, else None."""
+        return self._due[0][0] if self._due else None
+
+    @property
+    def due_plans(self) -> list[StepPlan]:
+        """Every applied plan whose mirror rows are still to be copied, oldest first."""
+        return [entry[0] for entry in self._due]
+
     # ------------------------------------------------------------------ checks
     def check(self, plan: object) -> None:
-        """``ValueError`` unless ``plan`` is the next ``StepPlan`` of this layout, the last
-        one's mirror rows were mirrored, and every entry fits the layout and the pools."""
+        """``ValueError`` unless ``plan`` is the next ``StepPlan`` of this layout, every
+        entry fits the layout and the pools, and, for a ``commit`` plan, every earlier plan's
+        mirror rows were mirrored (a commit plan declares them durable: their blocks may be
+        reused from then on). A plan without ``commit`` may come while mirrors are due."""
         if not isinstance(plan, StepPlan):
             raise ValueError(f"apply takes a StepPlan, got {type(plan).__name__}.")
         if plan.step != self.next_step:
             what = "repeated" if plan.step < self.next_step else "skipped ahead"
             raise ValueError(f"StepPlan {plan.step} is out of order ({what}): this worker "
                              f"expects step {self.next_step}.")
-        if self.mirror_due is not None:
+        if self._due and plan.commit:
             raise ValueError(f"StepPlan {self.mirror_due.step} has mirror rows that were "
                              f"never mirrored: call mirror(plan) after the forward, before "
                              f"applying step {plan.step}.")
@@ -174,10 +187,18 @@ class PlanTables:
         device copy, then on-device scatters; no host sync). All or nothing."""
         self.check(plan)
         with torch.inference_mode(False), torch.no_grad():
+            if self._due and self._due[-1][1] is None:  # keep its data from the next upload
+                due = self._due[-1]
+                kept = self._ring.last(due[0].data).clone()
+            else:
+                due = kept = None
             data = self._ring.upload(plan.data)
             self._last = self._write(plan, data)
+        if due is not None:
+            due[1] = kept
         self.next_step += 1
-        self.mirror_due = plan if plan.num_mirror else None
+        if plan.num_mirror:
+            self._due.append([plan, None])
 
     def revert(self, plan: StepPlan) -> None:
         """Undo ``apply(plan)``: every table entry and hot-state row it changed is restored
@@ -192,16 +213,20 @@ class PlanTables:
             self._restore(last)
         self._last = None
         self.next_step -= 1
-        self.mirror_due = None
+        if self._due and self._due[-1][0] is plan:
+            self._due.pop()
 
     def packed(self, plan: StepPlan) -> torch.Tensor:
-        """The last applied plan's int32 data on the device (its mirror sections are read
-        from there)."""
+        """An applied plan's int32 data on the device (its mirror sections are read from
+        there): a due plan's kept copy, else the last upload."""
+        for entry in self._due:
+            if entry[0] is plan and entry[1] is not None:
+                return entry[1]
         return self._ring.last(plan.data)
 
     def mark_mirrored(self) -> None:
-        """The last plan's mirror rows were copied (or need no copy on this rank)."""
-        self.mirror_due = None
+        """Every due plan's mirror rows were copied (or need no copy on this rank)."""
+        self._due.clear()
 
     def _write(self, plan: StepPlan, data: torch.Tensor) -> _Undo:
         r, w = plan.num_resets, plan.num_writes

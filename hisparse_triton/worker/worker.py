@@ -176,19 +176,31 @@ class HiSparseWorker:
         self._check_open()
         self._tables.revert(plan)
 
-    def mirror(self, plan: StepPlan) -> None:
-        """Copy the plan's new rows of every source layer device -> host (one launch per row
-        size), after the forward wrote them. On a rank that does not write a shared host
-        pool this only records that the step is done; a plan without mirror rows (or one
-        already mirrored) needs nothing. ``ValueError`` for a plan other than the last one
-        applied."""
+    def mirror(self, plan: Optional[StepPlan] = None) -> None:
+        """Copy the new rows of every applied plan whose mirror is due, device -> host, in
+        plan order (one launch per row size and plan), after the forward wrote them.
+
+        ``plan``: the last plan applied (``ValueError`` otherwise), or None: every due plan.
+        On a rank that does not write a shared host pool this only records that the rows are
+        done; a plan without mirror rows (or one already mirrored) needs nothing. All or
+        nothing: a copy that raises leaves the plans due and the byte counter as it was.
+        """
         self._check_open()
-        self._tables.check_last(plan)
-        if self._tables.mirror_due is None:  # nothing to copy, or already mirrored
+        tables = self._tables
+        if plan is not None:
+            tables.check_last(plan)
+        due = tables.due_plans
+        if not due:  # nothing to copy, or already mirrored
             return
         if self.mirrors_to_host:
-            self._mirror.copy(plan, self._tables.packed(plan))
-        self._tables.mark_mirrored()
+            bytes_before = self._mirror.d2h_bytes
+            try:
+                for pending in due:
+                    self._mirror.copy(pending, tables.packed(pending))
+            except BaseException:
+                self._mirror.d2h_bytes = bytes_before
+                raise
+        tables.mark_mirrored()
 
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
