@@ -20,10 +20,14 @@ Both sides build the layout from the same ``KVCacheConfig``; ``fingerprint`` let
 refuse a plan made for another layout.
 
 A worker applies a ``StepPlan`` in this order: (1) ``reset_rows``: every table of those state
-rows emptied and their hot state invalidated (every slot empty, LRU in slot order: the hot
-state invalidations); (2) ``write_index``/``write_value``; and after the step's forward,
-when ``commit`` is set, (3) mirrors device rows ``mirror_device_rows[g, j]`` of resident
-group ``g``'s layers to host row ``mirror_host_rows[j]`` for every sparse layer.
+rows emptied and their hot state invalidated (every slot empty, LRU in slot order);
+(2) ``write_index``/``write_value`` and ``invalidate``: every hot slot of state row ``r`` (in
+every index group) holding a host row in ``[lo, hi)`` of an entry ``(r, lo, hi)`` becomes
+empty, and the row's LRU order then lists its empty slots first (oldest first, each part in
+its previous order), so an emptied slot is reused before any held row is evicted; and after
+the step's forward, when ``commit`` is set, (3) mirrors device rows
+``mirror_device_rows[g, j]`` of resident group ``g``'s layers to host row
+``mirror_host_rows[j]`` for every sparse layer.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -87,7 +91,8 @@ class TableLayout:
         return self.max_num_seqs * self.width
 
 
-_HEADER = struct.Struct("<qqqqqqqqq")  # step, layout, commit, counts x 5, released_pages
+_HEADER = struct.Struct("<qqqqqqqqqq")  # step, layout, commit, counts x 5, released_pages,
+#                                          num_invalidate
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,7 +108,9 @@ class StepPlan:
       ``write_index [w]``, ``write_value [w]``, ``mirror_host_rows [m]``,
       ``mirror_device_rows [num_resident, m]``, ``lost [l, 3]`` (state row, device group
       position, page) of resident pages whose block went to another owner in this plan
-      (already among the writes: their table entry becomes 0).
+      (already among the writes: their table entry becomes 0), ``invalidate [v, 3]``
+      (state row, host row lo, host row hi): hot slots of that state row holding a host row
+      in ``[lo, hi)`` are emptied (a rollback dropped those rows; see the module docstring).
     - ``released_pages``: device blocks the scheduler released while making this plan
       (informational).
     """
@@ -117,6 +124,7 @@ class StepPlan:
     num_resident: int
     num_lost: int
     released_pages: int = 0
+    num_invalidate: int = 0
     data: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
 
     def __post_init__(self) -> None:
@@ -124,7 +132,8 @@ class StepPlan:
                 or self.data.ndim != 1:
             raise ValueError("StepPlan.data must be a 1-D int32 numpy array.")
         expected = (self.num_resets + 2 * self.num_writes
-                    + self.num_mirror * (1 + self.num_resident) + 3 * self.num_lost)
+                    + self.num_mirror * (1 + self.num_resident) + 3 * self.num_lost
+                    + 3 * self.num_invalidate)
         if self.data.size != expected:
             raise ValueError(f"StepPlan.data holds {self.data.size} entries; its counts need "
                              f"{expected}.")
@@ -178,6 +187,12 @@ class StepPlan:
         return self._section(start, 3 * self.num_lost).reshape(self.num_lost, 3)
 
     @property
+    def invalidate(self) -> np.ndarray:
+        """``[v, 3] int32`` (state row, host row lo, host row hi): hot slots to empty."""
+        start = self.data.size - 3 * self.num_invalidate
+        return self._section(start, 3 * self.num_invalidate).reshape(self.num_invalidate, 3)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the plan's arrays plus its header (what a broadcast moves)."""
         return _HEADER.size + self.data.nbytes
@@ -187,7 +202,7 @@ class StepPlan:
         """The plan as bytes (a fixed header + the int32 data), for any transport."""
         header = _HEADER.pack(self.step, self.layout, int(self.commit), self.num_resets,
                               self.num_writes, self.num_mirror, self.num_resident,
-                              self.num_lost, self.released_pages)
+                              self.num_lost, self.released_pages, self.num_invalidate)
         return header + self.data.astype("<i4", copy=False).tobytes()
 
     @classmethod
@@ -196,28 +211,34 @@ class StepPlan:
         view = memoryview(payload).cast("B")
         if len(view) < _HEADER.size or (len(view) - _HEADER.size) % 4:
             raise ValueError(f"a StepPlan payload of {len(view)} B is truncated.")
-        (step, layout, commit, resets, writes, mirror, resident, lost,
-         released) = _HEADER.unpack_from(view)
+        (step, layout, commit, resets, writes, mirror, resident, lost, released,
+         invalidate) = _HEADER.unpack_from(view)
         data = np.frombuffer(view[_HEADER.size:], dtype="<i4").astype(np.int32)
         return cls(step=step, layout=layout, commit=bool(commit), num_resets=resets,
                    num_writes=writes, num_mirror=mirror, num_resident=resident,
-                   num_lost=lost, released_pages=released, data=data)
+                   num_lost=lost, released_pages=released, num_invalidate=invalidate,
+                   data=data)
 
     @classmethod
     def build(cls, *, step: int, layout: int, commit: bool, reset_rows: np.ndarray,
               write_index: np.ndarray, write_value: np.ndarray, mirror_host_rows: np.ndarray,
               mirror_device_rows: np.ndarray, lost: np.ndarray,
-              released_pages: int = 0) -> "StepPlan":
-        """Pack the sections (each converted to int32) into one plan."""
+              released_pages: int = 0,
+              invalidate: Optional[np.ndarray] = None) -> "StepPlan":
+        """Pack the sections (each converted to int32) into one plan. ``invalidate``:
+        ``[v, 3]`` (state row, host row lo, host row hi) entries, or ``None`` for none."""
+        if invalidate is None:
+            invalidate = np.zeros((0, 3), dtype=np.int32)
         mirror_device_rows = np.asarray(mirror_device_rows, dtype=np.int32)
         num_resident = mirror_device_rows.shape[0] if mirror_device_rows.ndim == 2 else 0
         parts = [np.asarray(a, dtype=np.int32).reshape(-1)
                  for a in (reset_rows, write_index, write_value, mirror_host_rows,
-                           mirror_device_rows, lost)]
+                           mirror_device_rows, lost, invalidate)]
         return cls(step=step, layout=layout, commit=commit, num_resets=parts[0].size,
                    num_writes=parts[1].size, num_mirror=parts[3].size,
                    num_resident=num_resident, num_lost=parts[5].size // 3,
-                   released_pages=released_pages, data=np.concatenate(parts))
+                   released_pages=released_pages, num_invalidate=parts[6].size // 3,
+                   data=np.concatenate(parts))
 
     def check(self, layout: TableLayout, num_device_blocks: int, num_host_blocks: int,
               block_size: int) -> None:
@@ -234,12 +255,22 @@ class StepPlan:
             ("mirror_host_rows", self.mirror_host_rows, num_host_blocks * block_size),
             ("mirror_device_rows", self.mirror_device_rows, num_device_blocks * block_size),
             ("lost state rows", self.lost[:, 0] if self.num_lost else self.lost, S),
+            ("invalidate state rows", self.invalidate[:, 0], S),
         )
         for name, values, limit in checks:
             if values.size and (values.min() < 0 or values.max() >= limit):
                 bad = values[(values < 0) | (values >= limit)][0]
                 raise ValueError(f"StepPlan {self.step}: {name} holds {int(bad)}, outside "
                                  f"[0, {limit}).")
+        if self.num_invalidate:
+            lo, hi = self.invalidate[:, 1], self.invalidate[:, 2]
+            rows = num_host_blocks * block_size
+            bad = (lo < 0) | (hi < lo) | (hi > rows)
+            if bad.any():
+                e = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"StepPlan {self.step}: invalidate entry {e} is host rows "
+                                 f"[{int(lo[e])}, {int(hi[e])}), not a range inside "
+                                 f"[0, {rows}].")
 
 
 __all__ = ["StepPlan", "TableLayout"]

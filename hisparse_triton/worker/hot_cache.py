@@ -143,6 +143,29 @@ class HotState:
         self.slot_host_rows[:, rows] = slots
         self.lru[:, rows] = lru
 
+    def invalidate(self, rows: torch.Tensor, entry_row: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor) -> None:
+        """Empty the hot slots that hold dropped host rows (a plan's ``invalidate``).
+
+        ``rows [u]``: distinct state rows; entry ``e`` empties, in every group, each slot of
+        state row ``rows[entry_row[e]]`` holding a host row in ``[lo[e], hi[e])``
+        (``entry_row``, ``lo``, ``hi``: ``[n]`` integer tensors). Each touched row's LRU
+        order then lists its empty slots first, then its held ones, both in their previous
+        order (a stable partition: still a permutation; empty slots are reused first). A
+        few whole-tensor ops on the device: no host sync, no loop per entry."""
+        entry_row = entry_row.long()
+        slots = self.slot_host_rows[:, rows]                       # [G, u, H]
+        held = slots[:, entry_row]                                 # [G, n, H]
+        dropped = (held >= lo.view(1, -1, 1)) & (held < hi.view(1, -1, 1))
+        hits = torch.zeros(slots.shape, dtype=torch.int32, device=slots.device)
+        hits.index_add_(1, entry_row, dropped.to(torch.int32))
+        slots = torch.where(hits > 0, torch.full_like(slots, -1), slots)
+        lru = self.lru[:, rows]                                    # [G, u, H] slot ids
+        held_at = slots.gather(2, lru.long()) >= 0                 # by LRU position
+        key = held_at.to(torch.int32) * lru.shape[2] + self.lru_identity
+        self.lru[:, rows] = lru.gather(2, key.argsort(dim=2))
+        self.slot_host_rows[:, rows] = slots
+
 
 class HotCache:
     """One index group's hot cache (see the module docstring).

@@ -10,7 +10,8 @@ block table and every device group's block table are column views of it (row str
    buffers (``StagingRing``: the CPU may run that many plans ahead; a slot is reused only
    after its earlier copy ran);
 3. resets (every table of those state rows emptied, and the hot state of the rows reset
-   through a ``RowState``), then the writes (``arena.view(-1)[index] = value``).
+   through a ``RowState``), then the writes (``arena.view(-1)[index] = value``) and the
+   invalidations (hot slots holding dropped host rows emptied, through the ``RowState``).
 
 What the last plan overwrote is kept, so ``revert(plan)`` restores the tables exactly (a
 caller whose later work in the same call failed); a failure part-way through an apply
@@ -19,6 +20,7 @@ restores the touched entries before the error propagates.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -45,6 +47,11 @@ class RowState(Protocol):
 
     def restore_rows(self, rows: torch.Tensor, saved: tuple) -> None:
         """Put back what ``save_rows(rows)`` copied."""
+
+    def invalidate(self, rows: torch.Tensor, entry_row: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor) -> None:
+        """Empty what state rows ``rows[entry_row[e]]`` hold in ``[lo[e], hi[e])`` (a
+        plan's ``invalidate`` section; ``rows`` distinct)."""
 
 
 class StagingRing:
@@ -101,6 +108,8 @@ class _Undo:
     row_state: tuple                    # RowState.save_rows(resets)
     index: torch.Tensor                 # [w] flat arena indices written
     old_values: Optional[torch.Tensor]  # [w] their values before (None: no writes)
+    invalidated: Optional[torch.Tensor] = None  # [u] state rows invalidated (None: none)
+    invalidated_state: tuple = ()       # RowState.save_rows(invalidated), after the resets
 
 
 class PlanTables:
@@ -173,8 +182,13 @@ class PlanTables:
         """Check ``plan`` (``check``), then write its resets and writes (one packed host ->
         device copy, then on-device scatters; no host sync). All or nothing."""
         self.check(plan)
+        packed = plan.data
+        if plan.num_invalidate:  # the distinct rows travel with the plan: one copy
+            rows, entry_row = np.unique(plan.invalidate[:, 0], return_inverse=True)
+            packed = np.concatenate([packed, rows.astype(np.int32),
+                                     entry_row.reshape(-1).astype(np.int32)])
         with torch.inference_mode(False), torch.no_grad():
-            data = self._ring.upload(plan.data)
+            data = self._ring.upload(packed)
             self._last = self._write(plan, data)
         self.next_step += 1
         self.mirror_due = plan if plan.num_mirror else None
@@ -216,12 +230,28 @@ class PlanTables:
                 self._row_state.reset_rows(resets)
             if w:
                 self.flat[index] = value
+            if plan.num_invalidate:
+                undo = self._invalidate(plan, data, undo)
         except BaseException:
             self._restore(undo)
             raise
         return undo
 
+    def _invalidate(self, plan: StepPlan, data: torch.Tensor, undo: _Undo) -> _Undo:
+        """The plan's invalidations, after its resets and writes; ``data`` is the plan's
+        data followed by the distinct state rows ``[u]`` and each entry's row ``[v]``."""
+        v, end = plan.num_invalidate, plan.data.size
+        entries = data[end - 3 * v:end].view(v, 3)
+        u = data.numel() - end - v
+        rows, entry_row = data[end:end + u], data[end + u:]
+        undo = dataclasses.replace(undo, invalidated=rows,
+                                   invalidated_state=self._row_state.save_rows(rows))
+        self._row_state.invalidate(rows, entry_row, entries[:, 1], entries[:, 2])
+        return undo
+
     def _restore(self, undo: _Undo) -> None:
+        if undo.invalidated is not None:
+            self._row_state.restore_rows(undo.invalidated, undo.invalidated_state)
         if undo.old_values is not None:
             self.flat[undo.index] = undo.old_values
         if undo.resets is not None:
