@@ -42,13 +42,26 @@ class MirrorSet:
 
 class HostMirror:
     """Copies plans' new rows device -> host (see the module docstring); counts the bytes
-    it moved in ``d2h_bytes``. ``backend`` is passed to ``copy`` as is."""
+    it moved in ``d2h_bytes`` (a copy that raises counts nothing) and remembers the last
+    copy's ``(plan step, bytes)`` in ``last``, so a reverted plan takes its bytes back
+    (``uncount``). ``backend`` is passed to ``copy`` as is."""
 
     def __init__(self, sets: Sequence[MirrorSet], copy: CopyRows, *,
                  backend: Optional[str]) -> None:
         self.sets = tuple(sets)
         self._copy, self.backend = copy, backend
         self.d2h_bytes = 0
+        self.last: tuple[int, int] = (0, 0)
+
+    def uncount(self, step: int) -> None:
+        """Take the bytes of plan ``step``'s copy back out of ``d2h_bytes`` (the plan was
+        reverted); nothing when the last copy was of another plan."""
+        if self.last[0] == step:
+            self.d2h_bytes, self.last = self.d2h_bytes - self.last[1], (0, 0)
+
+    def zero(self) -> None:
+        """Zero the byte counter."""
+        self.d2h_bytes, self.last = 0, (0, 0)
 
     @classmethod
     def build(cls, groups: PlanGroups, layers: PoolLayers, copy: CopyRows, *,
@@ -80,6 +93,7 @@ class HostMirror:
         n = plan.num_mirror
         if not n:
             return
+        moved = 0
         with torch.inference_mode(False), torch.no_grad():
             start = plan.num_resets + 2 * plan.num_writes
             host = packed[start:start + n]
@@ -91,4 +105,5 @@ class HostMirror:
                 dst = host.view(1, 1, n).expand(layers, 1, n)
                 self._copy(mset.host_table, mset.device_table, src, dst,
                            backend=self.backend)
-                self.d2h_bytes += n * layers * mset.row_bytes
+                moved += n * layers * mset.row_bytes
+        self.d2h_bytes, self.last = self.d2h_bytes + moved, (plan.step, moved)

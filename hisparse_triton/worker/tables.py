@@ -4,8 +4,11 @@ Tables (``TableLayout``): one int32 arena ``[max_num_seqs, width]``; ``seq_lens`
 block table and every device group's block table are column views of it (row stride
 ``width``), so a plan is applied with one host -> device copy and one scatter:
 
-1. ``check(plan)``: the one place a plan is validated (type, order, a mirror still due, every
-   entry inside the layout and the pools); a refused plan changes nothing;
+1. ``check(plan)``: the one place a received plan is validated: the worker takes its own
+   copy (``StepPlan.received``: types, counts, the data's dtype and size, also for an
+   unpickled plan that skipped the constructor), then checks the order, a mirror still due,
+   and every value of every section against its own tables and pools (``StepPlan.check``
+   with the worker's ``PlanLimits``); a refused plan changes nothing;
 2. the plan's int32 data goes to the device through a ring of ``STAGING_SLOTS`` pinned
    buffers (``StagingRing``: the CPU may run that many plans ahead; a slot is reused only
    after its earlier copy ran);
@@ -15,7 +18,9 @@ block table and every device group's block table are column views of it (row str
 
 What the last plan overwrote is kept, so ``revert(plan)`` restores the tables exactly (a
 caller whose later work in the same call failed); a failure part-way through an apply
-restores the touched entries before the error propagates.
+restores the touched entries before the error propagates. The copy of the last plan applied
+is kept too: its mirror rows are the ones ``mirror`` copies, whatever the caller's plan
+object holds afterwards.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Optional, Protocol
 import numpy as np
 import torch
 
-from hisparse_triton.step_plan import StepPlan, TableLayout
+from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 
 __all__ = ["STAGING_SLOTS", "PlanTables", "RowState", "StagingRing"]
 
@@ -115,20 +120,20 @@ class _Undo:
 class PlanTables:
     """The per-request table arena of one worker and the plans applied to it.
 
-    - ``layout``: the arena's columns (``TableLayout``); ``row_state``: the per-row state a
-      reset also empties; ``num_device_blocks``, ``num_host_blocks``, ``block_size``,
-      ``num_resident``: what a plan's entries are checked against.
+    - ``limits``: what every received plan is checked against (``PlanLimits``: the arena's
+      columns, ``max_model_len``, the pools' block counts, the resident groups);
+      ``row_state``: the per-row state a reset also empties.
     - Views (``[max_num_seqs, ...] int32``, updated in place): ``seq_lens``, ``host_blocks``
       (host block of every page), ``group_tables[i]`` (device group ``i``'s block table).
+    - ``last_applied``: the worker's own copy of the last plan applied (``None`` before the
+      first and after a revert); ``mirror_due``: that plan while its mirror rows are still to
+      be copied, else ``None``.
     """
 
-    def __init__(self, layout: TableLayout, device: torch.device, row_state: RowState, *,
-                 num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 num_resident: int) -> None:
-        self.layout, self.device, self._row_state = layout, device, row_state
-        self._limits = (num_device_blocks, num_host_blocks, block_size)
-        self._num_resident = num_resident
-        L = layout
+    def __init__(self, limits: PlanLimits, device: torch.device, row_state: RowState) -> None:
+        self.limits, self.layout = limits, limits.layout
+        self.device, self._row_state = device, row_state
+        L = self.layout
         self.arena = torch.zeros(L.max_num_seqs, L.width, dtype=torch.int32, device=device)
         self.flat = self.arena.view(-1)
         self.seq_lens = self.arena[:, L.SEQ_LEN_COL]
@@ -136,7 +141,7 @@ class PlanTables:
         self.group_tables = [self.arena[:, col:col + width]
                              for col, width in zip(L.group_cols, L.group_widths)]
         self.next_step = 1
-        #: The last plan applied while its mirror rows are still to be copied, else None.
+        self.last_applied: Optional[StepPlan] = None
         self.mirror_due: Optional[StepPlan] = None
         self._ring = StagingRing(device)
         self._last: Optional[_Undo] = None
@@ -152,48 +157,65 @@ class PlanTables:
         return self.next_step - 1
 
     # ------------------------------------------------------------------ checks
-    def check(self, plan: object) -> None:
-        """``ValueError`` unless ``plan`` is the next ``StepPlan`` of this layout, the last
-        one's mirror rows were mirrored, and every entry fits the layout and the pools."""
-        if not isinstance(plan, StepPlan):
-            raise ValueError(f"apply takes a StepPlan, got {type(plan).__name__}.")
-        if plan.step != self.next_step:
-            what = "repeated" if plan.step < self.next_step else "skipped ahead"
-            raise ValueError(f"StepPlan {plan.step} is out of order ({what}): this worker "
+    def check(self, plan: object) -> StepPlan:
+        """The worker's own checked copy of ``plan`` (``StepPlan.received``): ``ValueError``
+        unless it is a well-formed ``StepPlan``, the next one in order, the last plan's
+        mirror rows were mirrored, and every value of every section fits this worker's
+        tables and pools (``StepPlan.check``)."""
+        received = StepPlan.received(plan, what="apply")
+        if received.step != self.next_step:
+            what = "repeated" if received.step < self.next_step else "skipped ahead"
+            raise ValueError(f"StepPlan {received.step} is out of order ({what}): this worker "
                              f"expects step {self.next_step}.")
         if self.mirror_due is not None:
             raise ValueError(f"StepPlan {self.mirror_due.step} has mirror rows that were "
                              f"never mirrored: call mirror(plan) after the forward, before "
-                             f"applying step {plan.step}.")
-        plan.check(self.layout, *self._limits)
-        if plan.num_mirror and plan.num_resident != self._num_resident:
-            raise ValueError(f"StepPlan {plan.step} mirrors {plan.num_resident} resident "
-                             f"groups; this plan has {self._num_resident}.")
+                             f"applying step {received.step}.")
+        received.check(self.limits)
+        return received
 
-    def check_last(self, plan: object) -> None:
-        """``ValueError`` unless ``plan`` is the last plan applied."""
+    def check_last(self, plan: object = None) -> Optional[StepPlan]:
+        """The worker's copy of the last plan applied; ``ValueError`` unless ``plan`` is
+        ``None`` or that very plan (same step, same content: a plan whose sections differ
+        from what was applied is refused, so a mirror copies exactly the rows applied)."""
+        last, expected = self.last_applied, self.next_step - 1
+        if plan is None:
+            return last
         step = getattr(plan, "step", None)
-        if not isinstance(plan, StepPlan) or step != self.next_step - 1:
-            raise ValueError(f"mirror(plan) takes the last plan applied (step "
-                             f"{self.next_step - 1}), got step {step!r}.")
+        if not isinstance(plan, StepPlan) or step != expected or last is None:
+            raise ValueError(f"mirror(plan) takes the last plan applied (step {expected}), "
+                             f"got step {step!r}.")
+        if plan is not last and not _same_plan(plan, last):
+            raise ValueError(f"mirror(plan): this StepPlan {step} is not the plan applied as "
+                             f"step {step} (its header or sections differ); call mirror() "
+                             f"with no argument to mirror what was applied.")
+        return last
 
     # ------------------------------------------------------------------ apply / revert
-    def apply(self, plan: StepPlan) -> None:
-        """Check ``plan`` (``check``), then write its resets and writes (one packed host ->
-        device copy, then on-device scatters; no host sync). All or nothing."""
-        self.check(plan)
-        packed = plan.data
-        if plan.num_invalidate:  # the distinct rows travel with the plan: one copy
-            rows, entry_row = np.unique(plan.invalidate[:, 0], return_inverse=True)
+    def apply(self, plan: object) -> StepPlan:
+        """Check ``plan`` (``check``), then write its resets, writes and invalidations (one
+        packed host -> device copy, then on-device scatters; no host sync). All or nothing.
+        Returns the worker's copy of the plan."""
+        received = self.check(plan)
+        packed = received.data
+        if received.num_invalidate:  # the distinct rows travel with the plan: one copy
+            rows, entry_row = np.unique(received.invalidate[:, 0], return_inverse=True)
             packed = np.concatenate([packed, rows.astype(np.int32),
                                      entry_row.reshape(-1).astype(np.int32)])
         with torch.inference_mode(False), torch.no_grad():
             data = self._ring.upload(packed)
-            self._last = self._write(plan, data)
-        self.next_step += 1
-        self.mirror_due = plan if plan.num_mirror else None
+            undo = self._write(received, data)
+            try:
+                self._last = undo
+                self.next_step = received.step + 1
+                self.last_applied = received
+                self.mirror_due = received if received.num_mirror else None
+            except BaseException:  # (nothing here raises but an asynchronous exception)
+                self._forget(undo, step=received.step)
+                raise
+        return received
 
-    def revert(self, plan: StepPlan) -> None:
+    def revert(self, plan: object) -> None:
         """Undo ``apply(plan)``: every table entry and hot-state row it changed is restored
         and the next plan expected is ``plan.step`` again. ``plan`` must be the last plan
         applied and not reverted yet (``ValueError`` otherwise). Rows it mirrored stay in the
@@ -202,16 +224,21 @@ class PlanTables:
         if last is None or not isinstance(plan, StepPlan) or last.step != plan.step:
             raise ValueError(f"StepPlan {getattr(plan, 'step', plan)!r} is not the last plan "
                              f"applied.")
+        self._forget(last, step=last.step)
+
+    def _forget(self, undo: "_Undo", *, step: int) -> None:
+        """Restore what ``undo`` saved and expect ``step`` next again."""
         with torch.inference_mode(False), torch.no_grad():
-            self._restore(last)
+            self._restore(undo)
         self._last = None
-        self.next_step -= 1
+        self.next_step = step
+        self.last_applied = None
         self.mirror_due = None
 
-    def packed(self, plan: StepPlan) -> torch.Tensor:
+    def packed(self) -> torch.Tensor:
         """The last applied plan's int32 data on the device (its mirror sections are read
-        from there)."""
-        return self._ring.last(plan.data)
+        from there; on the CPU, the worker's own copy)."""
+        return self._ring.last(self.last_applied.data)
 
     def mark_mirrored(self) -> None:
         """The last plan's mirror rows were copied (or need no copy on this rank)."""
@@ -257,3 +284,12 @@ class PlanTables:
         if undo.resets is not None:
             self.arena[undo.resets] = undo.arena_rows
             self._row_state.restore_rows(undo.resets, undo.row_state)
+
+
+def _same_plan(a: StepPlan, b: StepPlan) -> bool:
+    """Whether two plans have the same header and sections."""
+    return (a.step, a.layout, a.commit, a.num_resets, a.num_writes, a.num_mirror,
+            a.num_resident, a.num_lost, a.released_pages, a.num_invalidate) == (
+        b.step, b.layout, b.commit, b.num_resets, b.num_writes, b.num_mirror,
+        b.num_resident, b.num_lost, b.released_pages, b.num_invalidate) and \
+        isinstance(a.data, np.ndarray) and np.array_equal(a.data, b.data)

@@ -38,7 +38,7 @@ from hisparse_triton.groups import PlanGroups
 from hisparse_triton.layout import underlying_layer_name
 from hisparse_triton.memory import MemoryRequest, check_memory
 from hisparse_triton.specs import KVCacheConfig
-from hisparse_triton.step_plan import StepPlan, TableLayout
+from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
 from hisparse_triton.worker.hot_cache import HotCache, HotState
 from hisparse_triton.worker.layers import PoolLayers
@@ -93,6 +93,11 @@ class HiSparseWorker:
         if self.num_host_blocks < 2:
             raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
                              f"page), the plan has {self.num_host_blocks}.")
+        #: What every received plan is checked against: this worker's tables and pools.
+        self.plan_limits = PlanLimits(
+            layout=self.layout, max_model_len=self.max_model_len, block_size=self.block_size,
+            num_device_blocks=self.num_device_blocks, num_host_blocks=self.num_host_blocks,
+            resident=tuple(g.position for g in self.groups.resident))
         self.bytes_per_block = kv_cache_config.bytes_per_block
         self._closed = False
         self._host_pool: Optional[HostPool] = None
@@ -140,10 +145,7 @@ class HiSparseWorker:
                                   self._device_pool, dev)
         self._hot = HotState(len(groups.index_groups), self.max_num_seqs,
                              self.device_buffer_size, dev)
-        self._tables = tables = PlanTables(
-            self.layout, dev, self._hot, num_device_blocks=self.num_device_blocks,
-            num_host_blocks=self.num_host_blocks, block_size=self.block_size,
-            num_resident=len(groups.resident))
+        self._tables = tables = PlanTables(self.plan_limits, dev, self._hot)
         workspace = hot_cache.new_workspace(dev)
         self._index_groups: dict[str, HotCache] = {
             ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
@@ -159,35 +161,44 @@ class HiSparseWorker:
 
     # ------------------------------------------------------------------ plans
     def apply(self, plan: StepPlan) -> None:
-        """Write one plan's table changes: resets first, then the writes (one packed
-        host -> device copy, then on-device scatters; no host sync).
+        """Write one plan's table changes: resets first, then the writes and invalidations
+        (one packed host -> device copy, then on-device scatters; no host sync).
 
-        Plans must come in order (``plan.step`` = the previous plan's + 1) and a plan with
-        mirror rows must be ``mirror``-ed before the next one is applied; an out-of-order or
-        foreign plan is refused (``ValueError``) and changes nothing.
+        The plan is untrusted input (it may have crossed a process boundary): the worker
+        takes its own copy and checks its structure and every value of every section
+        against its own tables and pools (``PlanTables.check``). Plans must come in order
+        (``plan.step`` = the previous plan's + 1) and a plan with mirror rows must be
+        ``mirror``-ed before the next one is applied. A refused plan raises ``ValueError``
+        naming the field and changes nothing.
         """
         self._check_open()
         self._tables.apply(plan)
 
     def revert(self, plan: StepPlan) -> None:
-        """Undo ``apply(plan)`` when later work of the same call failed: the tables and hot
-        state are as before it and ``plan.step`` is expected next. ``plan`` must be the last
-        plan applied (``ValueError`` otherwise); bytes it already mirrored stay counted."""
+        """Undo ``apply(plan)`` when later work of the same call failed: the tables, the hot
+        state and the counters (``plans``, and ``d2h_bytes`` of its mirror) are as before it
+        and ``plan.step`` is expected next. ``plan`` must be the last plan applied
+        (``ValueError`` otherwise); the host rows it mirrored keep their bytes."""
         self._check_open()
         self._tables.revert(plan)
+        self._mirror.uncount(plan.step)
 
-    def mirror(self, plan: StepPlan) -> None:
-        """Copy the plan's new rows of every source layer device -> host (one launch per row
-        size), after the forward wrote them. On a rank that does not write a shared host
-        pool this only records that the step is done; a plan without mirror rows (or one
-        already mirrored) needs nothing. ``ValueError`` for a plan other than the last one
-        applied."""
+    def mirror(self, plan: Optional[StepPlan] = None) -> None:
+        """Copy the new rows of the last plan applied device -> host (one launch per row
+        size), after the forward wrote them.
+
+        The rows copied are those of the worker's own copy of the applied plan: ``mirror()``
+        mirrors it; ``mirror(plan)`` checks that ``plan`` is that plan (same step and
+        content) and refuses any other with ``ValueError``. On a rank that does not write a
+        shared host pool this only records that the step is done; a plan without mirror rows
+        (or one already mirrored) needs nothing. A copy that raises counts no bytes and
+        leaves the mirror due."""
         self._check_open()
-        self._tables.check_last(plan)
+        applied = self._tables.check_last(plan)
         if self._tables.mirror_due is None:  # nothing to copy, or already mirrored
             return
         if self.mirrors_to_host:
-            self._mirror.copy(plan, self._tables.packed(plan))
+            self._mirror.copy(applied, self._tables.packed())
         self._tables.mark_mirrored()
 
     # ------------------------------------------------------------------ decode step
@@ -333,7 +344,7 @@ class HiSparseWorker:
         """Zero the transfer counters."""
         self._check_open()
         self._stats.zero()
-        self._mirror.d2h_bytes = 0
+        self._mirror.zero()
 
     def _debug_snapshot(self) -> dict:
         """Every device table and counter as CPU lists (a device sync on CUDA)."""
