@@ -42,9 +42,10 @@ class MirrorSet:
 
 class HostMirror:
     """Copies plans' new rows device -> host (see the module docstring); counts the bytes
-    it moved in ``d2h_bytes`` (a copy that raises counts nothing) and remembers the last
-    copy's ``(plan step, bytes)`` in ``last``, so a reverted plan takes its bytes back
-    (``uncount``). ``backend`` is passed to ``copy`` as is."""
+    moved in ``d2h_bytes`` (only once every copy of a plan was enqueued: a copy that raises
+    counts nothing) and remembers the last plan's ``(step, bytes)`` in ``last``, so a
+    reverted plan takes its bytes back (``uncount``). ``backend`` is passed to ``copy`` as
+    is."""
 
     def __init__(self, sets: Sequence[MirrorSet], copy: CopyRows, *,
                  backend: Optional[str]) -> None:
@@ -87,12 +88,14 @@ class HostMirror:
         """Every table the copies use (to validate them up front)."""
         return [t for s in self.sets for t in (s.device_table, s.host_table)]
 
-    def copy(self, plan: StepPlan, packed: torch.Tensor) -> None:
-        """Enqueue the copies of ``plan``'s mirror rows. ``packed``: the plan's int32 data
-        where the copies run (its mirror sections are read there: no host -> device copy)."""
+    def copy(self, plan: StepPlan, packed: torch.Tensor) -> int:
+        """Enqueue the copies of ``plan``'s mirror rows; returns the bytes they move, which
+        the caller counts (``count``) once every copy was enqueued. ``packed``: the plan's
+        int32 data where the copies run (its mirror sections are read there: no host ->
+        device copy)."""
         n = plan.num_mirror
         if not n:
-            return
+            return 0
         moved = 0
         with torch.inference_mode(False), torch.no_grad():
             start = plan.num_resets + 2 * plan.num_writes
@@ -106,4 +109,9 @@ class HostMirror:
                 self._copy(mset.host_table, mset.device_table, src, dst,
                            backend=self.backend)
                 moved += n * layers * mset.row_bytes
-        self.d2h_bytes, self.last = self.d2h_bytes + moved, (plan.step, moved)
+        return moved
+
+    def counted(self, step: int, moved: int) -> tuple[int, tuple[int, int]]:
+        """``(d2h_bytes, last)`` once plan ``step``'s ``moved`` bytes are counted (the caller
+        assigns both in one statement, together with its own bookkeeping)."""
+        return self.d2h_bytes + moved, (step, moved)

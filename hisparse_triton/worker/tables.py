@@ -25,9 +25,8 @@ object holds afterwards.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -103,6 +102,12 @@ class StagingRing:
         return self._device_buffer[:values.size]
 
 
+def _ordinary_tensors(method: Callable) -> Callable:
+    """``method`` run outside inference mode and without autograd (the tables are ordinary
+    tensors whatever the caller's mode); as a decorator, so no context exit runs in it."""
+    return torch.inference_mode(False)(torch.no_grad()(method))
+
+
 @dataclass(frozen=True)
 class _Undo:
     """What one applied plan overwrote."""
@@ -114,7 +119,7 @@ class _Undo:
     index: torch.Tensor                 # [w] flat arena indices written
     old_values: Optional[torch.Tensor]  # [w] their values before (None: no writes)
     invalidated: Optional[torch.Tensor] = None  # [u] state rows invalidated (None: none)
-    invalidated_state: tuple = ()       # RowState.save_rows(invalidated), after the resets
+    invalidated_state: tuple = ()       # RowState.save_rows(invalidated), before the plan
 
 
 class PlanTables:
@@ -192,28 +197,18 @@ class PlanTables:
         return last
 
     # ------------------------------------------------------------------ apply / revert
-    def apply(self, plan: object) -> StepPlan:
+    def apply(self, plan: object) -> None:
         """Check ``plan`` (``check``), then write its resets, writes and invalidations (one
-        packed host -> device copy, then on-device scatters; no host sync). All or nothing.
-        Returns the worker's copy of the plan."""
+        packed host -> device copy, then on-device scatters; no host sync). All or nothing:
+        whatever raises part-way, the tables, the row state and the step count are as
+        before."""
         received = self.check(plan)
         packed = received.data
         if received.num_invalidate:  # the distinct rows travel with the plan: one copy
             rows, entry_row = np.unique(received.invalidate[:, 0], return_inverse=True)
             packed = np.concatenate([packed, rows.astype(np.int32),
                                      entry_row.reshape(-1).astype(np.int32)])
-        with torch.inference_mode(False), torch.no_grad():
-            data = self._ring.upload(packed)
-            undo = self._write(received, data)
-            try:
-                self._last = undo
-                self.next_step = received.step + 1
-                self.last_applied = received
-                self.mirror_due = received if received.num_mirror else None
-            except BaseException:  # (nothing here raises but an asynchronous exception)
-                self._forget(undo, step=received.step)
-                raise
-        return received
+        self._apply(received, packed)
 
     def revert(self, plan: object) -> None:
         """Undo ``apply(plan)``: every table entry and hot-state row it changed is restored
@@ -224,16 +219,59 @@ class PlanTables:
         if last is None or not isinstance(plan, StepPlan) or last.step != plan.step:
             raise ValueError(f"StepPlan {getattr(plan, 'step', plan)!r} is not the last plan "
                              f"applied.")
-        self._forget(last, step=last.step)
+        self._revert(last)
 
-    def _forget(self, undo: "_Undo", *, step: int) -> None:
-        """Restore what ``undo`` saved and expect ``step`` next again."""
-        with torch.inference_mode(False), torch.no_grad():
+    # The two methods below end with ONE statement that records the new step (after every
+    # tensor write): whatever raises before it leaves the step count untouched, and the
+    # tensor writes are undone first.
+    @_ordinary_tensors
+    def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
+        data = self._ring.upload(packed)
+        undo = self._save(plan, data)
+        kept = (self._last, self.next_step, self.last_applied, self.mirror_due)
+        try:
+            r, w = plan.num_resets, plan.num_writes
+            if r:
+                self.arena[undo.resets] = 0
+                self._row_state.reset_rows(undo.resets)
+            if w:
+                self.flat[undo.index] = data[r + w:r + 2 * w]
+            if plan.num_invalidate:  # data: the plan's, then the distinct rows, entry rows
+                v, end = plan.num_invalidate, plan.data.size
+                entries = data[end - 3 * v:end].view(v, 3)
+                entry_row = data[end + undo.invalidated.numel():]
+                self._row_state.invalidate(undo.invalidated, entry_row, entries[:, 1],
+                                           entries[:, 2])
+            self._last, self.next_step, self.last_applied, self.mirror_due = (
+                undo, plan.step + 1, plan, plan if plan.num_mirror else None)
+        except BaseException:
             self._restore(undo)
-        self._last = None
-        self.next_step = step
-        self.last_applied = None
-        self.mirror_due = None
+            self._last, self.next_step, self.last_applied, self.mirror_due = kept
+            raise
+
+    @_ordinary_tensors
+    def _revert(self, undo: "_Undo") -> None:
+        self._restore(undo)
+        self._last, self.next_step, self.last_applied, self.mirror_due = (
+            None, undo.step, None, None)
+
+    def _save(self, plan: StepPlan, data: torch.Tensor) -> "_Undo":
+        """What applying ``plan`` (its device ``data``) will overwrite; reads only. The
+        invalidated rows' state is saved before the resets too: restoring both gives the
+        state before the plan whatever the order."""
+        r, w = plan.num_resets, plan.num_writes
+        resets, index = data[:r], data[r:r + w]
+        invalidated = None
+        if plan.num_invalidate:
+            end, v = plan.data.size, plan.num_invalidate
+            invalidated = data[end:data.numel() - v]
+        return _Undo(step=plan.step, resets=resets if r else None,
+                     arena_rows=self.arena[resets].clone() if r else None,
+                     row_state=self._row_state.save_rows(resets) if r else (),
+                     index=index, old_values=self.flat[index] if w else None,
+                     invalidated=invalidated,
+                     invalidated_state=(self._row_state.save_rows(invalidated)
+                                        if invalidated is not None else ()))
 
     def packed(self) -> torch.Tensor:
         """The last applied plan's int32 data on the device (its mirror sections are read
@@ -243,38 +281,6 @@ class PlanTables:
     def mark_mirrored(self) -> None:
         """The last plan's mirror rows were copied (or need no copy on this rank)."""
         self.mirror_due = None
-
-    def _write(self, plan: StepPlan, data: torch.Tensor) -> _Undo:
-        r, w = plan.num_resets, plan.num_writes
-        resets, index, value = data[:r], data[r:r + w], data[r + w:r + 2 * w]
-        undo = _Undo(step=plan.step, resets=resets if r else None,
-                     arena_rows=self.arena[resets].clone() if r else None,
-                     row_state=self._row_state.save_rows(resets) if r else (),
-                     index=index, old_values=self.flat[index] if w else None)
-        try:
-            if r:
-                self.arena[resets] = 0
-                self._row_state.reset_rows(resets)
-            if w:
-                self.flat[index] = value
-            if plan.num_invalidate:
-                undo = self._invalidate(plan, data, undo)
-        except BaseException:
-            self._restore(undo)
-            raise
-        return undo
-
-    def _invalidate(self, plan: StepPlan, data: torch.Tensor, undo: _Undo) -> _Undo:
-        """The plan's invalidations, after its resets and writes; ``data`` is the plan's
-        data followed by the distinct state rows ``[u]`` and each entry's row ``[v]``."""
-        v, end = plan.num_invalidate, plan.data.size
-        entries = data[end - 3 * v:end].view(v, 3)
-        u = data.numel() - end - v
-        rows, entry_row = data[end:end + u], data[end + u:]
-        undo = dataclasses.replace(undo, invalidated=rows,
-                                   invalidated_state=self._row_state.save_rows(rows))
-        self._row_state.invalidate(rows, entry_row, entries[:, 1], entries[:, 2])
-        return undo
 
     def _restore(self, undo: _Undo) -> None:
         if undo.invalidated is not None:

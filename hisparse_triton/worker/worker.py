@@ -194,12 +194,14 @@ class HiSparseWorker:
         (or one already mirrored) needs nothing. A copy that raises counts no bytes and
         leaves the mirror due."""
         self._check_open()
-        applied = self._tables.check_last(plan)
-        if self._tables.mirror_due is None:  # nothing to copy, or already mirrored
+        tables, mirror = self._tables, self._mirror
+        applied = tables.check_last(plan)
+        if tables.mirror_due is None:  # nothing to copy, or already mirrored
             return
-        if self.mirrors_to_host:
-            self._mirror.copy(applied, self._tables.packed())
-        self._tables.mark_mirrored()
+        moved = mirror.copy(applied, tables.packed()) if self.mirrors_to_host else 0
+        # One statement: the bytes are counted and the plan marked mirrored together.
+        (mirror.d2h_bytes, mirror.last), tables.mirror_due = mirror.counted(applied.step,
+                                                                            moved), None
 
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
