@@ -14,6 +14,7 @@ import torch
 
 from hisparse_triton.config import EngineConfig
 from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.worker import shared_pool
 
 __all__ = ["BACKENDS", "check_options", "parse_device", "plan_fingerprint"]
 
@@ -52,7 +53,8 @@ def parse_device(device: object) -> torch.device:
 
 def check_options(kv_cache_config: KVCacheConfig, config: EngineConfig, max_num_seqs: int,
                    backend: str, tp_rank: int, host_pool_name: Optional[str],
-                   host_ram_fraction: float) -> None:
+                   host_ram_fraction: float, host_pool_secret: object = None,
+                   host_pool_group: object = None) -> None:
     """``ValueError`` naming the first bad constructor argument."""
     if not isinstance(config, EngineConfig) or config.hisparse is None:
         raise ValueError("HiSparseWorker needs an EngineConfig with hisparse set.")
@@ -68,11 +70,24 @@ def check_options(kv_cache_config: KVCacheConfig, config: EngineConfig, max_num_
         raise ValueError("kv_cache_config.hisparse_shared_host_pool is True (one host pool "
                          "shared by the TP ranks of the node): pass host_pool_name (the "
                          "same on every rank; tp_rank 0 creates the pool).")
-    if not shared and host_pool_name is not None:
-        raise ValueError(f"host_pool_name={host_pool_name!r} was given but "
-                         f"kv_cache_config.hisparse_shared_host_pool is False (each rank "
-                         f"owns a private host pool); plan with shared_host_pool=True or "
-                         f"drop host_pool_name.")
+    if not shared:
+        for name, value in (("host_pool_name", host_pool_name),
+                            ("host_pool_secret", host_pool_secret),
+                            ("host_pool_group", host_pool_group)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} was given but "
+                                 f"kv_cache_config.hisparse_shared_host_pool is False (each "
+                                 f"rank owns a private host pool); plan with "
+                                 f"shared_host_pool=True or drop {name}.")
+    else:
+        if tp_rank > 0 and host_pool_secret is None:
+            raise ValueError(f"tp_rank {tp_rank} attaches to the shared host pool "
+                             f"{host_pool_name!r}: pass host_pool_secret, the creating rank's "
+                             f"(tp_rank 0's worker.host_pool_secret; e.g. "
+                             f"hisparse_triton.distributed.broadcast_host_pool_secret).")
+        if host_pool_secret is not None:
+            shared_pool.check_secret(host_pool_secret)
+        shared_pool.group_id(host_pool_group)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     if (isinstance(host_ram_fraction, bool) or not isinstance(host_ram_fraction, (int, float))

@@ -66,6 +66,11 @@ class HiSparseWorker:
     - ``tp_rank``, ``host_pool_name``: for a plan with ``hisparse_shared_host_pool``:
       ``host_pool_name`` is required; rank 0 creates the pool, every other rank attaches;
       only rank 0's ``mirror`` copies (``mirrors_to_host``).
+    - ``host_pool_secret``: the run's secret of a shared pool: rank 0 makes a random one
+      (or uses the one given) and exposes it as ``host_pool_secret``; every other rank must
+      pass it (``distributed.broadcast_host_pool_secret``), so it never attaches to a file
+      someone else created. ``host_pool_group``: a group whose members may attach (the file
+      is then mode 0640 and of that group; default: owner only, mode 0600).
     - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
     """
 
@@ -73,9 +78,11 @@ class HiSparseWorker:
                  max_num_seqs: int, device: torch.device | str | None = None,
                  backend: str = "auto", tp_rank: int = 0,
                  host_pool_name: Optional[str] = None,
-                 host_ram_fraction: float = 0.9) -> None:
+                 host_ram_fraction: float = 0.9,
+                 host_pool_secret: Optional[str] = None,
+                 host_pool_group: Optional[str | int] = None) -> None:
         check_options(kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
-                      host_ram_fraction)
+                      host_ram_fraction, host_pool_secret, host_pool_group)
         self.shared_host_pool = bool(kv_cache_config.hisparse_shared_host_pool)
         self.tp_rank, self.host_pool_name = tp_rank, host_pool_name
         #: Whether ``mirror`` writes the host pool (rank 0 of a shared pool, or a private one).
@@ -118,7 +125,8 @@ class HiSparseWorker:
             self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
                                        max_ram_fraction=host_ram_fraction, device=self.device,
                                        shared_name=host_pool_name, create=tp_rank == 0,
-                                       fingerprint=plan_fingerprint(kv_cache_config))
+                                       fingerprint=plan_fingerprint(kv_cache_config),
+                                       secret=host_pool_secret, group=host_pool_group)
             try:  # a failure below must not leave the (pinned) host pool to the GC
                 self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
                                                self.device)
@@ -312,6 +320,12 @@ class HiSparseWorker:
     def tables(self) -> list[torch.Tensor]:
         """Every device group's ``[max_num_seqs, width] int32`` block table (live views)."""
         return self._tables.group_tables
+
+    @property
+    def host_pool_secret(self) -> Optional[str]:
+        """The shared host pool's run secret (hex; what every other rank must pass as
+        ``host_pool_secret``), ``None`` for a private pool."""
+        return None if self._host_pool is None else self._host_pool.secret
 
     @property
     def host_pool(self) -> HostPool:
