@@ -55,6 +55,7 @@ from typing import Optional
 import torch
 
 from hisparse_triton.worker import host_register, shared_pool
+from hisparse_triton.worker.adopted import caller_bytes
 from hisparse_triton.worker.read_only import read_only
 from hisparse_triton.compat import check_versions
 from hisparse_triton.errors import HostMemoryError, RuntimeClosedError, SharedHostPoolError
@@ -175,17 +176,7 @@ class HostPool(_Buffer):
                  shared_name: Optional[str] = None, create: bool = True,
                  fingerprint: Optional[str] = None, secret: Optional[str | bytes] = None,
                  group: Optional[str | int] = None) -> None:
-        self._owner_pid = os.getpid()
-        self._tensor: Optional[torch.Tensor] = None
-        self._base: Optional[torch.Tensor] = None
-        self._unlink_path: Optional[str] = None
-        self.pinned = False
-        self.writable = True
-        self.shared_name = shared_name
-        self.path: Optional[str] = None       # the backing file (shared mode)
-        self.creator = shared_name is None or bool(create)
-        self.secret: Optional[str] = None
-        self._runtime = host_register.current_runtime()
+        self._init_state(shared_name=shared_name, create=create)
         size_bytes = _count("HostPool size", size_bytes)
         check_fraction(max_ram_fraction)
         if not isinstance(create, bool):
@@ -214,7 +205,6 @@ class HostPool(_Buffer):
             raise RuntimeError("HostPool(pin=True) needs a GPU runtime (CUDA or ROCm); this "
                                "machine has none.")
         cudart = host_register.require_registration(self._runtime) if pin else None
-        self.device: Optional[torch.device] = None
         if pin and device is not None:
             self.device = (torch.device("cuda", device) if isinstance(device, int)
                            else torch.device(device))
@@ -238,6 +228,71 @@ class HostPool(_Buffer):
                 self._unlink()
                 raise
         self._base, self._tensor = base, tensor
+
+    @classmethod
+    def adopt(cls, tensor: torch.Tensor, size_bytes: int, *, register: bool = True,
+              device: Optional[torch.device | str | int] = None) -> "HostPool":
+        """A host pool over the first ``size_bytes`` bytes of a CPU tensor the caller
+        allocated (``adopted.caller_bytes`` checks it). On a GPU machine the memory must be
+        page-locked: a pinned tensor (``tensor.is_pinned()``, e.g. ``pin_memory()`` or memory
+        registered by the caller) is used as is; otherwise, with ``register``, the pool
+        registers the pages holding it (portable | mapped) and ``close()`` unregisters them;
+        without, ``HostMemoryError``. ``close()`` never frees the caller's memory."""
+        size = _count("HostPool.adopt size", size_bytes)
+        data = caller_bytes(tensor, what="the host pool tensor", nbytes=size, device=_CPU)
+        pool = cls.__new__(cls)
+        pool._init_state(shared_name=None, create=True)
+        pool.owns_memory = False
+        pool.size_bytes = size
+        if torch.cuda.is_available():
+            pool.device = None if device is None else (
+                torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+            if tensor.is_pinned():
+                pool.pinned = True
+            elif not register:
+                raise HostMemoryError(
+                    "the host pool tensor is not pinned (tensor.is_pinned() is False) and "
+                    "register=False: pin it (pin_memory(), or register it with the GPU "
+                    "runtime), or let the worker register it.", resource="pinned host bytes",
+                    needed=size)
+            else:
+                cudart = host_register.require_registration(pool._runtime)
+                pool._register_pages(cudart, data)
+        pool._base, pool._tensor = tensor, data
+        return pool
+
+    def _init_state(self, *, shared_name: Optional[str], create: bool) -> None:
+        self._owner_pid = os.getpid()
+        self._tensor: Optional[torch.Tensor] = None
+        self._base: Optional[torch.Tensor] = None
+        self._unlink_path: Optional[str] = None
+        self._registered_ptr: Optional[int] = None   # what close() unregisters
+        self.owns_memory = True
+        self.pinned = False
+        self.writable = True
+        self.shared_name = shared_name
+        self.path: Optional[str] = None       # the backing file (shared mode)
+        self.creator = shared_name is None or bool(create)
+        self.secret: Optional[str] = None
+        self.fingerprint: Optional[str] = None
+        self.device: Optional[torch.device] = None
+        self._runtime = host_register.current_runtime()
+
+    def _register_pages(self, cudart: object, data: torch.Tensor) -> None:
+        """Register the whole pages holding ``data`` (a caller's memory need not start on a
+        page); ``HostMemoryError`` when the runtime refuses."""
+        start = data.data_ptr() - data.data_ptr() % HOST_ALIGNMENT
+        end = data.data_ptr() + data.numel()
+        length = -(-(end - start) // HOST_ALIGNMENT) * HOST_ALIGNMENT
+        err = int(cudart.cudaHostRegister(start, length, self._runtime.register_flags))
+        if err != 0:
+            host_register.clear_last_error(self._runtime)
+            raise HostMemoryError(
+                f"{self._runtime.call('cudaHostRegister')} of the caller's {length} B host "
+                f"pool tensor failed with {self._runtime.name.lower()}Error {err}; pin it "
+                f"yourself or raise the locked-memory limit (ulimit -l).",
+                resource="pinned host bytes", needed=length)
+        self.pinned, self._registered_ptr = True, start
 
     @property
     def read_only(self) -> bool:
@@ -304,7 +359,7 @@ class HostPool(_Buffer):
                 f"(ulimit -l) or the machine has too little RAM to pin it: lower "
                 f"host_pool_gib.", resource="pinned host bytes", needed=size,
                 available=available)
-        self.pinned = True
+        self.pinned, self._registered_ptr = True, tensor.data_ptr()
         return base, tensor
 
     def _create_shared(self, path: str, size: int, secret: bytes,
@@ -452,7 +507,7 @@ class HostPool(_Buffer):
         """
         if getattr(self, "_owner_pid", None) != os.getpid():
             self._tensor = self._base = None
-            self._unlink_path = None
+            self._unlink_path = self._registered_ptr = None
             self.pinned = False
             return
         if getattr(self, "_tensor", None) is None:
@@ -465,10 +520,11 @@ class HostPool(_Buffer):
             self._unlink()
 
     def _release(self) -> None:
-        if self.pinned:
+        self.pinned = False
+        ptr, self._registered_ptr = self._registered_ptr, None
+        if ptr is not None:
             torch.cuda.synchronize(self.device)
-            err = int(torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr()))
-            self.pinned = False
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
             if err != 0:  # pragma: no cover - driver failure
                 host_register.clear_last_error(self._runtime)
                 self._tensor = self._base = None
@@ -512,8 +568,25 @@ class DevicePool(_Buffer):
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.device = device
+        self.owns_memory = True
         self._tensor: Optional[torch.Tensor] = torch.zeros(num_blocks * bytes_per_block,
                                                            dtype=torch.uint8, device=device)
+
+    @classmethod
+    def adopt(cls, tensor: torch.Tensor, num_blocks: int, bytes_per_block: int,
+              device: torch.device | str) -> "DevicePool":
+        """A device pool over a tensor the caller allocated on ``device`` (its first
+        ``num_blocks * bytes_per_block`` bytes; ``adopted.caller_bytes`` checks it). Its
+        contents are left as they are; ``close()`` never frees it."""
+        for name, value in (("num_blocks", num_blocks), ("bytes_per_block", bytes_per_block)):
+            _count(f"DevicePool.{name}", value)
+        device = torch.device(device)
+        pool = cls.__new__(cls)
+        pool.num_blocks, pool.bytes_per_block, pool.device = num_blocks, bytes_per_block, device
+        pool.owns_memory = False
+        pool._tensor = caller_bytes(tensor, what="the device pool tensor",
+                                    nbytes=num_blocks * bytes_per_block, device=device)
+        return pool
 
     @staticmethod
     def memory_requests(num_blocks: int, bytes_per_block: int,
