@@ -41,6 +41,7 @@ from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
 from hisparse_triton.worker.hot_cache import HotCache, HotState
+from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
 from hisparse_triton.worker.mirror import HostMirror
 from hisparse_triton.worker.options import BACKENDS, check_options, parse_device, plan_fingerprint
@@ -50,6 +51,8 @@ from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerSta
 from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables
 
 logger = logging.getLogger(__name__)
+
+_INT32_MAX = 2**31 - 1
 
 __all__ = ["BACKENDS", "STAGING_SLOTS", "HiSparseWorker", "StatsSnapshot", "WorkerStats",
            "parse_device", "plan_fingerprint"]
@@ -72,7 +75,21 @@ class HiSparseWorker:
       someone else created. ``host_pool_group``: a group whose members may attach (the file
       is then mode 0640 and of that group; default: owner only, mode 0600).
     - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
+    - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
+      the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
+      pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
+      any dtype, contiguous (see ``worker.adopted``). On a GPU machine the host tensor must
+      be page-locked: a pinned tensor is used as is, another one is registered by the worker
+      (``register_host_pool=True``, undone by ``close()``) or refused. The worker never frees
+      adopted memory; ``close()`` only drops its references.
+
+    Before building anything, everything the worker will allocate (``memory_requests``) is
+    checked against the available RAM and GPU memory.
     """
+
+    #: ``pool_bytes(kv_cache_config) -> (device_bytes, host_bytes)``: what tensors a caller
+    #: hands in must hold at least.
+    pool_bytes = staticmethod(pool_bytes)
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
                  max_num_seqs: int, device: torch.device | str | None = None,
@@ -80,14 +97,27 @@ class HiSparseWorker:
                  host_pool_name: Optional[str] = None,
                  host_ram_fraction: float = 0.9,
                  host_pool_secret: Optional[str] = None,
-                 host_pool_group: Optional[str | int] = None) -> None:
-        check_options(kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
-                      host_ram_fraction, host_pool_secret, host_pool_group)
+                 host_pool_group: Optional[str | int] = None,
+                 device_pool_tensor: Optional[torch.Tensor] = None,
+                 host_pool_tensor: Optional[torch.Tensor] = None,
+                 register_host_pool: bool = True) -> None:
+        max_num_seqs, tp_rank = check_options(
+            kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
+            host_ram_fraction, host_pool_secret, host_pool_group)
         self.shared_host_pool = bool(kv_cache_config.hisparse_shared_host_pool)
+        if host_pool_tensor is not None and self.shared_host_pool:
+            raise ValueError("host_pool_tensor cannot be used with a shared host pool (the "
+                             "ranks of a node share a file the worker maps); plan with "
+                             "shared_host_pool=False to hand in a host tensor.")
+        self.device = parse_device(device)
+        # Everything this worker will allocate, checked together before anything is built.
+        check_memory(self.memory_requests(
+            kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
+            tp_rank=tp_rank, device_pool_given=device_pool_tensor is not None,
+            host_pool_given=host_pool_tensor is not None), max_ram_fraction=host_ram_fraction)
         self.tp_rank, self.host_pool_name = tp_rank, host_pool_name
         #: Whether ``mirror`` writes the host pool (rank 0 of a shared pool, or a private one).
         self.mirrors_to_host = not self.shared_host_pool or tp_rank == 0
-        self.device = parse_device(device)
         self._kernel_backend = hot_cache.kernel_backend(backend, self.device)
         self.backend, self.config, self.kv_cache_config = backend, config, kv_cache_config
         self.max_num_seqs, self.max_model_len = max_num_seqs, config.max_model_len
@@ -97,9 +127,6 @@ class HiSparseWorker:
         self.layout = TableLayout.build(self.groups, max_num_seqs)
         self.num_device_blocks = kv_cache_config.num_blocks
         self.num_host_blocks = kv_cache_config.hisparse_host_num_blocks
-        if self.num_host_blocks < 2:
-            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
-                             f"page), the plan has {self.num_host_blocks}.")
         #: What every received plan is checked against: this worker's tables and pools.
         self.plan_limits = PlanLimits(
             layout=self.layout, max_model_len=self.max_model_len, block_size=self.block_size,
@@ -109,27 +136,27 @@ class HiSparseWorker:
         self._closed = False
         self._host_pool: Optional[HostPool] = None
         self._device_pool: Optional[DevicePool] = None
-        host_bytes = max(t.offset + t.size for t in self.groups.host_tensors.values())
-        # Everything this worker will allocate, checked together before anything is.
-        check_memory([
-            *HostPool.memory_requests(host_bytes, shared=self.shared_host_pool,
-                                      create=tp_rank == 0),
-            *DevicePool.memory_requests(self.num_device_blocks, self.bytes_per_block,
-                                        self.device),
-            MemoryRequest("per-request tables and hot state", self.table_bytes, self.device,
-                          hint="max_num_seqs or device_buffer_size")],
-            max_ram_fraction=host_ram_fraction)
+        host_bytes = host_pool_bytes(kv_cache_config)
         # The runtime's tensors are ordinary tensors whatever the caller's mode: built
         # outside inference mode and without autograd, so in-place updates work from both.
         with torch.inference_mode(False), torch.no_grad():
-            self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
-                                       max_ram_fraction=host_ram_fraction, device=self.device,
-                                       shared_name=host_pool_name, create=tp_rank == 0,
-                                       fingerprint=plan_fingerprint(kv_cache_config),
-                                       secret=host_pool_secret, group=host_pool_group)
+            if host_pool_tensor is not None:
+                self._host_pool = HostPool.adopt(host_pool_tensor, host_bytes,
+                                                 register=register_host_pool,
+                                                 device=self.device)
+            else:
+                self._host_pool = HostPool(
+                    host_bytes, pin=self.device.type == "cuda",
+                    max_ram_fraction=host_ram_fraction, device=self.device,
+                    shared_name=host_pool_name, create=tp_rank == 0,
+                    fingerprint=plan_fingerprint(kv_cache_config), secret=host_pool_secret,
+                    group=host_pool_group)
             try:  # a failure below must not leave the (pinned) host pool to the GC
-                self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
-                                               self.device)
+                self._device_pool = (
+                    DevicePool.adopt(device_pool_tensor, self.num_device_blocks,
+                                     self.bytes_per_block, self.device)
+                    if device_pool_tensor is not None else
+                    DevicePool(self.num_device_blocks, self.bytes_per_block, self.device))
                 self._build_parts()
             except BaseException:
                 self.close()
@@ -144,8 +171,50 @@ class HiSparseWorker:
     @property
     def table_bytes(self) -> int:
         """Device bytes of the per-request tables, hot state and counters."""
-        return PlanTables.nbytes(self.layout) + HotState.nbytes(
-            len(self.groups.index_groups), self.max_num_seqs, self.device_buffer_size)
+        return self.bookkeeping_bytes(self.layout, len(self.groups.index_groups),
+                                      self.max_num_seqs, self.device_buffer_size)
+
+    @staticmethod
+    def bookkeeping_bytes(layout: TableLayout, num_index_groups: int, max_num_seqs: int,
+                          slots: int) -> int:
+        """Device bytes of the table arena, the hot state and the counters: all the
+        worker's bookkeeping (none of it grows with the pools' block counts)."""
+        return PlanTables.nbytes(layout) + HotState.nbytes(num_index_groups, max_num_seqs,
+                                                           slots)
+
+    @classmethod
+    def memory_requests(cls, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
+                        max_num_seqs: int, device: torch.device | str | None = None,
+                        tp_rank: int = 0, device_pool_given: bool = False,
+                        host_pool_given: bool = False) -> list[MemoryRequest]:
+        """Everything a worker for this plan allocates, for ``memory.check_memory``: the host
+        pool (nothing on an attaching rank or for a caller's tensor), the device pool
+        (nothing for a caller's tensor), and the tables and hot state. Builds nothing that
+        grows with the pools, so a caller (the in-process runtime, before its scheduler's
+        block lists) can check a plan before anything is allocated. ``ValueError`` when a
+        pool has more rows than int32 row ids address."""
+        device = parse_device(device)
+        groups = PlanGroups.from_config(kv_cache_config, config)
+        B = groups.block_size
+        for what, blocks in (("device", kv_cache_config.num_blocks),
+                             ("host", kv_cache_config.hisparse_host_num_blocks)):
+            if blocks * B > _INT32_MAX:
+                raise ValueError(f"the {what} pool's {blocks} blocks x {B} rows exceed the "
+                                 f"{_INT32_MAX} row ids int32 tables address; plan fewer "
+                                 f"blocks.")
+        if kv_cache_config.hisparse_host_num_blocks < 2:
+            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
+                             f"page), the plan has {kv_cache_config.hisparse_host_num_blocks}.")
+        layout = TableLayout.build(groups, max_num_seqs)
+        shared = bool(kv_cache_config.hisparse_shared_host_pool)
+        host = [] if host_pool_given else HostPool.memory_requests(
+            host_pool_bytes(kv_cache_config), shared=shared, create=tp_rank == 0)
+        dev = [] if device_pool_given else DevicePool.memory_requests(
+            kv_cache_config.num_blocks, kv_cache_config.bytes_per_block, device)
+        tables = cls.bookkeeping_bytes(layout, len(groups.index_groups), max_num_seqs,
+                                       int(config.hisparse.device_buffer_size))
+        return [*host, *dev, MemoryRequest("per-request tables and hot state", tables, device,
+                                           hint="max_num_seqs or device_buffer_size")]
 
     def _build_parts(self) -> None:
         dev, groups = self.device, self.groups
