@@ -135,7 +135,8 @@ class PlanTables:
       be copied, else ``None``.
     """
 
-    def __init__(self, limits: PlanLimits, device: torch.device, row_state: RowState) -> None:
+    def __init__(self, limits: PlanLimits, device: torch.device, row_state: RowState, *,
+                 mirror_parts: frozenset[bool] = frozenset({False})) -> None:
         self.limits, self.layout = limits, limits.layout
         self.device, self._row_state = device, row_state
         L = self.layout
@@ -148,6 +149,10 @@ class PlanTables:
         self.next_step = 1
         self.last_applied: Optional[StepPlan] = None
         self.mirror_due: Optional[StepPlan] = None
+        #: The mirror parts (False: main layers, True: draft layers) a plan with mirror rows
+        #: needs, and those of ``mirror_due`` still to be copied.
+        self.mirror_parts = mirror_parts
+        self.parts_due: frozenset[bool] = frozenset()
         self._ring = StagingRing(device)
         self._last: Optional[_Undo] = None
 
@@ -173,9 +178,13 @@ class PlanTables:
             raise ValueError(f"StepPlan {received.step} is out of order ({what}): this worker "
                              f"expects step {self.next_step}.")
         if self.mirror_due is not None:
-            raise ValueError(f"StepPlan {self.mirror_due.step} has mirror rows that were "
-                             f"never mirrored: call mirror(plan) after the forward, before "
-                             f"applying step {received.step}.")
+            which = ("draft-layer mirror rows that were never mirrored: call "
+                     "mirror(draft=True) once the drafter wrote their KV"
+                     if self.parts_due == {True} else
+                     "mirror rows that were never mirrored: call mirror(plan) after the "
+                     "forward")
+            raise ValueError(f"StepPlan {self.mirror_due.step} has {which}, before applying "
+                             f"step {received.step}.")
         received.check(self.limits)
         return received
 
@@ -228,7 +237,7 @@ class PlanTables:
     def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
         data = self._ring.upload(packed)
         undo = self._save(plan, data)
-        kept = (self._last, self.next_step, self.last_applied, self.mirror_due)
+        kept = (self._last, self.next_step, self.last_applied, self.mirror_due, self.parts_due)
         try:
             r, w = plan.num_resets, plan.num_writes
             if r:
@@ -242,18 +251,21 @@ class PlanTables:
                 entry_row = data[end + undo.invalidated.numel():]
                 self._row_state.invalidate(undo.invalidated, entry_row, entries[:, 1],
                                            entries[:, 2])
-            self._last, self.next_step, self.last_applied, self.mirror_due = (
-                undo, plan.step + 1, plan, plan if plan.num_mirror else None)
+            mirrors = bool(plan.num_mirror)
+            (self._last, self.next_step, self.last_applied, self.mirror_due,
+             self.parts_due) = (undo, plan.step + 1, plan, plan if mirrors else None,
+                                self.mirror_parts if mirrors else frozenset())
         except BaseException:
             self._restore(undo)
-            self._last, self.next_step, self.last_applied, self.mirror_due = kept
+            (self._last, self.next_step, self.last_applied, self.mirror_due,
+             self.parts_due) = kept
             raise
 
     @_ordinary_tensors
     def _revert(self, undo: "_Undo") -> None:
         self._restore(undo)
-        self._last, self.next_step, self.last_applied, self.mirror_due = (
-            None, undo.step, None, None)
+        self._last, self.next_step, self.last_applied, self.mirror_due, self.parts_due = (
+            None, undo.step, None, None, frozenset())
 
     def _save(self, plan: StepPlan, data: torch.Tensor) -> "_Undo":
         """What applying ``plan`` (its device ``data``) will overwrite; reads only. The
@@ -278,9 +290,15 @@ class PlanTables:
         from there; on the CPU, the worker's own copy)."""
         return self._ring.last(self.last_applied.data)
 
+    def mirrored(self, draft: bool) -> tuple[frozenset[bool], Optional[StepPlan]]:
+        """``(parts_due, mirror_due)`` once part ``draft`` of the due plan's mirror is done
+        (the caller assigns both in one statement, with its byte count)."""
+        left = self.parts_due - {draft}
+        return left, (self.mirror_due if left else None)
+
     def mark_mirrored(self) -> None:
-        """The last plan's mirror rows were copied (or need no copy on this rank)."""
-        self.mirror_due = None
+        """Every part of the last plan's mirror was copied (or needs no copy here)."""
+        self.parts_due, self.mirror_due = frozenset(), None
 
     def _restore(self, undo: _Undo) -> None:
         if undo.invalidated is not None:

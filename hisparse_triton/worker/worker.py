@@ -27,7 +27,7 @@ rank whose ``mirror`` copies; every rank applies the same plans, so their tables
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -75,6 +75,9 @@ class HiSparseWorker:
       someone else created. ``host_pool_group``: a group whose members may attach (the file
       is then mode 0640 and of that group; default: owner only, mode 0600).
     - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
+    - ``draft_layers``: sparse layers a speculative drafter writes after the main forward
+      (e.g. the MTP block's attention): their rows are mirrored by ``mirror(draft=True)``,
+      once the drafter ran, instead of by ``mirror()`` (see ``mirror``).
     - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
       the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
@@ -100,7 +103,8 @@ class HiSparseWorker:
                  host_pool_group: Optional[str | int] = None,
                  device_pool_tensor: Optional[torch.Tensor] = None,
                  host_pool_tensor: Optional[torch.Tensor] = None,
-                 register_host_pool: bool = True) -> None:
+                 register_host_pool: bool = True,
+                 draft_layers: Sequence[str] = ()) -> None:
         max_num_seqs, tp_rank = check_options(
             kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
             host_ram_fraction, host_pool_secret, host_pool_group)
@@ -123,6 +127,7 @@ class HiSparseWorker:
         self.max_num_seqs, self.max_model_len = max_num_seqs, config.max_model_len
         self.device_buffer_size = int(config.hisparse.device_buffer_size)
         self.groups = PlanGroups.from_config(kv_cache_config, config)
+        self.draft_layers = self._check_draft_layers(draft_layers)
         self.block_size = self.groups.block_size
         self.layout = TableLayout.build(self.groups, max_num_seqs)
         self.num_device_blocks = kv_cache_config.num_blocks
@@ -167,6 +172,22 @@ class HiSparseWorker:
                     host_bytes / (1 << 30), ", shared" if self.shared_host_pool else "",
                     len(self.groups.index_groups), backend, self._kernel_backend,
                     hot_cache.launch_config_source(self._kernel_backend, self.device))
+
+    def _check_draft_layers(self, names: Sequence[str]) -> frozenset[str]:
+        """``names`` (model or group-layer names) as source layer names; ``ValueError`` for
+        one that is not a sparse (source) layer of the plan."""
+        if isinstance(names, str):
+            raise ValueError(f"draft_layers must be a sequence of layer names, got the "
+                             f"string {names!r}.")
+        found = set()
+        for name in names:
+            layer = underlying_layer_name(name)
+            if layer not in self.groups.source_layers:
+                raise ValueError(f"draft layer {name!r} is not a sparse (source) layer of this "
+                                 f"plan: only layers whose KV the host pool holds are "
+                                 f"mirrored.")
+            found.add(layer)
+        return frozenset(found)
 
     @property
     def table_bytes(self) -> int:
@@ -222,14 +243,15 @@ class HiSparseWorker:
                                   self._device_pool, dev)
         self._hot = HotState(len(groups.index_groups), self.max_num_seqs,
                              self.device_buffer_size, dev)
-        self._tables = tables = PlanTables(self.plan_limits, dev, self._hot)
+        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
+                                        backend=self.backend, draft_layers=self.draft_layers)
+        self._tables = tables = PlanTables(self.plan_limits, dev, self._hot,
+                                           mirror_parts=self._mirror.parts)
         workspace = hot_cache.new_workspace(dev)
         self._index_groups: dict[str, HotCache] = {
             ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
                                           self._kernel_backend)
             for ig in groups.index_groups}
-        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
-                                        backend=self.backend)
         hot_cache.validate_tables([*(t for c in self._index_groups.values() for t in c.tables),
                                    *self._mirror.tables], dev)
         self._stats = CounterReader(
@@ -260,7 +282,7 @@ class HiSparseWorker:
         self._tables.revert(plan)
         self._mirror.uncount(plan.step)
 
-    def mirror(self, plan: Optional[StepPlan] = None) -> None:
+    def mirror(self, plan: Optional[StepPlan] = None, *, draft: bool = False) -> None:
         """Copy the new rows of the last plan applied device -> host (one launch per row
         size), after the forward wrote them.
 
@@ -269,16 +291,28 @@ class HiSparseWorker:
         content) and refuses any other with ``ValueError``. On a rank that does not write a
         shared host pool this only records that the step is done; a plan without mirror rows
         (or one already mirrored) needs nothing. A copy that raises counts no bytes and
-        leaves the mirror due."""
+        leaves the mirror due.
+
+        Every source layer's KV of the plan's tokens must be written before the call that
+        copies it, and both before the next ``apply``. With ``draft_layers`` (written by the
+        drafter after the main forward) ``mirror()`` copies the other layers and
+        ``mirror(draft=True)``, once the drafter ran, the draft layers; the next plan is
+        refused until both were called."""
         self._check_open()
         tables, mirror = self._tables, self._mirror
+        if draft and True not in tables.mirror_parts:
+            raise ValueError("mirror(draft=True): this worker has no draft layers (pass "
+                             "draft_layers when building it).")
         applied = tables.check_last(plan)
         if tables.mirror_due is None:  # nothing to copy, or already mirrored
             return
-        moved = mirror.copy(applied, tables.packed()) if self.mirrors_to_host else 0
-        # One statement: the bytes are counted and the plan marked mirrored together.
-        (mirror.d2h_bytes, mirror.last), tables.mirror_due = mirror.counted(applied.step,
-                                                                            moved), None
+        if draft not in tables.parts_due:  # this part was copied already
+            return
+        moved = (mirror.copy(applied, tables.packed(), draft=draft) if self.mirrors_to_host
+                 else 0)
+        # One statement: the bytes are counted and the part marked mirrored together.
+        (mirror.d2h_bytes, mirror.last), (tables.parts_due, tables.mirror_due) = (
+            mirror.counted(applied.step, moved), tables.mirrored(draft))
 
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
