@@ -83,3 +83,25 @@ def test_the_bookkeeping_does_not_grow_with_the_pools():
     given = HiSparseWorker.memory_requests(plan.kv_cache_config, plan.config, max_num_seqs=2,
                                            device_pool_given=True, host_pool_given=True)
     assert [r.what for r in given] == ["per-request tables and hot state"]
+
+
+def test_the_documented_row_accessor_works_on_the_strided_device_views():
+    plan = make_plan()
+    with HiSparseWorker(plan.kv_cache_config, plan.config, max_num_seqs=2, device="cpu",
+                        backend="torch") as worker:
+        pool = worker.device_pool.tensor
+        strided = 0
+        for layer in worker.groups.device_layers:
+            view = worker.device_cache(layer)
+            B, row_bytes = view.shape[1], view.shape[2]
+            r = 3 * B + 1
+            view[r // B, r % B] = 7                    # the docstring's accessor
+            offset = view.storage_offset() - pool.storage_offset()
+            start = offset + (r // B) * worker.bytes_per_block + (r % B) * row_bytes
+            assert bool((pool[start:start + row_bytes] == 7).all()), layer
+            view[r // B, r % B] = 0
+            if not view.is_contiguous():
+                strided += 1
+                with pytest.raises(RuntimeError):
+                    view.view(-1, row_bytes)           # why the docstring does not flatten
+        assert strided

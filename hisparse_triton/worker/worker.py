@@ -383,8 +383,9 @@ class HiSparseWorker:
 
         ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
         views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
-        Row ``r`` of ``append_slots``/``resolve_rows`` is ``view.view(-1, row_bytes)[r]``.
-        """
+        Row ``r`` of ``append_slots``/``resolve_rows`` is ``view[r // B, r % B]`` with
+        ``B = view.shape[1]`` (the view is strided: blocks lie ``bytes_per_block`` apart, so
+        it cannot be flattened; ``device_rows`` is a flat view for a row-aligned plan)."""
         self._check_open()
         return self._layers.device_cache(layer_name)
 
