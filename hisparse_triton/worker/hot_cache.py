@@ -199,6 +199,7 @@ class HotCache:
         self.lru = state.lru[group.number]
         self.counters = state.counters[group.number]
         self.workspace, self.kernel = workspace, kernel
+        self._reference = kernel == "torch"   # the reference ops: rows saved before a call
         self.sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
                           num_host_blocks=num_host_blocks)
         self.device = seq_lens.device
@@ -266,15 +267,15 @@ class HotCache:
         topk = on_device(topk, self.device, "topk")   # any integer dtype: converted in-kernel
         out, view = self.rows_out, self.rows_view
         if out is None or out.shape != (R, K):
-            out = _new_rows(R, K, self.device)
-        if view is None or view.shape != shape or view.data_ptr() != out.data_ptr():
+            out, view = _new_rows(R, K, self.device), None
+        if view is None or view.shape != shape:
             view = out.view(shape) if len(shape) == 3 else out
         self.rows_out, self.rows_view = out, view
         ops = self._ops
         # The reference resolve writes the hot state with several ops: its rows are saved
         # first. The Triton resolve is one launch and keeps the pre-call state in the
         # workspace, which undoes it when the gather raises.
-        saved = self._save_rows(state_rows) if self.kernel == "torch" else None
+        saved = self._save_rows(state_rows) if self._reference else None
         result = None
         try:
             if self.bound is not None and ops.is_eager((topk, state_rows)):
