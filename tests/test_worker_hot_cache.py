@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_triton import reference
+from hisparse_triton.ops.resolve import reference
 from hisparse_triton.worker import hot_cache
 from hisparse_triton.worker.hot_cache import HotState, check_topk
 from worker_helpers import BUFFER, L0, TOPK, make_pair, prefill

@@ -145,3 +145,13 @@ def test_a_dropped_row_is_gathered_again_and_emptied_slots_are_reused_first(back
             states[kernel] = (worker.hot_slots(L0).tolist(), worker.hot_order(L0).tolist(),
                               rows.tolist())
     assert states["torch"] == states[backend]
+
+
+def test_describe_names_the_invalidated_ranges():
+    plan = StepPlan.build(step=1, layout=0, commit=False, reset_rows=[], write_index=[],
+                          write_value=[], mirror_host_rows=[],
+                          mirror_device_rows=np.zeros((1, 0)), lost=np.zeros((0, 3)),
+                          invalidate=[[1, 8, 12], [1, 16, 20], [0, 4, 8]])
+    assert plan.num_invalidate == 3 and plan.invalidate[1].tolist() == [1, 16, 20]
+    assert "3 hot-slot ranges invalidated (state rows [0, 1])" in plan.describe()
+    assert StepPlan.from_bytes(plan.to_bytes()) == plan
