@@ -95,3 +95,17 @@ def test_draft_layer_arguments_are_checked():
         make_pair(draft_layers=["nope"])
     with pytest.raises(ValueError, match="a sequence of layer names"):
         make_pair(draft_layers=DRAFT)
+
+
+def test_faults_in_either_mirror_part_change_nothing():
+    from tests.fault_points import sweep
+
+    scheduler, worker, plan, rows = planned(draft_layers=[DRAFT])
+    with worker:
+        def state():
+            return worker._debug_snapshot(), worker.stats()
+
+        assert sweep(worker.mirror, state) > 3
+        assert worker._tables.parts_due == {True}
+        assert sweep(lambda: worker.mirror(draft=True), state) > 3
+        assert worker._tables.mirror_due is None

@@ -471,7 +471,7 @@ class HiSparseWorker:
         tables, due = self._tables, self._tables.mirror_due
         return {"arena": tables.arena.cpu().tolist(), **self._hot.snapshot(),
                 "misc": (tables.next_step, self._mirror.d2h_bytes, tables.applied,
-                         None if due is None else due.step)}
+                         None if due is None else (due.step, sorted(tables.parts_due)))}
 
     # Names the in-process facade and older tests still read.
     _unapply = revert
