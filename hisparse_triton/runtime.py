@@ -113,7 +113,9 @@ class HiSparseRuntime:
       refused when the plan does not share the pool): ``tp_rank`` 0 creates the pool, every
       other rank (``< config.tensor_parallel_size``) attaches to it. Only rank 0 writes the
       device->host mirror in ``commit()`` (``mirrors_to_host``); other ranks copy nothing
-      and count no ``d2h_bytes``, but their bookkeeping is identical.
+      and count no ``d2h_bytes``, but their bookkeeping is identical. ``host_pool_secret``:
+      required on the other ranks: rank 0's ``worker.host_pool_secret``;
+      ``host_pool_group``: see ``HiSparseWorker``.
 
     Shared-pool contract (the caller's duty; nothing checks it across processes):
 
@@ -137,7 +139,9 @@ class HiSparseRuntime:
                  backend: str = "auto", offload_threshold_pages: Optional[int] = None,
                  host_ram_fraction: float = 0.9, tp_rank: int = 0,
                  host_pool_name: Optional[str] = None,
-                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK) -> None:
+                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
+                 host_pool_secret: Optional[str] = None,
+                 host_pool_group: Optional[str | int] = None) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
@@ -147,7 +151,9 @@ class HiSparseRuntime:
         self.worker = HiSparseWorker(kv_cache_config, config, max_num_seqs=max_num_seqs,
                                      device=device, backend=backend, tp_rank=tp_rank,
                                      host_pool_name=host_pool_name,
-                                     host_ram_fraction=host_ram_fraction)
+                                     host_ram_fraction=host_ram_fraction,
+                                     host_pool_secret=host_pool_secret,
+                                     host_pool_group=host_pool_group)
         self._closed = False
         self._journal = self.scheduler.journal
         self._row_names = self.scheduler.row_layer_names
