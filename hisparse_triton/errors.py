@@ -110,3 +110,8 @@ class UnsupportedVersionError(HiSparseError, ImportError):
 
     def __str__(self) -> str:  # ImportError would otherwise show only the message arg anyway
         return str(self.args[0])
+
+
+class ReadOnlyViewError(HiSparseError, RuntimeError):
+    """A write to a read-only view: an attached rank's view of a shared host pool (only the
+    creating rank writes the pool)."""

@@ -120,7 +120,9 @@ class HiSparseRuntime:
       refused when the plan does not share the pool): ``tp_rank`` 0 creates the pool, every
       other rank (``< config.tensor_parallel_size``) attaches to it. Only rank 0 writes the
       device->host mirror in ``commit()`` (``mirrors_to_host``); other ranks copy nothing
-      and count no ``d2h_bytes``, but their bookkeeping is identical.
+      and count no ``d2h_bytes``, but their bookkeeping is identical. ``host_pool_secret``:
+      required on the other ranks: rank 0's ``worker.host_pool_secret``;
+      ``host_pool_group``: see ``HiSparseWorker``.
 
     Shared-pool contract (the caller's duty; nothing checks it across processes):
 
@@ -144,7 +146,9 @@ class HiSparseRuntime:
                  backend: str = "auto", offload_threshold_pages: Optional[int] = None,
                  host_ram_fraction: float = 0.9, tp_rank: int = 0,
                  host_pool_name: Optional[str] = None,
-                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK) -> None:
+                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
+                 host_pool_secret: Optional[str] = None,
+                 host_pool_group: Optional[str | int] = None) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
@@ -154,7 +158,9 @@ class HiSparseRuntime:
         self.worker = HiSparseWorker(kv_cache_config, config, max_num_seqs=max_num_seqs,
                                      device=device, backend=backend, tp_rank=tp_rank,
                                      host_pool_name=host_pool_name,
-                                     host_ram_fraction=host_ram_fraction)
+                                     host_ram_fraction=host_ram_fraction,
+                                     host_pool_secret=host_pool_secret,
+                                     host_pool_group=host_pool_group)
         self._closed = False
         self._journal = self.scheduler.journal
         self._row_names = self.scheduler.row_layer_names
@@ -393,7 +399,7 @@ class HiSparseRuntime:
         ``ValueError`` for a bad leader or ``topk``; nothing changes on error.
         """
         self._check_open()
-        self.worker._index_group(leader_layer)
+        self.worker.index_group(leader_layer)
         self.worker.check_topk(topk)
         check_id_list(request_ids)
         if topk.shape[0] != len(request_ids):
@@ -411,7 +417,9 @@ class HiSparseRuntime:
         request (all -1). ``topk``: ``[R, K]``, as for ``resolve``. Only shapes are checked.
         """
         self._check_open()
-        self._hand_over()
+        if self.scheduler.has_pending_changes:   # refuse bad input before handing over
+            self.worker.check_resolve(leader_layer, state_rows, topk)
+            self._hand_over()
         return self.worker.resolve_rows(leader_layer, state_rows, topk)
 
     # ------------------------------------------------------------------ stats / close
