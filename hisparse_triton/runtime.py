@@ -152,15 +152,22 @@ class HiSparseRuntime:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
-        self.scheduler = HiSparseScheduler(kv_cache_config, config, max_num_seqs=max_num_seqs,
-                                           free_block_watermark=free_block_watermark,
-                                           offload_threshold_pages=offload_threshold_pages)
+        # The worker first: it checks every allocation against RAM and GPU memory before it
+        # builds anything, so a plan too large fails before any bookkeeping exists.
         self.worker = HiSparseWorker(kv_cache_config, config, max_num_seqs=max_num_seqs,
                                      device=device, backend=backend, tp_rank=tp_rank,
                                      host_pool_name=host_pool_name,
                                      host_ram_fraction=host_ram_fraction,
                                      host_pool_secret=host_pool_secret,
                                      host_pool_group=host_pool_group)
+        try:
+            self.scheduler = HiSparseScheduler(
+                kv_cache_config, config, max_num_seqs=max_num_seqs,
+                free_block_watermark=free_block_watermark,
+                offload_threshold_pages=offload_threshold_pages)
+        except BaseException:
+            self.worker.close()
+            raise
         self._closed = False
         self._journal = self.scheduler.journal
         self._row_names = self.scheduler.row_layer_names
@@ -247,7 +254,8 @@ class HiSparseRuntime:
 
         ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
         views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
-        Row ``r`` of ``append_slots``/``resolve`` is ``view.view(-1, row_bytes)[r]``.
+        Row ``r`` of ``append_slots``/``resolve`` is ``view[r // B, r % B]`` with ``B =
+        view.shape[1]`` (the view is strided: see ``HiSparseWorker.device_cache``).
         """
         self._check_open()
         return self.worker.device_cache(layer_name)

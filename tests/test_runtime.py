@@ -8,7 +8,8 @@ sliding-window regular layer. Torch backend on the CPU (the oracle tests also dr
 import pytest
 import torch
 
-from hisparse_triton import CapacityError, HiSparseError, HiSparseRuntime, UnknownRequestError
+from hisparse_triton import (CapacityError, HiSparseError, HiSparseRuntime, HostMemoryError,
+                             UnknownRequestError)
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
 from hisparse_triton.errors import (
     DuplicateRequestError,
@@ -704,3 +705,22 @@ def test_a_steady_decode_loop_makes_one_plan_per_step():
         assert rt.stats().misses > 0 and rt.stats().d2h_bytes > 0
         for leader in rt.leaders:                          # every mirrored row reads back
             oracle.check_resolve(leader, ["a", "b"], topk, rt.resolve(leader, ["a", "b"], topk))
+
+
+def test_a_plan_too_large_for_memory_fails_before_any_bookkeeping(monkeypatch):
+    """The facade builds its worker (which checks every allocation first) before the
+    scheduler's block lists: a plan of 400M device blocks is refused, naming it, and no
+    scheduler is ever built."""
+    import dataclasses
+
+    import hisparse_triton.runtime as runtime_module
+
+    def no_scheduler(*args, **kwargs):
+        raise AssertionError("the scheduler was built before the memory check")
+    monkeypatch.setattr(runtime_module, "HiSparseScheduler", no_scheduler)
+    spec = dict(build_kv_cache_spec("tiny", num_layers=4, block_size=B))
+    plan = plan_for_workload(spec, max_model_len=96, num_requests=2, topk=TOPK,
+                             device_buffer_size=BUFFER)
+    huge = dataclasses.replace(plan.kv_cache_config, num_blocks=4 * 10**8)
+    with pytest.raises(HostMemoryError, match="400000000 blocks"):
+        HiSparseRuntime(huge, plan.config, max_num_seqs=2, device="cpu", backend="torch")
