@@ -25,7 +25,7 @@ rows emptied and their hot state invalidated (every slot empty, LRU in slot orde
 every index group) holding a host row in ``[lo, hi)`` of an entry ``(r, lo, hi)`` becomes
 empty, and the row's LRU order then lists its empty slots first (oldest first, each part in
 its previous order), so an emptied slot is reused before any held row is evicted; and after
-the step's forward, when ``commit`` is set, (3) mirrors device rows
+the step's forward, (3) mirrors device rows
 ``mirror_device_rows[g, j]`` of resident group ``g``'s layers to host row
 ``mirror_host_rows[j]`` for every sparse layer.
 """
@@ -165,9 +165,12 @@ class StepPlan:
 
     - ``step``: sequence number (1, 2, ...); a worker applies plans strictly in order.
     - ``layout``: ``TableLayout.fingerprint`` of the scheduler that made it.
-    - ``commit``: whether the plan ends a step: its mirror rows are copied device -> host
-      after the step's forward (``HiSparseWorker.mirror``), and the scheduler has counted
-      them as durable (it may reuse their pages' blocks from the next plan on).
+    - ``commit``: whether the plan ends a step (``HiSparseScheduler.step``): the scheduler
+      has counted the mirror rows of every earlier plan as durable (it may reuse their
+      pages' blocks from this plan on), so a worker applies it only after every earlier
+      mirror. A plan without it (``HiSparseScheduler.flush``) declares nothing durable and
+      may be applied while mirrors are due. Any plan's mirror rows are copied device ->
+      host after the forward that wrote them (``HiSparseWorker.mirror``).
     - ``data``: ``int32`` sections, read through the properties: ``reset_rows [r]``,
       ``write_index [w]``, ``write_value [w]``, ``mirror_host_rows [m]``,
       ``mirror_device_rows [num_resident, m]``, ``lost [l, 3]`` (state row, device group
@@ -413,7 +416,7 @@ class StepPlan:
         receiver's ``limits`` (its own layout and pools). Reads only this plan:
 
         - the layout fingerprint (which covers the pool sizes); resident groups of the
-          mirror rows; mirror rows only in a ``commit`` plan;
+          mirror rows;
         - ``reset_rows``: state rows, distinct; ``write_index``: arena entries, distinct
           (a repeated index would be written in no defined order); ``write_value``: per
           column, ``seq_len`` in ``[0, max_model_len]``, host blocks in
@@ -433,9 +436,6 @@ class StepPlan:
         if self.num_mirror and self.num_resident != resident:
             raise ValueError(f"StepPlan {step} mirrors {self.num_resident} resident "
                              f"groups; this plan has {resident}.")
-        if self.num_mirror and not self.commit:
-            raise ValueError(f"StepPlan {step} has {self.num_mirror} mirror rows but commit "
-                             f"is False (only a plan that ends a step mirrors).")
         S, B = L.max_num_seqs, limits.block_size
         host_rows, device_rows = limits.num_host_blocks * B, limits.num_device_blocks * B
         _in_range(step, "reset_rows", self.reset_rows, 0, S)

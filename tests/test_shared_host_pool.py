@@ -117,7 +117,7 @@ def test_two_ranks_share_one_pool_and_only_rank0_mirrors():
         assert os.path.exists(shared_host_pool_path(name))
         assert (rank0.mirrors_to_host, rank1.mirrors_to_host) == (True, False)
         # Rank 1 never writes the pool: its view is mapped read-only.
-        assert rank0._host_pool.writable and not rank1._host_pool.writable
+        assert rank0.worker.host_pool.writable and not rank1.worker.host_pool.writable
         host0, host1 = rank0.host_cache(L0), rank1.host_cache(L0)
         assert host0.data_ptr() % 4096 == 0 and host1.data_ptr() % 4096 == 0
         # Same seed, same calls: every rank writes the same KV bytes to its own device pool.
@@ -137,7 +137,7 @@ def test_two_ranks_share_one_pool_and_only_rank0_mirrors():
             oracles[1].check_host(rid, n)
         assert rank1.stats().d2h_bytes == 0 and rank0.stats().d2h_bytes > 0
         for rt in ranks:  # history left the GPU: later misses read the shared pool
-            assert rt._requests["a"].released_pages > 0 and rt._requests["a"].hot is not None
+            assert rt.scheduler.unpinned_pages("a") > 0 and rt.scheduler.is_offloaded("a")
         gen = torch.Generator().manual_seed(5)
         for step in range(4):
             for rt, oracle in zip(ranks, oracles):
@@ -181,7 +181,7 @@ def test_an_attached_rank_gathers_from_its_read_only_view_with_the_triton_kernel
     name = unique_name()
     ranks = [make_rank(kvc, config, rank, name, backend="triton") for rank in (0, 1)]
     try:
-        assert not ranks[1]._host_pool.writable
+        assert not ranks[1].worker.host_pool.writable
         prefill_and_resolve_on_both(ranks, 29, seed=3)
         assert ranks[1].stats().misses > 0
     finally:
@@ -217,7 +217,7 @@ def test_shared_flag_and_name_must_agree():
         make_rank(kvc, config, 0, "../etc/passwd")
     # The private plan still works without a name, on any rank.
     with make_rank(private_kvc, private_config, 0, None) as rt:
-        assert rt.mirrors_to_host and rt._host_pool.path is None
+        assert rt.mirrors_to_host and rt.worker.host_pool.path is None
 
 
 def test_attach_to_a_missing_pool_and_create_an_existing_one():
@@ -245,7 +245,7 @@ def test_two_cuda_ranks_pin_one_shared_pool():
                              tp_rank=rank, host_pool_name=name, host_pool_secret=SECRET)
              for rank in (0, 1)]
     try:
-        assert all(rt._host_pool.pinned for rt in ranks)
+        assert all(rt.worker.host_pool.pinned for rt in ranks)
         # The "barrier": rank 0's mirror has landed.
         prefill_and_resolve_on_both(ranks, 33, seed=2, device="cuda",
                                     barrier=torch.cuda.synchronize)

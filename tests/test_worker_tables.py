@@ -43,10 +43,13 @@ def make_tables(row_state=None) -> PlanTables:
     return PlanTables(LIMITS, torch.device("cpu"), row_state or RecordingRowState())
 
 
-def plan(step: int, *, resets=(), writes=(), mirror=(), layout: int = LAYOUT.fingerprint):
-    """A plan of ``writes`` ``[(row, column, value)]`` and ``mirror`` ``[(host, device)]``."""
+def plan(step: int, *, resets=(), writes=(), mirror=(), layout: int = LAYOUT.fingerprint,
+         commit=None):
+    """A plan of ``writes`` ``[(row, column, value)]`` and ``mirror`` ``[(host, device)]``
+    (a commit plan when it mirrors, unless ``commit`` says otherwise)."""
     index = [r * LAYOUT.width + c for r, c, _ in writes]
-    return StepPlan.build(step=step, layout=layout, commit=bool(mirror), reset_rows=list(resets),
+    commit = bool(mirror) if commit is None else commit
+    return StepPlan.build(step=step, layout=layout, commit=commit, reset_rows=list(resets),
                           write_index=index, write_value=[v for *_, v in writes],
                           mirror_host_rows=[h for h, _ in mirror],
                           mirror_device_rows=np.array([[d for _, d in mirror]]).reshape(1, -1),
@@ -125,18 +128,42 @@ def test_a_refused_plan_changes_nothing(bad, match):
     assert state(tables, row_state) == before
 
 
-def test_a_plan_after_unmirrored_rows_is_refused_until_mirrored():
+def test_a_commit_plan_after_unmirrored_rows_is_refused_until_mirrored():
     tables = make_tables()
     first = plan(1, mirror=[(4, 8)])
     tables.apply(first)
     with pytest.raises(ValueError, match="StepPlan 1 has mirror rows that were never mirrored"):
-        tables.apply(plan(2))
+        tables.apply(plan(2, commit=True))
     with pytest.raises(ValueError, match=r"takes the last plan applied \(step 1\), got step 2"):
         tables.check_last(plan(2))
     assert tables.check_last(first) == first and tables.check_last() == first
     assert tables.packed().tolist() == first.data.tolist()
     tables.mark_mirrored()
-    tables.apply(plan(2))
+    tables.apply(plan(2, commit=True))
+
+
+def test_plans_without_commit_may_come_while_mirrors_are_due():
+    """A plan that declares nothing durable (``commit`` False) is applied while an earlier
+    plan's mirror is due; every due plan keeps its own data and is mirrored in plan order;
+    a commit plan waits until all are mirrored; revert drops the reverted plan's mirror."""
+    tables = make_tables()
+    first = plan(1, mirror=[(4, 8)], commit=False)
+    second = plan(2, writes=[(0, 0, 7)], mirror=[(5, 9), (6, 10)], commit=False)
+    tables.apply(first)
+    tables.apply(second)
+    assert tables.due_plans == [first, second] and tables.mirror_due == first
+    assert [tables.packed(d).tolist() for d in tables.due] == [first.data.tolist(),
+                                                               second.data.tolist()]
+    with pytest.raises(ValueError, match="StepPlan 1 has mirror rows that were never mirrored"):
+        tables.apply(plan(3, commit=True))
+    third = plan(3, writes=[(1, 0, 2)])
+    tables.apply(third)                      # no mirror rows: not due
+    tables.revert(third)
+    assert tables.due_plans == [first, second]
+    tables.apply(third)
+    tables.mark_mirrored()
+    assert tables.due_plans == [] and tables.mirror_due is None
+    tables.apply(plan(4, commit=True))
 
 
 def test_a_mirror_with_another_resident_group_count_is_refused():

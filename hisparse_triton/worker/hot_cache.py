@@ -254,11 +254,7 @@ class HotCache:
         if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
             topk = topk.reshape(shape[0], shape[1] * shape[2])
         R, K = topk.shape
-        if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
-                or tuple(state_rows.shape) != (R,)):
-            raise ValueError(f"state_rows must be an int32 tensor [{R}], got "
-                             f"{getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
-                             f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
+        check_state_rows(state_rows, R)
         if R == 0:
             return torch.empty(shape, dtype=torch.int32, device=self.device)
         # No grad-mode context here: only the kernels (or the reference's int ops) touch
@@ -313,3 +309,12 @@ class HotCache:
             self._ops.restore_resolve_state(self.workspace, state_rows, self.slot_host_rows,
                                             self.lru)
             self.counters -= result.stats.sum(dim=0)
+
+
+def check_state_rows(state_rows: object, rows: int) -> None:
+    """``ValueError`` unless ``state_rows`` is an ``int32 [rows]`` tensor."""
+    if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
+            or tuple(state_rows.shape) != (rows,)):
+        raise ValueError(f"state_rows must be an int32 tensor [{rows}], got "
+                         f"{getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
+                         f"shape {tuple(getattr(state_rows, 'shape', ()))}.")

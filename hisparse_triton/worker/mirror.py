@@ -133,5 +133,14 @@ class HostMirror:
         """``(d2h_bytes, last)`` once plan ``step``'s ``moved`` bytes are counted (the caller
         assigns both in one statement, together with its own bookkeeping); the parts of one
         plan add up in ``last``."""
-        before = self.last[1] if self.last[0] == step else 0
-        return self.d2h_bytes + moved, (step, before + moved)
+        return count_bytes((self.d2h_bytes, self.last), step, moved)
+
+
+def count_bytes(counts: tuple[int, tuple[int, int]], step: int,
+                moved: int) -> tuple[int, tuple[int, int]]:
+    """``(d2h_bytes, last)`` after adding plan ``step``'s ``moved`` bytes to ``counts`` (the
+    same pair): ``last`` holds the bytes of the last plan copied, which a revert of that
+    plan takes back."""
+    d2h_bytes, (last_step, last_bytes) = counts
+    before = last_bytes if last_step == step else 0
+    return d2h_bytes + moved, (step, before + moved)

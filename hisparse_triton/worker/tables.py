@@ -26,14 +26,14 @@ object holds afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
 
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 
-__all__ = ["STAGING_SLOTS", "PlanTables", "RowState", "StagingRing"]
+__all__ = ["STAGING_SLOTS", "DueMirror", "PlanTables", "RowState", "StagingRing"]
 
 #: Pinned staging buffers for plans in flight (the CPU may run this many plans ahead).
 STAGING_SLOTS = 4
@@ -122,6 +122,15 @@ class _Undo:
     invalidated_state: tuple = ()       # RowState.save_rows(invalidated), before the plan
 
 
+class DueMirror(NamedTuple):
+    """An applied plan whose mirror rows are still to be copied: its device data once a
+    later upload would overwrite it (None: still the last upload) and the parts left."""
+
+    plan: StepPlan
+    packed: Optional[torch.Tensor]
+    parts: frozenset[bool]
+
+
 class PlanTables:
     """The per-request table arena of one worker and the plans applied to it.
 
@@ -131,8 +140,10 @@ class PlanTables:
     - Views (``[max_num_seqs, ...] int32``, updated in place): ``seq_lens``, ``host_blocks``
       (host block of every page), ``group_tables[i]`` (device group ``i``'s block table).
     - ``last_applied``: the worker's own copy of the last plan applied (``None`` before the
-      first and after a revert); ``mirror_due``: that plan while its mirror rows are still to
-      be copied, else ``None``.
+      first and after a revert); ``due``: every applied plan whose mirror rows are still to
+      be copied (oldest first, each with the mirror parts left: ``False`` the main layers,
+      ``True`` the draft layers). Several are due only when plans without ``commit`` came
+      in between (a ``commit`` plan is refused while any mirror is due).
     """
 
     def __init__(self, limits: PlanLimits, device: torch.device, row_state: RowState, *,
@@ -148,11 +159,10 @@ class PlanTables:
                              for col, width in zip(L.group_cols, L.group_widths)]
         self.next_step = 1
         self.last_applied: Optional[StepPlan] = None
-        self.mirror_due: Optional[StepPlan] = None
         #: The mirror parts (False: main layers, True: draft layers) a plan with mirror rows
-        #: needs, and those of ``mirror_due`` still to be copied.
+        #: needs.
         self.mirror_parts = mirror_parts
-        self.parts_due: frozenset[bool] = frozenset()
+        self.due: tuple[DueMirror, ...] = ()
         self._ring = StagingRing(device)
         self._last: Optional[_Undo] = None
 
@@ -166,18 +176,35 @@ class PlanTables:
         """Plans applied (and not reverted)."""
         return self.next_step - 1
 
+    @property
+    def mirror_due(self) -> Optional[StepPlan]:
+        """The oldest applied plan whose mirror rows are still to be copied, else None."""
+        return self.due[0].plan if self.due else None
+
+    @property
+    def parts_due(self) -> frozenset[bool]:
+        """The mirror parts still to be copied for some due plan."""
+        return frozenset().union(*(d.parts for d in self.due))
+
+    @property
+    def due_plans(self) -> list[StepPlan]:
+        """Every applied plan whose mirror rows are still to be copied, oldest first."""
+        return [d.plan for d in self.due]
+
     # ------------------------------------------------------------------ checks
     def check(self, plan: object) -> StepPlan:
         """The worker's own checked copy of ``plan`` (``StepPlan.received``): ``ValueError``
-        unless it is a well-formed ``StepPlan``, the next one in order, the last plan's
-        mirror rows were mirrored, and every value of every section fits this worker's
-        tables and pools (``StepPlan.check``)."""
+        unless it is a well-formed ``StepPlan``, the next one in order, for a ``commit`` plan
+        every earlier plan's mirror rows were mirrored (a commit plan declares them durable:
+        their blocks may be reused from then on; a plan without ``commit`` may come while
+        mirrors are due), and every value of every section fits this worker's tables and
+        pools (``StepPlan.check``)."""
         received = StepPlan.received(plan, what="apply")
         if received.step != self.next_step:
             what = "repeated" if received.step < self.next_step else "skipped ahead"
             raise ValueError(f"StepPlan {received.step} is out of order ({what}): this worker "
                              f"expects step {self.next_step}.")
-        if self.mirror_due is not None:
+        if self.due and received.commit:
             which = ("draft-layer mirror rows that were never mirrored: call "
                      "mirror(draft=True) once the drafter wrote their KV"
                      if self.parts_due == {True} else
@@ -235,9 +262,13 @@ class PlanTables:
     # tensor writes are undone first.
     @_ordinary_tensors
     def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
+        due = self.due
+        if due and due[-1].packed is None:  # its device data survives the next upload
+            due = (*due[:-1], due[-1]._replace(
+                packed=self._ring.last(due[-1].plan.data).clone()))
         data = self._ring.upload(packed)
         undo = self._save(plan, data)
-        kept = (self._last, self.next_step, self.last_applied, self.mirror_due, self.parts_due)
+        kept = (self._last, self.next_step, self.last_applied, self.due)
         try:
             r, w = plan.num_resets, plan.num_writes
             if r:
@@ -251,21 +282,20 @@ class PlanTables:
                 entry_row = data[end + undo.invalidated.numel():]
                 self._row_state.invalidate(undo.invalidated, entry_row, entries[:, 1],
                                            entries[:, 2])
-            mirrors = bool(plan.num_mirror)
-            (self._last, self.next_step, self.last_applied, self.mirror_due,
-             self.parts_due) = (undo, plan.step + 1, plan, plan if mirrors else None,
-                                self.mirror_parts if mirrors else frozenset())
+            if plan.num_mirror:
+                due = (*due, DueMirror(plan, None, self.mirror_parts))
+            self._last, self.next_step, self.last_applied, self.due = (
+                undo, plan.step + 1, plan, due)
         except BaseException:
             self._restore(undo)
-            (self._last, self.next_step, self.last_applied, self.mirror_due,
-             self.parts_due) = kept
+            self._last, self.next_step, self.last_applied, self.due = kept
             raise
 
     @_ordinary_tensors
     def _revert(self, undo: "_Undo") -> None:
         self._restore(undo)
-        self._last, self.next_step, self.last_applied, self.mirror_due, self.parts_due = (
-            None, undo.step, None, None, frozenset())
+        self._last, self.next_step, self.last_applied, self.due = (
+            None, undo.step, None, tuple(d for d in self.due if d.plan.step != undo.step))
 
     def _save(self, plan: StepPlan, data: torch.Tensor) -> "_Undo":
         """What applying ``plan`` (its device ``data``) will overwrite; reads only. The
@@ -285,20 +315,22 @@ class PlanTables:
                      invalidated_state=(self._row_state.save_rows(invalidated)
                                         if invalidated is not None else ()))
 
-    def packed(self) -> torch.Tensor:
-        """The last applied plan's int32 data on the device (its mirror sections are read
-        from there; on the CPU, the worker's own copy)."""
-        return self._ring.last(self.last_applied.data)
+    def packed(self, due: Optional["DueMirror"] = None) -> torch.Tensor:
+        """A due plan's int32 data on the device (its mirror sections are read from there),
+        by default the last applied plan's (on the CPU, the worker's own copy)."""
+        if due is not None and due.packed is not None:
+            return due.packed
+        return self._ring.last((due.plan if due is not None else self.last_applied).data)
 
-    def mirrored(self, draft: bool) -> tuple[frozenset[bool], Optional[StepPlan]]:
-        """``(parts_due, mirror_due)`` once part ``draft`` of the due plan's mirror is done
-        (the caller assigns both in one statement, with its byte count)."""
-        left = self.parts_due - {draft}
-        return left, (self.mirror_due if left else None)
+    def mirrored(self, draft: bool) -> tuple["DueMirror", ...]:
+        """The due list once part ``draft`` of every due plan's mirror is done (the caller
+        assigns it in one statement, with its byte count)."""
+        left = (d._replace(parts=d.parts - {draft}) for d in self.due)
+        return tuple(d for d in left if d.parts)
 
     def mark_mirrored(self) -> None:
-        """Every part of the last plan's mirror was copied (or needs no copy here)."""
-        self.parts_due, self.mirror_due = frozenset(), None
+        """Every part of every due plan's mirror was copied (or needs no copy here)."""
+        self.due = ()
 
     def _restore(self, undo: _Undo) -> None:
         if undo.invalidated is not None:

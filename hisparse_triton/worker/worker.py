@@ -40,12 +40,12 @@ from hisparse_triton.memory import MemoryRequest, check_memory
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
-from hisparse_triton.worker.hot_cache import HotCache, HotState
+from hisparse_triton.worker.hot_cache import HotCache, HotState, check_state_rows
 from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
-from hisparse_triton.worker.mirror import HostMirror
+from hisparse_triton.worker.mirror import HostMirror, count_bytes
 from hisparse_triton.worker.options import BACKENDS, check_options, parse_device, plan_fingerprint
-from hisparse_triton.worker.placement import array_on_device
+from hisparse_triton.worker.placement import array_on_device, check_readable
 from hisparse_triton.worker.pools import DevicePool, HostPool
 from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerStats
 from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables
@@ -283,15 +283,16 @@ class HiSparseWorker:
         self._mirror.uncount(plan.step)
 
     def mirror(self, plan: Optional[StepPlan] = None, *, draft: bool = False) -> None:
-        """Copy the new rows of the last plan applied device -> host (one launch per row
-        size), after the forward wrote them.
+        """Copy the new rows of every applied plan whose mirror is due device -> host, in
+        plan order (one launch per row size and plan), after the forward wrote them.
 
-        The rows copied are those of the worker's own copy of the applied plan: ``mirror()``
-        mirrors it; ``mirror(plan)`` checks that ``plan`` is that plan (same step and
-        content) and refuses any other with ``ValueError``. On a rank that does not write a
-        shared host pool this only records that the step is done; a plan without mirror rows
-        (or one already mirrored) needs nothing. A copy that raises counts no bytes and
-        leaves the mirror due.
+        The rows copied are those of the worker's own copies of the applied plans (several
+        are due only when plans without ``commit`` came after one with mirror rows):
+        ``mirror()`` mirrors them; ``mirror(plan)`` first checks that ``plan`` is the last
+        plan applied (same step and content) and refuses any other with ``ValueError``. On
+        a rank that does not write a shared host pool this only records that they are done;
+        a plan without mirror rows (or one already mirrored) needs nothing. A copy that
+        raises counts no bytes and leaves every mirror due.
 
         Every source layer's KV of the plan's tokens must be written before the call that
         copies it, and both before the next ``apply``. With ``draft_layers`` (written by the
@@ -303,16 +304,17 @@ class HiSparseWorker:
         if draft and True not in tables.mirror_parts:
             raise ValueError("mirror(draft=True): this worker has no draft layers (pass "
                              "draft_layers when building it).")
-        applied = tables.check_last(plan)
-        if tables.mirror_due is None:  # nothing to copy, or already mirrored
+        tables.check_last(plan)
+        due = [d for d in tables.due if draft in d.parts]
+        if not due:  # nothing to copy, or already mirrored
             return
-        if draft not in tables.parts_due:  # this part was copied already
-            return
-        moved = (mirror.copy(applied, tables.packed(), draft=draft) if self.mirrors_to_host
-                 else 0)
-        # One statement: the bytes are counted and the part marked mirrored together.
-        (mirror.d2h_bytes, mirror.last), (tables.parts_due, tables.mirror_due) = (
-            mirror.counted(applied.step, moved), tables.mirrored(draft))
+        counts = (mirror.d2h_bytes, mirror.last)
+        for entry in due:  # in plan order; a copy that raises counts nothing
+            moved = (mirror.copy(entry.plan, tables.packed(entry), draft=draft)
+                     if self.mirrors_to_host else 0)
+            counts = count_bytes(counts, entry.plan.step, moved)
+        # One statement: the bytes are counted and the parts marked mirrored together.
+        (mirror.d2h_bytes, mirror.last), tables.due = counts, tables.mirrored(draft)
 
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
@@ -372,6 +374,18 @@ class HiSparseWorker:
         cache = self._index_group(leader_layer)
         self.check_topk(topk)
         return cache.resolve(state_rows, topk)
+
+    def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
+        """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,
+        ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``) and that both are on this
+        worker's device or the CPU. ``ValueError`` naming what is wrong; changes nothing
+        (a caller that must do other work first, e.g. hand a plan over, checks first)."""
+        self._check_open()
+        self._index_group(leader_layer)
+        self.check_topk(topk)
+        check_state_rows(state_rows, topk.shape[0])
+        check_readable(topk, self.device, "topk")
+        check_readable(state_rows, self.device, "state_rows")
 
     def to_device(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """A small CPU array on the worker's device without a host sync (pinned staging)."""
@@ -468,13 +482,12 @@ class HiSparseWorker:
 
     def _debug_snapshot(self) -> dict:
         """Every device table and counter as CPU lists (a device sync on CUDA)."""
-        tables, due = self._tables, self._tables.mirror_due
+        tables = self._tables
         return {"arena": tables.arena.cpu().tolist(), **self._hot.snapshot(),
                 "misc": (tables.next_step, self._mirror.d2h_bytes, tables.applied,
-                         None if due is None else (due.step, sorted(tables.parts_due)))}
+                         tuple((d.plan.step, sorted(d.parts)) for d in tables.due) or None)}
 
-    # Names the in-process facade and older tests still read.
-    _unapply = revert
+    # Internals the fault-injection tests reach for.
     _arena = property(lambda self: self._tables.arena)
     _lru = property(lambda self: self._hot.lru)
     _slot_host_rows = property(lambda self: self._hot.slot_host_rows)
