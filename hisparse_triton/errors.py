@@ -69,6 +69,11 @@ class BlockPoolError(HiSparseError, ValueError):
     """A block allocator misuse: double free, the null block, an id outside the pool."""
 
 
+class SchedulerStateError(HiSparseError, AssertionError):
+    """The scheduler's bookkeeping broke one of its own rules (``check_invariants``): a bug
+    or state changed behind the scheduler's back, never a caller's mistake."""
+
+
 class SharedHostPoolError(HiSparseError, OSError):
     """A shared host pool cannot be created (its file exists, no permission) or attached
     (its file is missing, a symbolic link, not accessible, of another size or plan
@@ -105,3 +110,8 @@ class UnsupportedVersionError(HiSparseError, ImportError):
 
     def __str__(self) -> str:  # ImportError would otherwise show only the message arg anyway
         return str(self.args[0])
+
+
+class ReadOnlyViewError(HiSparseError, RuntimeError):
+    """A write to a read-only view: an attached rank's view of a shared host pool (only the
+    creating rank writes the pool)."""
