@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from hisparse_triton import benchmarks as bm
-from hisparse_triton import ops, reference
+from hisparse_triton import ops
+from hisparse_triton.ops.resolve import reference
 from hisparse_triton.benchmarks.host_cost import resolve_host_cost
 from hisparse_triton.benchmarks.timing import L2Flush
 

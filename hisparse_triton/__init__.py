@@ -62,8 +62,8 @@ _LAZY = {
     "RowTable": "hisparse_triton.row_table",
     "MemoryRequest": "hisparse_triton.memory",
     "check_memory": "hisparse_triton.memory",
-    "HostPool": "hisparse_triton.pools",
-    "DevicePool": "hisparse_triton.pools",
+    "HostPool": "hisparse_triton.worker.pools",
+    "DevicePool": "hisparse_triton.worker.pools",
     "get_hisparse_kv_cache_groups": "hisparse_triton.layout",
     "create_hisparse_layout": "hisparse_triton.layout",
     "get_hisparse_kv_cache_config": "hisparse_triton.layout",
@@ -72,7 +72,7 @@ _LAZY = {
 }
 _TORCH_MODULES = frozenset({"hisparse_triton.runtime", "hisparse_triton.ops",
                             "hisparse_triton.row_table", "hisparse_triton.memory",
-                            "hisparse_triton.pools"})
+                            "hisparse_triton.worker.pools"})
 
 __all__ = ["EngineConfig", "HiSparseConfig", "__version__", *_LAZY]
 

@@ -69,6 +69,11 @@ class BlockPoolError(HiSparseError, ValueError):
     """A block allocator misuse: double free, the null block, an id outside the pool."""
 
 
+class SchedulerStateError(HiSparseError, AssertionError):
+    """The scheduler's bookkeeping broke one of its own rules (``check_invariants``): a bug
+    or state changed behind the scheduler's back, never a caller's mistake."""
+
+
 class SharedHostPoolError(HiSparseError, OSError):
     """A shared host pool cannot be created (its file exists, no permission) or attached
     (its file is missing, a symbolic link, not accessible, of another size or plan

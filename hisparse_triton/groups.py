@@ -31,6 +31,7 @@ from hisparse_triton.layout import (
 )
 from hisparse_triton.specs import (
     FullAttentionSpec,
+    GroupKind,
     HiSparseHotSpec,
     HiSparseResidentSpec,
     HiSparseTopology,
@@ -54,7 +55,8 @@ class DeviceGroup:
     - ``width``: block-table columns per request.
     """
 
-    kind: ClassVar[str] = "device"
+    #: What the group holds (the one vocabulary of group kinds, shared with the planner).
+    kind: ClassVar[GroupKind]
     #: Whether the group holds one block per page of the request (its table grows with it).
     paged: ClassVar[bool] = True
 
@@ -91,13 +93,13 @@ class DeviceGroup:
 class IndexerGroup(DeviceGroup):
     """The indexer layers' K cache: the whole history stays on the GPU (it scores all of it)."""
 
-    kind = "indexer"
+    kind = GroupKind.INDEXER
 
 
 class RegularGroup(DeviceGroup):
     """A full-attention group (no HiSparse): every page stays on the GPU until the request ends."""
 
-    kind = "regular"
+    kind = GroupKind.REGULAR
 
 
 class SlidingWindowGroup(RegularGroup):
@@ -117,15 +119,20 @@ class SlidingWindowGroup(RegularGroup):
 class ResidentGroup(DeviceGroup):
     """GPU pages of a set of sparse-MLA layers: where new KV is written, a cache of host."""
 
-    kind = "resident"
+    kind = GroupKind.RESIDENT
 
 
 class HotGroup(DeviceGroup):
     """Per-request hot-buffer pages of the same layers as its resident group (fixed size)."""
 
-    kind = "hot"
+    kind = GroupKind.HOT
     paged = False
 
+
+#: The kinds a device group can have (every kind but the host-resident source), in the order
+#: occupancy is reported.
+DEVICE_KINDS: tuple[GroupKind, ...] = (GroupKind.INDEXER, GroupKind.RESIDENT, GroupKind.HOT,
+                                       GroupKind.REGULAR)
 
 #: Device group class by spec type (the indexer group is picked by its role first).
 GROUP_KIND_BY_SPEC: dict[type[KVCacheSpec], type[DeviceGroup]] = {
@@ -317,10 +324,12 @@ def _from_topology(topology: HiSparseTopology, config_index: Mapping[int, int]
 
 
 __all__ = [
+    "DEVICE_KINDS",
     "GROUP_KIND_BY_SPEC",
     "HISPARSE_HOT_SUFFIX",
     "HISPARSE_RESIDENT_SUFFIX",
     "DeviceGroup",
+    "GroupKind",
     "HotGroup",
     "IndexGroup",
     "IndexerGroup",

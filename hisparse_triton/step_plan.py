@@ -182,6 +182,38 @@ class StepPlan:
         """Bytes of the plan's arrays plus its header (what a broadcast moves)."""
         return _HEADER.size + self.data.nbytes
 
+    def describe(self, layout: "TableLayout | None" = None) -> str:
+        """A short multi-line summary for people (logs, debugging). With the ``layout``
+        the plan was made for, table writes are broken down by state row and table."""
+
+        def plural(n: int, word: str) -> str:
+            return f"{n} {word}{'' if n == 1 else 's'}"
+
+        def some(values: np.ndarray, limit: int = 8) -> str:
+            shown = ", ".join(str(int(v)) for v in values[:limit])
+            return f"[{shown}{', ...' if values.size > limit else ''}]"
+
+        lines = [f"StepPlan {self.step} ({'commit' if self.commit else 'no commit'}), "
+                 f"layout {self.layout:#x}, {self.nbytes} B"]
+        if self.num_resets:
+            lines.append(f"  {plural(self.num_resets, 'state row')} reset: "
+                         f"{some(self.reset_rows)}")
+        writes = f"  {plural(self.num_writes, 'table write')}"
+        if self.num_writes and layout is not None:
+            rows, cols = np.divmod(self.write_index, layout.width)
+            seq = int((cols == TableLayout.SEQ_LEN_COL).sum())
+            host = int(((cols >= layout.host_col)
+                        & (cols < layout.host_col + layout.host_width)).sum())
+            writes += (f" on state rows {some(np.unique(rows))}: {seq} seq lens, {host} host "
+                       f"blocks, {self.num_writes - seq - host} device blocks")
+        lines.append(writes)
+        lines.append(f"  {self.num_mirror} mirror rows x {self.num_resident} resident groups"
+                     if self.num_mirror else "  nothing to mirror")
+        lost = (f"{plural(self.num_lost, 'lost page')} (state rows "
+                f"{some(np.unique(self.lost[:, 0]))})" if self.num_lost else "no lost page")
+        lines.append(f"  {lost}, {plural(self.released_pages, 'page')} released")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ (de)serialise
     def to_bytes(self) -> bytes:
         """The plan as bytes (a fixed header + the int32 data), for any transport."""

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.reference import check_copy_args, table_alignment
+from hisparse_triton.ops.copy.contract import check_copy_args, table_alignment
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
 

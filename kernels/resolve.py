@@ -73,13 +73,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.reference import (
+from hisparse_triton.ops.resolve.contract import (
     ResolveResult,
-    _check_resolve_args,
-    restore_resolve_state,
+    check_resolve_args as _check_resolve_args,
 )
 from hisparse_triton.kernels.gather import _device_guard
-from hisparse_triton.resolve_workspace import ResolveWorkspace, scratch_width
+from hisparse_triton.ops.resolve.workspace import (
+    ResolveWorkspace,
+    restore_resolve_state,
+    scratch_width,
+)
 from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see there)
 
 __all__ = ["BoundResolve", "GATHER_SEARCH", "MAX_BLOCK_H", "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH",

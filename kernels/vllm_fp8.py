@@ -19,7 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.integrations.vllm_checks import check_upconvert
+from hisparse_triton.integrations.vllm_checks import (
+    check_upconvert,
+    check_upconvert_addresses,
+    checked,
+)
 from hisparse_triton.kernels.gather import _device_guard, validate_pool
 
 __all__ = ["cp_gather_and_upconvert_fp8_kv_cache"]
@@ -90,41 +94,27 @@ def _upconvert_kernel(
         if HAS_DEV:
             dev_row = tl.load(dri_ptr + mi, mask=have, other=-1).to(tl.int64)
         else:
-            dev_row = tl.full([TOKENS], -1, tl.int64)
-        on_dev = (dev_row >= 0) & (dev_row < cache_rows)
-        on_host = ~on_dev & (host_row >= 0) & (host_row < host_rows)
+            dev_row = host_row * 0 - 1
     else:
         dev_row = tl.where(ok & (blk >= 0), blk * B + off, -1)
-        on_dev = (dev_row >= 0) & (dev_row < cache_rows)
-        on_host = on_dev & ~on_dev
-        host_row = dev_row
+        host_row = dev_row * 0 - 1
+    on_dev = (dev_row >= 0) & (dev_row < cache_rows)
+    on_host = ~on_dev & (host_row >= 0) & (host_row < host_rows)
+    found = on_dev | on_host
     dr = tl.where(on_dev, dev_row, 0)
-    dev_base = (dr // B) * block_bytes + (dr % B) * row_bytes
-    host_base = tl.where(on_host, host_row, 0) * 656
-    # 512 e4m3 values and their 4 fp32 scales.
+    base = tl.where(on_host, host_row * 656, (dr // B) * block_bytes + (dr % B) * row_bytes)
+    # One source per row: the device cache or the host cache (a pointer select).
+    p8 = tl.where(on_host, host8_ptr + base, src8_ptr + base)
+    p16 = tl.where(on_host, host16_ptr + (base + 528) // 2, src16_ptr + (base + 528) // 2)
+    p32 = tl.where(on_host, host32_ptr + (base + 512) // 4, src32_ptr + (base + 512) // 4)
+    # 512 e4m3 values, the fp32 scale of each one's 128-value tile, 64 bf16 rope values.
     i = tl.arange(0, 512)
-    nope = tl.load(src8_ptr + dev_base[:, None] + i[None, :], mask=on_dev[:, None],
-                   other=0).to(tl.int32)
-    sw = tl.load(src32_ptr + (dev_base[:, None] + 512) // 4 + i[None, :] // 128,
-                 mask=on_dev[:, None], other=0)
     rw = tl.arange(0, 64)
-    rope = tl.load(src16_ptr + (dev_base[:, None] + 528) // 2 + rw[None, :],
-                   mask=on_dev[:, None], other=0)
-    if HAS_HOST:
-        hn = tl.load(host8_ptr + host_base[:, None] + i[None, :], mask=on_host[:, None],
-                     other=0).to(tl.int32)
-        hs = tl.load(host32_ptr + (host_base[:, None] + 512) // 4 + i[None, :] // 128,
-                     mask=on_host[:, None], other=0)
-        hr = tl.load(host16_ptr + (host_base[:, None] + 528) // 2 + rw[None, :],
-                     mask=on_host[:, None], other=0)
-        nope = tl.where(on_host[:, None], hn, nope)
-        sw = tl.where(on_host[:, None], hs, sw)
-        rope = tl.where(on_host[:, None], hr, rope)
+    nope = tl.load(p8[:, None] + i[None, :], mask=found[:, None], other=0).to(tl.int32)
+    sw = tl.load(p32[:, None] + i[None, :] // 128, mask=found[:, None], other=0)
+    rope = tl.load(p16[:, None] + rw[None, :], mask=found[:, None], other=0)
     scale = sw.to(tl.float32, bitcast=True)
-    bits = _f32_to_bf16_bits(_e4m3_to_f32(nope & 255) * scale)
-    found = (on_dev | on_host)[:, None]
-    bits = tl.where(found, bits, 0)
-    rope = tl.where(found, rope, 0)
+    bits = tl.where(found[:, None], _f32_to_bf16_bits(_e4m3_to_f32(nope & 255) * scale), 0)
     out = dst_ptr + t.to(tl.int64)[:, None] * dst_stride
     tl.store(out + i[None, :], bits, mask=own[:, None])
     tl.store(out + 512 + rw[None, :], rope, mask=own[:, None])
@@ -134,9 +124,10 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
                                          batch_size: int, seq_starts=None, host_cache=None,
                                          host_row_ids=None, device_row_ids=None) -> None:
     """Triton ``cp_gather_and_upconvert_fp8_kv_cache`` (vLLM's argument order): one launch."""
-    T, batch, B, cache_rows, host_rows, num_mapped = check_upconvert(
+    T, batch, B, cache_rows, host_rows, num_mapped = checked(check_upconvert, (
         src_cache, dst, block_table, workspace_starts, batch_size, seq_starts, host_cache,
-        host_row_ids, device_row_ids)
+        host_row_ids, device_row_ids))
+    check_upconvert_addresses(src_cache, dst)
     if T == 0 or batch == 0:
         return
     device = dst.device

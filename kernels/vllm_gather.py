@@ -23,7 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.integrations.vllm_checks import check_gather_compact, check_gather_plan
+from hisparse_triton.integrations.vllm_checks import (
+    check_gather_compact,
+    check_gather_plan,
+    checked,
+)
 from hisparse_triton.kernels.gather import (
     GRID_PROGRAMS_PER_SM,
     _device_guard,
@@ -115,9 +119,9 @@ def hisparse_gather_plan(host_cache, hot_cache, global_indices, hot_indices, mis
                          request_state_indices, attention_indices=None,
                          attention_block_stride: int = 0) -> None:
     """Triton ``hisparse_gather_plan`` (vLLM's argument order): one launch."""
-    R, K, hbs, hot_rows, host_rows, row_bytes = check_gather_plan(
+    R, K, hbs, hot_rows, host_rows, row_bytes = checked(check_gather_plan, (
         host_cache, hot_cache, global_indices, hot_indices, miss_mask, request_state_indices,
-        attention_indices, attention_block_stride)
+        attention_indices, attention_block_stride))
     if R == 0 or K == 0:
         return
     _launch(host_cache, hot_cache, global_indices, hot_indices, miss_mask,
@@ -128,8 +132,8 @@ def hisparse_gather_plan(host_cache, hot_cache, global_indices, hot_indices, mis
 def hisparse_gather_compact(host_cache, hot_cache, miss_global_indices, miss_hot_indices,
                             miss_counts) -> None:
     """Triton ``hisparse_gather_compact`` (vLLM's argument order): one launch."""
-    R, K, hbs, hot_rows, host_rows, row_bytes = check_gather_compact(
-        host_cache, hot_cache, miss_global_indices, miss_hot_indices, miss_counts)
+    R, K, hbs, hot_rows, host_rows, row_bytes = checked(check_gather_compact, (
+        host_cache, hot_cache, miss_global_indices, miss_hot_indices, miss_counts))
     if R == 0 or K == 0:
         return
     _launch(host_cache, hot_cache, miss_global_indices, miss_hot_indices, None, None,

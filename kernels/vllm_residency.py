@@ -20,13 +20,14 @@ Resolve: grid ``(R,)``, one program per row of ``global_indices``.
    sorted keys (the union); a hit marks the runs it serves (``atomic_min`` of the position:
    the oldest serves) and the position's class; evictable slots are ranked in LRU order
    (``tl.cumsum``) into a rank-indexed scratch.
-3. Per row of the request, in batch order: walk the sorted keys; a run's first key that no
-   earlier row of the request holds (binary search of the earlier rows) is a first
-   reference; a first reference without a hit is a miss, numbered in (row, column) order
-   (``tl.cumsum`` over the column-indexed flags, carried across rows); miss ``m`` takes the
-   ``m``-th evictable slot, updates ``device_global_indices`` and writes its plan entry into
-   column ``m % K`` of the request's ``m // K``-th row; every run stores its resolved hot row
-   (packed with a served bit) and every column reads its run's.
+3. Per row of the request, in batch order, two walks of its sorted keys: (a) a run's first
+   key that no earlier row of the request holds (binary search of the earlier rows) is a
+   first reference; a first reference without a hit is a miss, flagged by column; the
+   flags are numbered in (row, column) order (``tl.cumsum``, carried across rows); (c) miss
+   ``m`` takes the ``m``-th evictable slot, updates ``device_global_indices`` and writes its
+   plan entry into column ``m % K`` of the request's ``m // K``-th row; every run's first key
+   holds the run's hot row (packed with a served bit; hits and runs of earlier rows were
+   stored in (a)), which its other keys take from the tile (``tl.gather``) or carry over.
 4. The LRU is rewritten with one scatter (stale evictables, filled slots, hits), swap counts
    and uint64 stats (``atomic_add``) are written.
 Phases hand data over through global scratch separated by ``tl.debug_barrier()``; atomically
@@ -42,7 +43,7 @@ The launchers check arguments (``vllm_checks``) and read no tensor values: CUDA-
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -51,10 +52,11 @@ import triton.language as tl
 from hisparse_triton.integrations.vllm_checks import (
     check_invalidate_written_slots,
     check_resolve_residency,
+    checked,
 )
 from hisparse_triton.kernels.gather import _device_guard
 from hisparse_triton.kernels.resolve import _lower_bound, _sorted_tile  # noqa: F401 (jit)
-from hisparse_triton.resolve_workspace import scratch_width
+from hisparse_triton.ops.resolve.workspace import scratch_width
 
 __all__ = ["MAX_SORT_WIDTH", "hisparse_invalidate_written_slots",
            "hisparse_resolve_residency"]
@@ -134,12 +136,11 @@ def _resolve_residency_kernel(
     hbt_ptr, stride_hbt, dgi_ptr, lru_ptr, S,
     hot_ptr, attn_ptr, stride_attn, miss_ptr, resolved_ptr, valid_ptr, stride_valid,
     swap_host_ptr, swap_dev_ptr, swap_cnt_ptr, stats_ptr,
-    keys_ptr, keys2_ptr, run_pos_ptr, runval_ptr, colm_ptr, next_ptr, old_lru_ptr, cls_ptr,
-    evict_ptr,
+    scr32_ptr, scr64_ptr,
     R, K, H, host_rows, abs_stride,
     HBS: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, SORT: tl.constexpr,
     LOG2_SORT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    KEY64: tl.constexpr, IN_KEYS2: tl.constexpr,
+    KEY64: tl.constexpr, MERGES: tl.constexpr, IN_KEYS2: tl.constexpr,
     HAS_REQ: tl.constexpr, HAS_RSI: tl.constexpr, HAS_SRC: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_ATTN: tl.constexpr, HAS_MISS: tl.constexpr,
     HAS_RESOLVED: tl.constexpr, HAS_VALID: tl.constexpr, HAS_SWAP: tl.constexpr,
@@ -147,6 +148,25 @@ def _resolve_residency_kernel(
 ):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
+    # Scratch layout (``_ResolveShape``): int32 [keys?, keys2?, run_pos, colm: R*W each][next:
+    # R][old_lru, cls, evict: R*H each]; int64 [keys?, keys2?, runval: R*W each].
+    RW = tl.cast(R, tl.int64) * W
+    RH = tl.cast(R, tl.int64) * H
+    if KEY64:
+        keys_ptr = scr64_ptr
+        keys2_ptr = scr64_ptr + RW
+        runval_ptr = scr64_ptr + (2 * RW if MERGES else RW)
+        run_pos_ptr = scr32_ptr
+    else:
+        keys_ptr = scr32_ptr
+        keys2_ptr = scr32_ptr + RW
+        runval_ptr = scr64_ptr
+        run_pos_ptr = scr32_ptr + (2 * RW if MERGES else RW)
+    colm_ptr = run_pos_ptr + RW
+    next_ptr = colm_ptr + RW
+    old_lru_ptr = next_ptr + R
+    cls_ptr = old_lru_ptr + RH
+    evict_ptr = cls_ptr + RH
     if HAS_REQ:
         req = tl.load(req_ptr + r64)
     else:
@@ -359,12 +379,14 @@ def _resolve_residency_kernel(
                     n_miss += tl.sum(flag, axis=0)
                     tl.store(colm_row + c0 + jt, tl.where(flag != 0, num, -1))
                 tl.debug_barrier()
-                # (c) misses take evictable slots; plan entries; state.
+                # (c) misses take evictable slots (state, plan entries); then every host-path
+                # column reads its run's value: a run's first key holds it ((a) or here), a
+                # run still open at a tile's end carries it into the next tile.
                 carry = r * 0 - 1
+                open_run = r64 * 0
                 for j0 in range(0, W, SORT):
-                    host, g, col, start, run_at, srv, carry = _sorted_tile(
-                        jt, keys_row, run_row, j0, carry, KEY64, LOG2_W, W,
-                        SORT, False)
+                    host, g, col, start, run_at, srv, next_carry = _sorted_tile(
+                        jt, keys_row, run_row, j0, carry, KEY64, LOG2_W, W, SORT, False)
                     m = tl.load(colm_row + col, mask=host & start, other=-1)
                     first = host & start & (m >= 0)
                     have = first & (m < n_evict)
@@ -386,25 +408,24 @@ def _resolve_residency_kernel(
                         at = prow.to(tl.int64) * K + m % K
                         tl.store(swap_host_ptr + at, g.to(tl.int32), mask=first)
                         tl.store(swap_dev_ptr + at, dev.to(tl.int32), mask=first)
-                    packed = tl.where(served, (1 << 32) | (dev & 0xFFFFFFFF), 0xFFFFFFFF)
-                    tl.store(val_row + j0 + jt, packed, mask=first)
                     n_served += tl.sum(served.to(tl.int32), axis=0)
-                tl.debug_barrier()
-                # (d) every host-path column reads its run's value.
-                carry = r * 0 - 1
-                for j0 in range(0, W, SORT):
-                    host, g, col, start, run_at, srv, carry = _sorted_tile(
-                        jt, keys_row, run_row, j0, carry, KEY64, LOG2_W, W,
-                        SORT, False)
-                    packed = tl.load(val_row + run_at, mask=host, other=0)
+                    mine = tl.where(served, (1 << 32) | (dev & 0xFFFFFFFF), 0xFFFFFFFF)
+                    tl.store(val_row + j0 + jt, mine, mask=first)
+                    stored = tl.load(val_row + j0 + jt, mask=host & start & ~first, other=0)
+                    at_start = tl.where(first, mine, stored)
+                    packed = tl.where(run_at >= j0,
+                                      tl.gather(at_start, tl.maximum(run_at - j0, 0), 0),
+                                      open_run)
+                    open_run = tl.sum(tl.where(jt == SORT - 1, packed, 0), axis=0)
+                    carry = next_carry
                     value = (packed & 0xFFFFFFFF).to(tl.int32).to(tl.int64)  # wraps like int32
                     is_served = host & ((packed >> 32) != 0)
-                    m = tl.load(colm_row + col, mask=host, other=-1)
-                    n_hits += tl.sum((is_served & ~(start & (m >= 0))).to(tl.int32), axis=0)
+                    n_hits += tl.sum((is_served & ~first).to(tl.int32), axis=0)
                     tl.store(hot_ptr + row64 * K + col, value.to(tl.int32), mask=host)
                     if HAS_ATTN:
                         tl.store(attn_ptr + row64 * stride_attn + col,
                                  _attention_of(value, abs_stride, HBS).to(tl.int32), mask=host)
+                tl.debug_barrier()  # the next row's (a) reads this row's run values
                 row = tl.load(next_ptr + row64, mask=i + 1 < n_rows, other=r)
 
             # Phase 4: new LRU order, swap counts, stats.
@@ -472,37 +493,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class _ResolveShape:
-    """Constexprs and scratch layout of one ``(R, K, H, host_rows)`` call (memoised)."""
+class _ResolveShape(NamedTuple):
+    """Constexprs and scratch sizes of one ``(R, K, H, host_rows)`` call (memoised)."""
 
-    __slots__ = ("W", "constexprs", "n32", "n64", "offsets")
+    constexprs: dict
+    n32: int   # int32 scratch words
+    n64: int   # int64 scratch words
 
-    def __init__(self, R: int, K: int, H: int, host_rows: int, sort_width: Optional[int],
-                 block_h: Optional[int]) -> None:
-        W = scratch_width(K)
-        sort = min(W, sort_width or MAX_SORT_WIDTH)
-        bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
-        key64 = (host_rows + 1) * W > 2**31
-        merges = W.bit_length() - sort.bit_length()
-        tile = max(sort, bh)
-        self.W = W
-        self.constexprs = dict(
-            HBS=0, W=W, LOG2_W=W.bit_length() - 1, SORT=sort, LOG2_SORT=sort.bit_length() - 1,
-            BLOCK_H=bh, BLOCK_R=_BLOCK_R, KEY64=key64, IN_KEYS2=merges % 2 == 1,
-            num_warps=16 if tile >= 2048 else 8 if tile >= 1024 else 4)
-        # int32 scratch: [keys32, keys2_32], run_pos, colm, next, old_lru, cls, evict
-        # int64 scratch: [keys64, keys2_64], runval
-        key_words = R * W if not key64 else 1
-        key2_words = key_words if merges and not key64 else 1
-        sizes32 = (key_words, key2_words, R * W, R * W, R, R * H, R * H, R * H)
-        off32 = [0]
-        for n in sizes32:
-            off32.append(off32[-1] + n)
-        k64 = R * W if key64 else 1
-        k2_64 = k64 if merges and key64 else 1
-        off64 = (0, k64, k64 + k2_64)
-        self.n32, self.n64 = off32[-1], off64[-1] + R * W
-        self.offsets = (off32, off64)
+
+def _resolve_shape(R: int, K: int, H: int, host_rows: int, hbs: int,
+                   sort_width: Optional[int], block_h: Optional[int]) -> _ResolveShape:
+    W = scratch_width(K)
+    sort = min(W, sort_width or MAX_SORT_WIDTH)
+    bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
+    key64 = (host_rows + 1) * W > 2**31
+    merges = W.bit_length() - sort.bit_length()
+    tile = max(sort, bh)
+    key_arrays = 2 if merges else 1
+    n32 = R * W * (2 + (0 if key64 else key_arrays)) + R + 3 * R * H
+    n64 = R * W * (1 + (key_arrays if key64 else 0))
+    return _ResolveShape(dict(
+        HBS=hbs, W=W, LOG2_W=W.bit_length() - 1, SORT=sort, LOG2_SORT=sort.bit_length() - 1,
+        BLOCK_H=bh, BLOCK_R=_BLOCK_R, KEY64=key64, MERGES=merges > 0,
+        IN_KEYS2=merges % 2 == 1, num_warps=16 if tile >= 2048 else 8 if tile >= 1024 else 4),
+        n32, n64)
 
 
 _SHAPES: dict[tuple, _ResolveShape] = {}
@@ -522,13 +536,13 @@ def hisparse_resolve_residency(
     ``vllm_reference.hisparse_resolve_residency``). One launch, no host synchronisation.
     ``sort_width`` / ``block_h`` (powers of two) shrink the register tiles (tests use them
     to exercise the merge passes and several LRU steps)."""
-    R, K, H, S, hbs, host_rows = check_resolve_residency(
+    R, K, H, S, hbs, host_rows = checked(check_resolve_residency, (
         host_cache, hot_cache, hot_block_table, global_indices, hot_indices,
         device_global_indices, lru_slots, request_state_indices, region_stride,
         max_union_rows, miss_mask, stats, attention_indices, attention_block_stride,
         request_ids, source_block_table, source_block_size, resolved_global_indices,
         valid_counts, swap_host_physical_rows, swap_device_physical_rows, swap_counts,
-        resident_block_table, resident_block_size, resident_null_block)
+        resident_block_table, resident_block_size, resident_null_block))
     if R == 0 or K == 0:
         return
     device = global_indices.device
@@ -537,14 +551,9 @@ def hisparse_resolve_residency(
     key = (R, K, H, host_rows, hbs, sort_width, block_h)
     shape = _SHAPES.get(key)
     if shape is None:
-        shape = _SHAPES[key] = _ResolveShape(R, K, H, host_rows, sort_width, block_h)
-        shape.constexprs["HBS"] = hbs
+        shape = _SHAPES[key] = _resolve_shape(R, K, H, host_rows, hbs, sort_width, block_h)
     scr32 = torch.empty(shape.n32, dtype=torch.int32, device=device)
     scr64 = torch.empty(shape.n64, dtype=torch.int64, device=device)
-    (o32, o64) = shape.offsets
-    key64 = shape.constexprs["KEY64"]
-    keys, keys2 = (scr64, scr64) if key64 else (scr32, scr32)
-    k_off, k2_off = (o64[0], o64[1]) if key64 else (o32[0], o32[1])
     dummy = hot_indices
     src = source_block_table if source_block_table is not None else dummy
     res = resident_block_table if resident_block_table is not None else dummy
@@ -570,9 +579,7 @@ def hisparse_resolve_residency(
             swap_device_physical_rows if has_swap else dummy,
             swap_counts if has_swap else dummy,
             stats.view(torch.int64) if stats is not None else scr64,
-            keys[k_off:], keys2[k2_off:], scr32[o32[2]:], scr64[o64[2]:], scr32[o32[3]:],
-            scr32[o32[4]:], scr32[o32[5]:], scr32[o32[6]:], scr32[o32[7]:],
-            R, K, H, host_rows, attention_block_stride,
+            scr32, scr64, R, K, H, host_rows, attention_block_stride,
             HAS_REQ=request_ids is not None, HAS_RSI=request_state_indices is not None,
             HAS_SRC=source_block_table is not None, HAS_RES=resident_block_table is not None,
             HAS_ATTN=attention_indices is not None, HAS_MISS=miss_mask is not None,
@@ -585,8 +592,8 @@ def hisparse_invalidate_written_slots(device_global_indices, request_state_indic
                                       req_id_per_token, written_slots) -> None:
     """Triton ``hisparse_invalidate_written_slots``: one launch over the tokens, no host
     synchronisation (semantics: ``vllm_reference.hisparse_invalidate_written_slots``)."""
-    T = check_invalidate_written_slots(device_global_indices, request_state_indices,
-                                       req_id_per_token, written_slots)
+    T = checked(check_invalidate_written_slots, (device_global_indices, request_state_indices,
+                                                 req_id_per_token, written_slots))
     S, region = device_global_indices.shape
     if T == 0 or S == 0 or region == 0:
         return

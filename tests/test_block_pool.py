@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hisparse_triton.block_pool import NULL_BLOCK, BlockPool
+from hisparse_triton.scheduler.block_pool import NULL_BLOCK, BlockPool
 from hisparse_triton.errors import BlockPoolError, CapacityError, HiSparseError
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 import torch
 
-from hisparse_triton import reference as ref
+from hisparse_triton.ops.copy import reference as ref
 from hisparse_triton.row_table import RowTable
 
 ROW_SIZES = (16, 132, 656, 1152)

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hisparse_triton import ops
+from hisparse_triton.ops import backends
 from hisparse_triton.kernels.launches import record_launches
 from hisparse_triton.row_table import RowTable
 from test_resolve_reference import make_state, make_topk
@@ -58,7 +59,7 @@ def counted(monkeypatch, log: _OpLog):
                 log.inside_launch -= 1
 
         monkeypatch.setattr(cls, "run", run)
-    monkeypatch.setattr(ops, "_current_dispatch_mode", lambda: None)  # keep the eager path
+    monkeypatch.setattr(backends, "_current_dispatch_mode", lambda: None)  # keep the eager path
     yield launches
 
 
@@ -136,7 +137,7 @@ def test_every_shape_fits_the_budget(R, K, H, layers):
         mp.setenv("TRITON_INTERPRET", "1")
         _decode_call(state, topk, state_rows, dev_table, host_table, **extra)  # warm-up
         launched.clear()
-        mp.setattr(ops, "_current_dispatch_mode", lambda: None)
+        mp.setattr(backends, "_current_dispatch_mode", lambda: None)
         with _OpLog() as log:
             _decode_call(state, topk, state_rows, dev_table, host_table, **extra)
         assert log.ops == [], f"torch ops outside the kernels: {log.ops}"

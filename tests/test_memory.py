@@ -6,7 +6,7 @@ import torch
 from hisparse_triton import memory
 from hisparse_triton.errors import CapacityError, HostMemoryError
 from hisparse_triton.memory import MemoryRequest, check_memory
-from hisparse_triton.pools import DevicePool, HostPool
+from hisparse_triton.worker.pools import DevicePool, HostPool
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from hisparse_triton import ops
-from hisparse_triton import reference as ref
+from hisparse_triton.ops.copy import op as copy_op
+from hisparse_triton.ops.resolve import op as resolve_op
+from hisparse_triton.ops.resolve import reference as ref
+from hisparse_triton.row_table import RowTable
 from hisparse_triton.kernels import backup, gather
 from test_copy_reference import make_table, random_plan, run_copy, run_reference, with_pool
 
@@ -112,7 +115,7 @@ def test_validate_table_reports_alignment_and_refuses_a_bad_table():
     table = make_table(2, 132, 3, lead=4, gap=16)
     assert ops.validate_table(table) == 4
     with pytest.raises(ValueError, match="layer 1"):  # refused when built, by value
-        ref.RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
+        RowTable(table.pool, torch.tensor([0, table.pool.numel()]), 132, 4, 528, 12)
 
 
 # ---------------------------------------------------------------------- custom ops
@@ -223,8 +226,8 @@ def test_eager_calls_skip_the_custom_op_layer(monkeypatch):
     dst, src, s, d, c = _case()
     expected = run_reference(dst, src, s, d, c, pages=False)
     with monkeypatch.context() as m:
-        m.setattr(ops, "copy_rows_op", refuse)
-        m.setattr(ops, "resolve_op", refuse)
+        m.setattr(copy_op, "copy_rows_op", refuse)
+        m.setattr(resolve_op, "resolve_op", refuse)
         out = run_copy(ops.copy_rows, dst, src, s, d, c)
         topk, state_rows, state = _resolve_case()
         ops.resolve(topk, state_rows, *state.args(), **state.kwargs())

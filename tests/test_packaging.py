@@ -128,7 +128,7 @@ def test_the_planner_imports_neither_torch_nor_triton():
             "hisparse_triton.EngineConfig, hisparse_triton.HiSparseConfig\n"
             "hisparse_triton.get_hisparse_kv_cache_groups, hisparse_triton.CapacityError\n"
             "hisparse_triton.__version__\n"
-            "import hisparse_triton.shared_pool, hisparse_triton.commands.shm\n"
+            "import hisparse_triton.worker.shared_pool, hisparse_triton.commands.shm\n"
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)

@@ -5,7 +5,7 @@ import torch
 
 from hisparse_triton import memory
 from hisparse_triton.errors import CapacityError, HostMemoryError, RuntimeClosedError
-from hisparse_triton.pools import HOST_ALIGNMENT, DevicePool, HostPool
+from hisparse_triton.worker.pools import HOST_ALIGNMENT, DevicePool, HostPool
 
 HAS_CUDA = torch.cuda.is_available()
 

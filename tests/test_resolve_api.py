@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hisparse_triton import ops
-from hisparse_triton import reference as ref
+from hisparse_triton.ops.resolve import reference as ref
 from test_resolve_reference import (
     INT32_MAX,
     ResolveState,

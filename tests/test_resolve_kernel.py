@@ -318,7 +318,7 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch: pytest.MonkeyPatch) 
 def test_signature_matches_reference() -> None:
     import inspect
 
-    from hisparse_triton import reference
+    from hisparse_triton.ops.resolve import reference
     assert inspect.signature(kres.resolve) == inspect.signature(reference.resolve)
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from hisparse_triton.reference import ResolveResult, resolve
+from hisparse_triton.ops.resolve.reference import ResolveResult, resolve
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

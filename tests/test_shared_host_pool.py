@@ -19,17 +19,18 @@ import uuid
 import pytest
 import torch
 
-from hisparse_triton import HiSparseRuntime, HostMemoryError, cli, memory, pools
+from hisparse_triton import HiSparseRuntime, HostMemoryError, cli, memory
 from hisparse_triton.errors import SharedHostPoolError
 from hisparse_triton.layout import (
     get_hisparse_kv_cache_config,
     get_hisparse_kv_cache_groups,
 )
 from hisparse_triton.oracle import DenseOracle, OracleMismatch
-from hisparse_triton.pools import HostPool, shared_host_pool_path
-from hisparse_triton.shared_pool import HEADER_BYTES, PoolHeader, creator_alive, read_header
 from hisparse_triton.presets import build_kv_cache_spec
 from hisparse_triton.specs import cdiv
+from hisparse_triton.worker import pools
+from hisparse_triton.worker.pools import HostPool, shared_host_pool_path
+from hisparse_triton.worker.shared_pool import HEADER_BYTES, PoolHeader, creator_alive, read_header
 from hisparse_triton.workload import plan_for_workload
 
 B, TOPK, BUFFER = 4, 8, 16
@@ -617,7 +618,7 @@ def test_an_attached_rank_registers_its_view_read_only(fake_cuda, caplog, monkey
         cudart = torch.cuda.cudart()
         monkeypatch.setattr(type(cudart), "fail_flags", 8)
         del log[:]
-        with caplog.at_level("WARNING", logger="hisparse_triton.pools"):
+        with caplog.at_level("WARNING", logger="hisparse_triton.worker.pools"):
             with HostPool(4096, shared_name=name, create=False) as other:
                 assert other.pinned and other.writable
                 pool.tensor[3] = 9

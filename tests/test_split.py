@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import hisparse_triton.worker as worker_module
+import hisparse_triton.worker.worker as worker_module
 from hisparse_triton import CapacityError, HiSparseRuntime, HostMemoryError
 from hisparse_triton.errors import ReservationExceededError
 from hisparse_triton.oracle import DenseOracle, SplitView

@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hisparse_triton import pools
 from hisparse_triton.distributed import broadcast_plan
 from hisparse_triton.layout import get_hisparse_kv_cache_config, get_hisparse_kv_cache_groups
 from hisparse_triton.presets import build_kv_cache_spec
 from hisparse_triton.scheduler import HiSparseScheduler
 from hisparse_triton.specs import cdiv
-from hisparse_triton.worker import HiSparseWorker
+from hisparse_triton.worker import HiSparseWorker, pools
 from hisparse_triton.workload import plan_for_workload
 
 B, TOPK, BUFFER, SEQS, MAX_LEN, STEPS = 4, 8, 16, 3, 80, 240

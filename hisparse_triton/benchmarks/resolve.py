@@ -95,7 +95,7 @@ class ResolveBench(Measurer):
 
     def _reference(self, work: ResolveWorkload) -> tuple[Any, tuple[torch.Tensor, ...]]:
         """The torch reference's outputs and new state from the snapshot."""
-        from hisparse_triton import reference
+        from hisparse_triton.ops.resolve import reference
 
         work.restore()
         out = reference.resolve(*work.args(), **work.kwargs)

@@ -218,7 +218,7 @@ class ResolveWorkload:
                      "slot_host_rows", "lru"):
             setattr(self, name, getattr(self, name).to(device))
 
-        from hisparse_triton import reference
+        from hisparse_triton.ops.resolve import reference
 
         last = torch.empty(0)
         for _ in range(-(-hot_slots // top_k) + 1):  # warm-up, on the device

@@ -90,7 +90,7 @@ def _table(pools: list[Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """List or clean the pools; returns the exit status."""
-    from hisparse_triton import shared_pool
+    from hisparse_triton.worker import shared_pool
     from hisparse_triton.errors import SharedHostPoolError
 
     folder: str = args.dir if args.dir is not None else shared_pool.pool_dir()

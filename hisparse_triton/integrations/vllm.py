@@ -119,9 +119,14 @@ _LOGGED: list[bool] = []
 
 def _select(device: torch.device) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device`` (``$HISPARSE_TRITON_BACKEND``)."""
-    from hisparse_triton.ops import select_backend
+    if not _SELECT:
+        from hisparse_triton.ops.backends import select_backend
 
-    return select_backend(None, device)
+        _SELECT.append(select_backend)
+    return _SELECT[0](None, device)
+
+
+_SELECT: list[Callable[[Optional[str], torch.device], str]] = []
 
 
 def _implementation(name: str) -> Callable[..., None]:

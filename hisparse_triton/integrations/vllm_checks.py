@@ -18,7 +18,8 @@ from torch import Tensor
 
 __all__ = ["FP8_HEAD_DIM", "FP8_ROW_BYTES", "GatherGeometry", "MAX_HOT_SIZE", "ResolveGeometry",
            "UpconvertGeometry", "check_gather_compact", "check_gather_plan",
-           "check_invalidate_written_slots", "check_resolve_residency", "check_upconvert"]
+           "check_invalidate_written_slots", "check_resolve_residency", "check_upconvert",
+           "check_upconvert_addresses", "checked"]
 
 #: Largest hot buffer (slots per request): LRU slots are int16.
 MAX_HOT_SIZE = 32768
@@ -28,6 +29,28 @@ FP8_ROW_BYTES = 656
 FP8_HEAD_DIM = 576
 _INT32_MAX = 2**31 - 1
 _FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+#: Accepted argument signatures -> the check's result (see ``checked``).
+_ACCEPTED: dict[tuple, object] = {}
+_MAX_ACCEPTED = 4096
+
+
+def checked(check, args: tuple):
+    """``check(*args)``, remembered by the arguments' signature: every tensor's dtype, shape,
+    strides and device index, and every other argument itself (all the checks look at; the
+    one address check, ``check_upconvert``'s alignment, is redone by its launcher). A call in
+    a layout already accepted costs one tuple and one lookup; a new layout runs the full check
+    (which raises on bad input and remembers nothing)."""
+    key = (check, *[(a.dtype, a.shape, a.stride(), a.get_device())
+                    if a.__class__ is Tensor else a for a in args])
+    result = _ACCEPTED.get(key)
+    if result is None:
+        result = check(*args)
+        if len(_ACCEPTED) >= _MAX_ACCEPTED:
+            _ACCEPTED.clear()
+        _ACCEPTED[key] = result
+    return result
 
 
 def _fail(op: str, message: str, kind: type = ValueError) -> None:
@@ -56,6 +79,23 @@ def _contiguous(op: str, name: str, t: Tensor) -> None:
 def _row_major(op: str, name: str, t: Tensor) -> None:
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         _fail(op, f"{name} must be row-major (last stride 1), got strides {t.stride()}")
+
+
+def _plan(op: str, name: str, t, R: int, K: int, device: torch.device, *,
+          row_major_only: bool = False, what: str = "") -> None:
+    """An int32 ``[R, K]`` plan / output tensor on ``device``: contiguous, or only row-major."""
+    _tensor(op, name, t, torch.int32, 2, device)
+    if tuple(t.shape) != (R, K):
+        _fail(op, f"{name} has shape {tuple(t.shape)}, expected {(R, K)}{what}")
+    (_row_major if row_major_only else _contiguous)(op, name, t)
+
+
+def _per_row(op: str, name: str, t, R: int, device: torch.device, what: str = "rows") -> None:
+    """A contiguous int32 tensor with at least ``R`` entries (one per row)."""
+    _tensor(op, name, t, torch.int32, None, device)
+    _contiguous(op, name, t)
+    if t.numel() < R:
+        _fail(op, f"{name} has {t.numel()} entries for {R} {what}")
 
 
 def _host_cache(op: str, host_cache, row_bytes: int, device: torch.device) -> int:
@@ -108,10 +148,7 @@ def check_resolve_residency(
     host_rows = _host_cache(op, host_cache, row_bytes, device)
     _tensor(op, "hot_block_table", hot_block_table, i32, 2, device)
     _row_major(op, "hot_block_table", hot_block_table)
-    _tensor(op, "hot_indices", hot_indices, i32, 2, device)
-    if tuple(hot_indices.shape) != (R, K):
-        _fail(op, f"hot_indices has shape {tuple(hot_indices.shape)}, expected {(R, K)}")
-    _contiguous(op, "hot_indices", hot_indices)
+    _plan(op, "hot_indices", hot_indices, R, K, device)
     _tensor(op, "device_global_indices", device_global_indices, i32, 2, device)
     _contiguous(op, "device_global_indices", device_global_indices)
     _tensor(op, "lru_slots", lru_slots, torch.int16, 2, device)
@@ -138,10 +175,7 @@ def check_resolve_residency(
         _fail(op, "request_ids and source_block_table must be provided together")
     need_hot_rows = R
     if source_block_table is not None:
-        _tensor(op, "request_ids", request_ids, i32, None, device)
-        _contiguous(op, "request_ids", request_ids)
-        if request_ids.numel() < R:
-            _fail(op, f"request_ids has {request_ids.numel()} entries for {R} rows")
+        _per_row(op, "request_ids", request_ids, R, device)
         _tensor(op, "source_block_table", source_block_table, i32, 2, device)
         _row_major(op, "source_block_table", source_block_table)
         if source_block_size <= 0:
@@ -163,10 +197,7 @@ def check_resolve_residency(
     for name, t in (("resolved_global_indices", resolved_global_indices),
                     ("miss_mask", miss_mask)):
         if t is not None:
-            _tensor(op, name, t, i32, 2, device)
-            if tuple(t.shape) != (R, K):
-                _fail(op, f"{name} has shape {tuple(t.shape)}, expected {(R, K)}")
-            _contiguous(op, name, t)
+            _plan(op, name, t, R, K, device)
     if valid_counts is not None:
         _tensor(op, "valid_counts", valid_counts, i32, 1, device)
         if valid_counts.shape[0] != R:
@@ -176,16 +207,9 @@ def check_resolve_residency(
         _fail(op, "swap_host_physical_rows, swap_device_physical_rows and swap_counts must be "
                   "provided together")
     if swap_counts is not None:
-        for name, t in (("swap_host_physical_rows", swap_host_physical_rows),
-                        ("swap_device_physical_rows", swap_device_physical_rows)):
-            _tensor(op, name, t, i32, 2, device)
-            if tuple(t.shape) != (R, K):
-                _fail(op, f"{name} has shape {tuple(t.shape)}, expected {(R, K)}")
-            _contiguous(op, name, t)
-        _tensor(op, "swap_counts", swap_counts, i32, None, device)
-        _contiguous(op, "swap_counts", swap_counts)
-        if swap_counts.numel() < R:
-            _fail(op, f"swap_counts has {swap_counts.numel()} entries for {R} rows")
+        _plan(op, "swap_host_physical_rows", swap_host_physical_rows, R, K, device)
+        _plan(op, "swap_device_physical_rows", swap_device_physical_rows, R, K, device)
+        _per_row(op, "swap_counts", swap_counts, R, device)
     if request_state_indices is not None:
         _tensor(op, "request_state_indices", request_state_indices, i32, 1, device)
         _contiguous(op, "request_state_indices", request_state_indices)
@@ -198,11 +222,7 @@ def check_resolve_residency(
             _fail(op, f"stats must be a contiguous uint64 tensor [2], got shape "
                       f"{tuple(stats.shape)}")
     if attention_indices is not None:
-        _tensor(op, "attention_indices", attention_indices, i32, 2, device)
-        if tuple(attention_indices.shape) != (R, K):
-            _fail(op, f"attention_indices has shape {tuple(attention_indices.shape)}, "
-                      f"expected {(R, K)}")
-        _row_major(op, "attention_indices", attention_indices)
+        _plan(op, "attention_indices", attention_indices, R, K, device, row_major_only=True)
         if attention_block_stride < hbs:
             _fail(op, f"attention_block_stride {attention_block_stride} must cover one hot "
                       f"block ({hbs} rows)")
@@ -253,24 +273,13 @@ def check_gather_plan(host_cache, hot_cache, global_indices, hot_indices, miss_m
     _contiguous(op, "global_indices", global_indices)
     R, K = global_indices.shape
     for name, t in (("hot_indices", hot_indices), ("miss_mask", miss_mask)):
-        _tensor(op, name, t, i32, 2, device)
-        if tuple(t.shape) != (R, K):
-            _fail(op, f"{name} has shape {tuple(t.shape)}, expected {(R, K)} (global_indices)")
-        _contiguous(op, name, t)
+        _plan(op, name, t, R, K, device, what=" (global_indices)")
     hbs, hot_rows, row_bytes = _hot_cache(op, hot_cache, device, paged_only=False)
     host_rows = _host_cache(op, host_cache, row_bytes, device)
     if request_state_indices is not None:
-        _tensor(op, "request_state_indices", request_state_indices, i32, None, device)
-        _contiguous(op, "request_state_indices", request_state_indices)
-        if request_state_indices.numel() < R:
-            _fail(op, f"request_state_indices has {request_state_indices.numel()} entries for "
-                      f"{R} rows")
+        _per_row(op, "request_state_indices", request_state_indices, R, device)
     if attention_indices is not None:
-        _tensor(op, "attention_indices", attention_indices, i32, 2, device)
-        if tuple(attention_indices.shape) != (R, K):
-            _fail(op, f"attention_indices has shape {tuple(attention_indices.shape)}, "
-                      f"expected {(R, K)}")
-        _contiguous(op, "attention_indices", attention_indices)
+        _plan(op, "attention_indices", attention_indices, R, K, device)
         if R and K and attention_block_stride < hbs:
             _fail(op, f"attention_block_stride {attention_block_stride} must cover one hot "
                       f"block ({hbs} rows)")
@@ -286,15 +295,9 @@ def check_gather_compact(host_cache, hot_cache, miss_global_indices, miss_hot_in
     device = miss_global_indices.device
     _contiguous(op, "miss_global_indices", miss_global_indices)
     R, K = miss_global_indices.shape
-    _tensor(op, "miss_hot_indices", miss_hot_indices, i32, 2, device)
-    if tuple(miss_hot_indices.shape) != (R, K):
-        _fail(op, f"miss_hot_indices has shape {tuple(miss_hot_indices.shape)}, expected "
-                  f"{(R, K)} (miss_global_indices)")
-    _contiguous(op, "miss_hot_indices", miss_hot_indices)
-    _tensor(op, "miss_counts", miss_counts, i32, None, device)
-    _contiguous(op, "miss_counts", miss_counts)
-    if miss_counts.numel() < R:
-        _fail(op, f"miss_counts has {miss_counts.numel()} entries for {R} rows")
+    _plan(op, "miss_hot_indices", miss_hot_indices, R, K, device,
+          what=" (miss_global_indices)")
+    _per_row(op, "miss_counts", miss_counts, R, device)
     hbs, hot_rows, row_bytes = _hot_cache(op, hot_cache, device, paged_only=True)
     host_rows = _host_cache(op, host_cache, row_bytes, device)
     return GatherGeometry(R, K, hbs, hot_rows, host_rows, row_bytes)
@@ -318,6 +321,14 @@ def check_invalidate_written_slots(device_global_indices, request_state_indices,
     if written_slots.numel() > _INT32_MAX:
         _fail(op, f"{written_slots.numel()} tokens exceed the launch grid")
     return written_slots.numel()
+
+
+def check_upconvert_addresses(src_cache: Tensor, dst: Tensor) -> None:
+    """The FP8 gather reads 4-byte scale words and writes 4-byte-aligned rows."""
+    if src_cache.data_ptr() % 4 or dst.data_ptr() % 4:
+        _fail("cp_gather_and_upconvert_fp8_kv_cache",
+              f"src_cache (0x{src_cache.data_ptr():x}) and dst (0x{dst.data_ptr():x}) must be "
+              "4-byte aligned")
 
 
 class UpconvertGeometry(NamedTuple):
@@ -347,16 +358,16 @@ def check_upconvert(src_cache, dst, block_table, workspace_starts, batch_size: i
         _fail(op, f"src_cache must be [num_blocks, block_size, {FP8_ROW_BYTES}] with "
                   f"contiguous rows, got shape {tuple(src_cache.shape)} strides "
                   f"{src_cache.stride()}")
-    if src_cache.stride(0) % 4 or src_cache.stride(1) % 4 or src_cache.data_ptr() % 4:
+    if src_cache.stride(0) % 4 or src_cache.stride(1) % 4:
         _fail(op, f"src_cache rows must be 4-byte aligned, got strides {src_cache.stride()}")
+    check_upconvert_addresses(src_cache, dst)
     _tensor(op, "dst", dst, torch.bfloat16, 2, device)
     if dst.shape[1] != FP8_HEAD_DIM:
         _fail(op, f"dst rows must hold {FP8_HEAD_DIM} values (head_dim must be 576 for MLA), "
                   f"got {dst.shape[1]}")
-    if dst.shape[0] and (dst.stride(1) != 1 or dst.stride(0) % 2 or dst.data_ptr() % 4):
+    if dst.shape[0] and (dst.stride(1) != 1 or dst.stride(0) % 2):
         _fail(op, f"dst rows must be contiguous and 4-byte aligned, got strides {dst.stride()}")
-    _tensor(op, "workspace_starts", workspace_starts, i32, None, device)
-    _contiguous(op, "workspace_starts", workspace_starts)
+    _per_row(op, "workspace_starts", workspace_starts, 0, device)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
         _fail(op, f"batch_size must be a non-negative int, got {batch_size!r}")
     if batch_size > workspace_starts.numel() or batch_size > block_table.shape[0]:
@@ -364,11 +375,7 @@ def check_upconvert(src_cache, dst, block_table, workspace_starts, batch_size: i
                   f"({workspace_starts.numel()} entries) or block_table "
                   f"({block_table.shape[0]} rows)")
     if seq_starts is not None:
-        _tensor(op, "seq_starts", seq_starts, i32, None, device)
-        _contiguous(op, "seq_starts", seq_starts)
-        if seq_starts.numel() < batch_size:
-            _fail(op, f"seq_starts has {seq_starts.numel()} entries for batch_size "
-                      f"{batch_size}")
+        _per_row(op, "seq_starts", seq_starts, batch_size, device, "requests (batch_size)")
     if (host_cache is None) != (host_row_ids is None):
         _fail(op, "host_cache and host_row_ids must be provided together")
     if device_row_ids is not None and host_row_ids is None:
@@ -379,12 +386,10 @@ def check_upconvert(src_cache, dst, block_table, workspace_starts, batch_size: i
         if host_cache.element_size() != 1:
             _fail(op, f"host_cache must hold bytes (uint8 / fp8), got {host_cache.dtype}",
                   TypeError)
-        _tensor(op, "host_row_ids", host_row_ids, i32, None, device)
-        _contiguous(op, "host_row_ids", host_row_ids)
+        _per_row(op, "host_row_ids", host_row_ids, 0, device)
         num_mapped = host_row_ids.numel()
         if device_row_ids is not None:
-            _tensor(op, "device_row_ids", device_row_ids, i32, None, device)
-            _contiguous(op, "device_row_ids", device_row_ids)
+            _per_row(op, "device_row_ids", device_row_ids, 0, device)
             if device_row_ids.numel() != num_mapped:
                 _fail(op, f"device_row_ids has {device_row_ids.numel()} entries, host_row_ids "
                           f"{num_mapped}")

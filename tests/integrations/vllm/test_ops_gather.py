@@ -36,42 +36,34 @@ class Caches:
                                                   dtype=np.uint8)).view(dtype)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         width = row_bytes // itemsize
-        if hbs:
-            self.block_stride = hbs * row_bytes + gap
-            self.hot_rows = blocks * hbs
-        else:
-            self.block_stride = row_bytes
-            self.hot_rows = blocks
+        self.block_stride = hbs * row_bytes + gap if hbs else row_bytes
+        self.hot_rows = blocks * hbs if hbs else blocks
         size = blocks * self.block_stride + 64
         self.backing = torch.from_numpy(rng.integers(0, 256, size=size, dtype=np.uint8))
-        typed = self.backing.view(dtype) if itemsize == 1 else \
-            self.backing[:size - size % itemsize].view(dtype)
         if hbs:
-            self.hot = typed.as_strided((blocks, hbs, width),
-                                        (self.block_stride // itemsize, width, 1))
+            self.shape = (blocks, hbs, width)
+            self.strides = (self.block_stride // itemsize, width, 1)
         else:
-            self.hot = typed.as_strided((blocks, width), (width, 1))
+            self.shape, self.strides = (blocks, width), (width, 1)
+        self.dtype = dtype
+        self.hot = self._view(self.backing)
 
-    def clone(self) -> "Caches":
+    def _view(self, backing: torch.Tensor) -> torch.Tensor:
+        """The hot cache as a strided view of ``backing`` (any device)."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        typed = backing[:backing.numel() - backing.numel() % itemsize].view(self.dtype)
+        return typed.as_strided(self.shape, self.strides)
+
+    def to(self, device="cpu") -> "Caches":
+        """A copy (backing and hot view) on ``device``; the host cache is shared."""
         other = object.__new__(Caches)
         other.__dict__.update(self.__dict__)
-        other.backing = self.backing.clone()
-        itemsize = self.hot.element_size()
-        typed = other.backing.view(self.hot.dtype) if itemsize == 1 else \
-            other.backing[:other.backing.numel() - other.backing.numel() % itemsize].view(
-                self.hot.dtype)
-        other.hot = typed.as_strided(self.hot.shape, self.hot.stride())
+        other.backing = self.backing.clone().to(device)
+        other.hot = other._view(other.backing)
         return other
 
-    def to(self, device) -> "Caches":
-        other = self.clone()
-        other.backing = other.backing.to(device)
-        itemsize = self.hot.element_size()
-        typed = other.backing.view(self.hot.dtype) if itemsize == 1 else \
-            other.backing[:other.backing.numel() - other.backing.numel() % itemsize].view(
-                self.hot.dtype)
-        other.hot = typed.as_strided(self.hot.shape, self.hot.stride())
-        return other
+    def clone(self) -> "Caches":
+        return self.to("cpu")
 
 
 def distinct_destinations(rng, R, K, hot_rows):

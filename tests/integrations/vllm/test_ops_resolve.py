@@ -247,3 +247,57 @@ def test_triton_kernel_cold_and_warm(kernel_device, top_k):
         want = run_resolve(vllm_reference.hisparse_resolve_residency, case)
         assert_same(run_resolve(_kernel(), case, kernel_device), want)
         case.dgi, case.lru = want["dgi"].astype(np.int32), want["lru"].astype(np.int16)
+
+
+@pytest.mark.parametrize("sort_width,block_h", [(16, 16), (32, 16), (16, 64)])
+def test_triton_kernel_tiles_and_merge_passes(kernel_device, sort_width, block_h):
+    """Small register tiles: top-k 40 sorts as 16- or 32-key tiles merged in scratch (both
+    buffer parities), the 48-slot LRU in steps of 16."""
+    from hisparse_triton.kernels import vllm_residency
+
+    def op(*args):
+        vllm_residency.hisparse_resolve_residency(*args, sort_width=sort_width,
+                                                  block_h=block_h)
+
+    case = random_resolve_case(np.random.default_rng(sort_width + block_h),
+                               rows_per_request=[2, 1, 2], top_k=40, hot_size=48,
+                               positions=120, host_blocks=60, shuffle_rows=True,
+                               padding_rows=1)
+    want = run_resolve(vllm_reference.hisparse_resolve_residency, case)
+    assert_same(run_resolve(op, case, kernel_device), want)
+
+
+def test_triton_kernel_over_several_steps(kernel_device):
+    """Three decode steps of MTP requests, the state carried from step to step: every
+    output and the state stay equal to the torch model's."""
+    rng = np.random.default_rng(21)
+    case = random_resolve_case(rng, rows_per_request=[2, 2, 1], top_k=16, hot_size=40,
+                               positions=64)
+    for step in range(3):
+        want = run_resolve(vllm_reference.hisparse_resolve_residency, case)
+        assert_same(run_resolve(_kernel(), case, kernel_device), want)
+        case.dgi, case.lru = want["dgi"].astype(np.int32), want["lru"].astype(np.int16)
+        case.stats = want["stats"].astype(np.uint64)
+        fresh = random_resolve_case(np.random.default_rng(100 + step),
+                                    rows_per_request=[2, 2, 1], top_k=16, hot_size=40,
+                                    positions=64)
+        keep = rng.random(case.global_indices.shape) < 0.5   # half the selection repeats
+        case.global_indices = np.where(keep, case.global_indices, fresh.global_indices)
+
+
+@pytest.mark.slow
+def test_triton_kernel_at_deepseek_shapes(kernel_device):
+    """vLLM ``test_resolve_production_shapes``: top-k 2048 into 4096 slots (the register
+    tiles of production: one 2048-key sort, 4096 LRU positions per step), a warm state that
+    holds half of the selection."""
+    case = with_identity_source(cold_case(2048, 4096, num_rows=1, seed=8), [0])
+    rng = np.random.default_rng(8)
+    g = case.global_indices[0] + 4                     # host rows (identity source, +1 block)
+    held = rng.permutation(4096)
+    case.dgi[0, held[:1024]] = g[:1024]
+    others = np.setdiff1d(np.arange(case.host_rows), g)   # held rows nobody selects
+    case.dgi[0, held[1024:1536]] = rng.choice(others, 512, replace=False)
+    case.lru[0] = rng.permutation(4096).astype(np.int16)
+    want = run_resolve(vllm_reference.hisparse_resolve_residency, case)
+    assert want["swap_counts"][0] == 1024 and want["stats"].tolist() == [1024, 1024]
+    assert_same(run_resolve(_kernel(), case, kernel_device), want)

@@ -1,4 +1,5 @@
-"""``ResolveWorkspace``: every buffer a ``resolve`` call needs, allocated once and reused.
+"""``ResolveWorkspace``: every buffer a ``resolve`` call needs, allocated once and reused;
+``restore_resolve_state``: undo the last call made with one.
 
 A decode step resolves every index group; allocating the outputs and the scratch tables of
 each call costs host time (one allocation and one view per buffer) and, inside a CUDA graph,
@@ -27,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["ResolveBuffers", "ResolveWorkspace", "scratch_width"]
+__all__ = ["ResolveBuffers", "ResolveWorkspace", "restore_resolve_state", "scratch_width"]
 
 _ALIGN = 16  # elements: every view starts 64-byte aligned (Triton specialises on 16 bytes)
 
@@ -172,3 +173,32 @@ class ResolveWorkspace:
     def __repr__(self) -> str:
         return (f"ResolveWorkspace(device={self.device}, int32={self._i32.numel()}, "
                 f"int64={self._i64.numel()}, shapes={sorted(self._views)})")
+
+
+def restore_resolve_state(workspace: ResolveWorkspace, state_rows: torch.Tensor,
+                          slot_host_rows: torch.Tensor, lru: torch.Tensor) -> None:
+    """Undo the last ``resolve`` made with ``workspace``: write back the ``slot_host_rows``
+    and ``lru`` rows it saved for every batch row it resolved (the failure path, e.g. when
+    the gather that follows a resolve raised). ``state_rows``: the ``[R] int32`` the call got;
+    ``slot_host_rows`` / ``lru``: its ``[S, H]`` state tensors. Torch ops (a device sync on
+    CUDA); raises ``ValueError`` when the workspace holds no call of that shape."""
+    bufs = workspace.last if isinstance(workspace, ResolveWorkspace) else None
+    if bufs is None:
+        raise ValueError("restore_resolve_state: the workspace holds no resolve call to undo "
+                         "(pass the workspace the call used, before any other call with it).")
+    R, H = bufs.old_lru.shape
+    if not isinstance(state_rows, torch.Tensor) or tuple(state_rows.shape) != (R,):
+        raise ValueError(f"restore_resolve_state: state_rows must be the [{R}] tensor of the "
+                         f"last call, got shape {tuple(getattr(state_rows, 'shape', ()))}.")
+    for name, t in (("slot_host_rows", slot_host_rows), ("lru", lru)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != H \
+                or t.dtype != torch.int32:
+            raise ValueError(f"restore_resolve_state: {name} must be int32 [S, {H}], got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} of shape "
+                             f"{tuple(getattr(t, 'shape', ()))}.")
+    touched = bufs.touched.to(torch.bool)
+    rows = state_rows.to(torch.int64)[touched]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= lru.shape[0]):
+        raise ValueError("restore_resolve_state: state_rows are not those of the last call.")
+    slot_host_rows[rows] = bufs.old_slot_rows[touched]
+    lru[rows] = bufs.old_lru[touched]

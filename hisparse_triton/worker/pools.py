@@ -17,7 +17,7 @@ so a caller can check all of its allocations together before making any.
 
 Shared mode (``HostPool(..., shared_name=NAME, create=...)``): the pool is a file
 ``<dir>/hisparse-NAME`` (``dir`` = ``/dev/shm``, else the system temp dir; see
-``hisparse_triton.shared_pool`` for its header) mapped ``MAP_SHARED``, so the
+``hisparse_triton.worker.shared_pool`` for its header) mapped ``MAP_SHARED``, so the
 tensor-parallel ranks of one node hold ONE copy of the (identical) MLA KV history:
 
 - the creating rank (tp_rank 0) makes the file exclusively at its exact size, writes a header
@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from hisparse_triton import shared_pool
+from hisparse_triton.worker import shared_pool
 from hisparse_triton.compat import check_versions
 from hisparse_triton.errors import HostMemoryError, RuntimeClosedError, SharedHostPoolError
 from hisparse_triton.memory import (  # noqa: F401 - re-exported: the pools' RAM helpers

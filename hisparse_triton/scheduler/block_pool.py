@@ -1,0 +1,361 @@
+"""``BlockPool``: a block allocator whose free blocks stay readable until they are reused.
+
+Used for both pools of the scheduler: the host pool (source-layer pages) and the shared
+device pool (indexer, resident, hot and regular groups all draw from one id space). Block 0
+is the null block: it means "no page" in every block table and is never handed out.
+
+Freed blocks go to the back of the free queue and are reused last (FIFO), so a just-freed
+block keeps its bytes for as long as possible. A free block can still hold a page someone
+reads: an unpinned resident page, a published prefix page. Those parties register as
+*readers* of the block (``add_reader`` / ``drop_reader``). A free block with readers is
+*cached* (``num_cached``); the others are *truly free* (``num_truly_free``). When
+``allocate`` hands a cached block to a new owner, the pool calls ``on_reuse(block)`` before
+returning: the readers learn that the page is gone (the scheduler marks it lost) and drop
+their registrations. ``take`` instead adopts a named free block with its bytes (a prefix
+hit), so its readers stay.
+
+Bookkeeping is four int32 numpy arrays of ``num_blocks`` entries (reference count, reader
+count, next and previous in the free queue): 16 B per block, allocated once, whatever
+happens later; scalar access goes through memoryviews (plain Python ints, list speed).
+
+All operations are pure CPU bookkeeping (no tensors) and all-or-nothing: a call that raises
+changes no count and no queue entry. With a ``Journal`` attached (``journal=``), every change
+also records its inverse while a transaction is open, so a caller's transaction can undo it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Hashable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from hisparse_triton.errors import BlockPoolError, CapacityError, SchedulerStateError
+from hisparse_triton.scheduler.journal import Journal
+
+NULL_BLOCK = 0
+
+
+class FreeQueue:
+    """Free block ids in reuse order: a doubly linked list over ``[1, num_blocks)`` held in
+    two int32 arrays (id 0, the null block, is the list's sentinel). ``popleft``,
+    ``append``, ``remove`` and re-insertion (``insert_after``) are O(1), so a block can leave
+    the queue from anywhere and an undo puts it back exactly where it was. Membership is
+    the pool's business (a block is free when its reference count is 0)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        n = num_blocks
+        self._next_array = np.arange(1, n + 1, dtype=np.int32)
+        self._next_array[-1] = 0
+        self._prev_array = np.arange(-1, n - 1, dtype=np.int32)
+        self._prev_array[0] = n - 1
+        self._next = memoryview(self._next_array)
+        self._prev = memoryview(self._prev_array)
+        self._len = n - 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        node = self._next[0]
+        while node:
+            yield node
+            node = self._next[node]
+
+    def walk(self, limit: int) -> list[int]:
+        """The queue front to back, at most ``limit`` ids (a corrupt, cyclic list ends)."""
+        out: list[int] = []
+        node = self._next[0]
+        while node and len(out) < limit:
+            out.append(node)
+            node = self._next[node]
+        return out
+
+    def insert_after(self, prev: int, block: int) -> None:
+        """Put ``block`` right after ``prev`` (0 = at the front)."""
+        nxt = self._next[prev]
+        self._next[prev] = block
+        self._prev[block] = prev
+        self._next[block] = nxt
+        self._prev[nxt] = block
+        self._len += 1
+
+    def append(self, block: int) -> None:
+        self.insert_after(self._prev[0], block)
+
+    def remove(self, block: int) -> int:
+        """Take ``block`` out; returns the block before it (0 = it was first)."""
+        prev, nxt = self._prev[block], self._next[block]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._len -= 1
+        return prev
+
+    def popleft(self) -> int:
+        block = self._next[0]
+        self.remove(block)
+        return block
+
+
+class BlockPool:
+    """``num_blocks`` blocks, ids ``[0, num_blocks)``; ids ``1..num_blocks-1`` are allocatable.
+
+    ``on_reuse(block)``: called by ``allocate`` for every handed-out block that had readers,
+    after its reference count is set; it must drop every reader of the block
+    (``drop_reader``). See the module docstring for readers and cached blocks.
+    """
+
+    def __init__(self, num_blocks: int, name: str = "pool",
+                 journal: Optional[Journal] = None,
+                 on_reuse: Optional[Callable[[int], None]] = None) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"{name} BlockPool needs num_blocks >= 1 (block 0 is the null "
+                             f"block), got {num_blocks!r}.")
+        self.name = name
+        self.num_blocks = num_blocks
+        self._ref_array = np.zeros(num_blocks, dtype=np.int32)
+        self._readers_array = np.zeros(num_blocks, dtype=np.int32)
+        self._ref = memoryview(self._ref_array)
+        self._readers = memoryview(self._readers_array)
+        self._free = FreeQueue(num_blocks)
+        self._num_cached = 0
+        self.journal = journal if journal is not None else Journal()
+        self.on_reuse = on_reuse
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Allocatable blocks (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a page someone reads."""
+        return self._num_cached
+
+    @property
+    def num_truly_free(self) -> int:
+        """Free blocks that hold nothing anyone reads."""
+        return len(self._free) - self._num_cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of allocatable blocks in use (0.0 for a pool with only the null block)."""
+        return self.num_used / self.capacity if self.capacity else 0.0
+
+    def ref_count(self, block: int) -> int:
+        self._check_id(block)
+        return self._ref[block]
+
+    def readers(self, block: int) -> int:
+        """How many parties read ``block``'s page (owned or free)."""
+        self._check_id(block)
+        return self._readers[block]
+
+    def is_free(self, block: int) -> bool:
+        """Whether ``block`` sits in the free queue."""
+        return isinstance(block, int) and 0 < block < self.num_blocks and not self._ref[block]
+
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` is free and still holds a page someone reads."""
+        return self.is_free(block) and self._readers[block] > 0
+
+    def peek(self, n: int) -> list[int]:
+        """The ``n`` blocks ``allocate(n)`` would return next (fewer if fewer are free)."""
+        out = []
+        for block in self._free:
+            if len(out) == n:
+                break
+            out.append(block)
+        return out
+
+    # -- state changes (every one keeps num_cached exact) -------------------------------
+    def _set_ref(self, block: int, value: int) -> None:
+        readers = self._readers[block]
+        if readers:
+            self._num_cached += (value == 0) - (self._ref[block] == 0)
+        self._ref[block] = value
+
+    def _set_readers(self, block: int, value: int) -> None:
+        if self._ref[block] == 0:
+            self._num_cached += (value > 0) - (self._readers[block] > 0)
+        self._readers[block] = value
+
+    # -- mutations -----------------------------------------------------------------------
+    def allocate(self, n: int, *, request_id: Optional[Hashable] = None) -> list[int]:
+        """Take ``n`` free blocks (reference count 1 each), front of the queue first;
+        ``CapacityError`` if fewer are free. Calls ``on_reuse`` for each cached one."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n!r} blocks.")
+        if n > len(self._free):
+            who = f" for request {request_id!r}" if request_id is not None else ""
+            raise CapacityError(
+                f"{self.name} pool cannot allocate {n} blocks{who}: {len(self._free)} of "
+                f"{self.capacity} are free.", resource=f"{self.name} blocks", needed=n,
+                available=len(self._free), request_id=request_id)
+        pop = self._free.popleft
+        blocks = [pop() for _ in range(n)]
+        reused = []
+        for block in blocks:
+            self._set_ref(block, 1)
+            if self._readers[block]:
+                reused.append(block)
+        if self.journal.active:
+            self.journal.record(lambda: self._unallocate(blocks))
+        for block in reused:
+            self._notify_reuse(block)
+        return blocks
+
+    def _notify_reuse(self, block: int) -> None:
+        if self.on_reuse is not None:
+            self.on_reuse(block)
+        if self._readers[block]:
+            raise SchedulerStateError(
+                f"{self.name}: block {block} was handed to a new owner but "
+                f"{self._readers[block]} reader(s) still read its old page.")
+
+    def _unallocate(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):
+            self._set_ref(block, 0)
+            self._free.insert_after(0, block)
+
+    def take(self, block: int) -> None:
+        """Allocate one named free block (reference count 1) from anywhere in the queue,
+        keeping its page and readers; ``BlockPoolError`` if it is not free."""
+        self._check_id(block)
+        if self._ref[block]:
+            raise BlockPoolError(f"{self.name}: cannot take block {block}: it is not free.")
+        prev = self._free.remove(block)
+        self._set_ref(block, 1)
+        if self.journal.active:
+            self.journal.record(lambda: self._untake(prev, block))
+
+    def _untake(self, prev: int, block: int) -> None:
+        self._set_ref(block, 0)
+        self._free.insert_after(prev, block)
+
+    def share(self, block: int) -> None:
+        """One more reference to ``block`` whether it is owned (``touch``) or free (``take``)."""
+        if self.ref_count(block):
+            self.touch([block])
+        else:
+            self.take(block)
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each (allocated) block, e.g. to share a page."""
+        blocks = list(blocks)
+        for block in blocks:
+            self._check_id(block)
+            if self._ref[block] == 0:
+                raise BlockPoolError(f"{self.name}: cannot touch block {block}: it is free.")
+        for block in blocks:
+            self._ref[block] += 1
+        if self.journal.active:
+            self.journal.record(lambda: self._untouch(blocks))
+
+    def _untouch(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._ref[block] -= 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference per occurrence; a block whose count reaches 0 becomes free
+        (at the back of the queue, in the caller's order; cached if it has readers).
+
+        ``BlockPoolError`` (nothing changed) on the null block, an id outside the pool, or a
+        block released more times than it is referenced (double free).
+        """
+        counts = Counter(blocks)
+        for block, times in counts.items():
+            self._check_id(block)
+            if self._ref[block] < times:
+                raise BlockPoolError(
+                    f"{self.name}: double free of block {block} (reference count "
+                    f"{self._ref[block]}, released {times} time(s)).")
+        appended = []
+        for block, times in counts.items():
+            left = self._ref[block] - times
+            self._set_ref(block, left)
+            if left == 0:
+                self._free.append(block)
+                appended.append(block)
+        if self.journal.active:
+            self.journal.record(lambda: self._unfree(counts, appended))
+
+    def _unfree(self, counts: Counter, appended: list[int]) -> None:
+        for block in reversed(appended):
+            self._free.remove(block)
+        for block, times in counts.items():
+            self._set_ref(block, self._ref[block] + times)
+
+    def add_reader(self, block: int) -> None:
+        """Register one more reader of ``block``'s page (it stays readable while free)."""
+        self._check_id(block)
+        self._set_readers(block, self._readers[block] + 1)
+        if self.journal.active:
+            self.journal.record(lambda: self._set_readers(block, self._readers[block] - 1))
+
+    def drop_reader(self, block: int) -> None:
+        """One reader stopped reading ``block``'s page (``BlockPoolError`` if it had none)."""
+        self._check_id(block)
+        if not self._readers[block]:
+            raise BlockPoolError(f"{self.name}: block {block} has no reader to drop.")
+        self._set_readers(block, self._readers[block] - 1)
+        if self.journal.active:
+            self.journal.record(lambda: self._set_readers(block, self._readers[block] + 1))
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check_id(self, block: int) -> None:
+        if not isinstance(block, int) or isinstance(block, bool):
+            raise BlockPoolError(f"{self.name}: block id must be an int, got {block!r}.")
+        if block == NULL_BLOCK:
+            raise BlockPoolError(f"{self.name}: block 0 is the null block; it is never "
+                                 f"allocated, touched or freed.")
+        if not 0 < block < self.num_blocks:
+            raise BlockPoolError(f"{self.name}: block {block} is outside the pool "
+                                 f"[1, {self.num_blocks}).")
+
+    def check_invariants(self) -> None:
+        """``SchedulerStateError`` naming the first broken rule: the free queue holds
+        exactly the blocks with reference count 0 (each once, linked both ways), counts are
+        never negative, the null block is untouched, ``num_cached`` is exact."""
+        ref, readers = self._ref_array, self._readers_array
+        problems = []
+        if ref[0] or readers[0]:
+            problems.append("the null block has references or readers")
+        if (ref < 0).any() or (readers < 0).any():
+            problems.append(f"negative counts at blocks "
+                            f"{np.flatnonzero((ref < 0) | (readers < 0)).tolist()[:5]}")
+        queue = self._free.walk(limit=self.num_blocks)
+        expected = np.flatnonzero(ref[1:] == 0) + 1
+        if len(queue) != len(self._free) or sorted(queue) != expected.tolist():
+            problems.append(f"the free queue ({len(self._free)} blocks) is not the set of "
+                            f"blocks with no reference ({expected.size})")
+        nodes = np.asarray([0, *queue], dtype=np.int64)
+        if (self._free._prev_array[self._free._next_array[nodes]] != nodes).any():
+            problems.append("the free queue's links disagree")
+        cached = int(((ref[1:] == 0) & (readers[1:] > 0)).sum())
+        if cached != self._num_cached:
+            problems.append(f"num_cached is {self._num_cached}, {cached} free blocks have "
+                            f"readers")
+        if problems:
+            raise SchedulerStateError(f"{self.name} pool: " + "; ".join(problems) + ".")
+
+    def snapshot(self) -> tuple:
+        """Comparable state (tests): queue order, reference and reader counts."""
+        return (list(self._free), self._ref_array.tolist(), self._readers_array.tolist(),
+                self._num_cached)
+
+    def __repr__(self) -> str:
+        return (f"BlockPool(name={self.name!r}, num_blocks={self.num_blocks}, "
+                f"free={self.num_free}, cached={self.num_cached})")
+
+
+__all__ = ["NULL_BLOCK", "BlockPool", "FreeQueue"]

@@ -1,0 +1,147 @@
+"""``Capacity``: what a scheduler call needs and whether it fits, decided before any change.
+
+Every call that takes blocks is counted here first, from the current state and changing
+nothing: an admission (state row, host blocks, the hot region after the prefix hits it
+adopts), an append (the paged groups' new blocks) and a decode batch. When the device
+blocks do not fit as they are, the residency policy's reclaim plan says whom to offload and
+what is available afterwards; a call that cannot fit even then is refused with
+``CapacityError`` while nothing has changed yet. ``can_admit`` / ``can_append`` are these
+counts without the error. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+from hisparse_triton.errors import CapacityError
+from hisparse_triton.scheduler.block_pool import BlockPool
+from hisparse_triton.scheduler.coordinator import GroupCoordinator
+from hisparse_triton.scheduler.prefix_cache import PrefixCache, PrefixEntry, prompt_page_hashes
+from hisparse_triton.scheduler.requests import Request, RequestTable, check_lengths
+from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
+from hisparse_triton.specs import cdiv
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A counted admission: what ``add_request`` will take (all of it fits)."""
+
+    prompt_len: int
+    max_new_tokens: int
+    hashes: list[bytes]            # the prompt's full pages' chained hashes
+    hits: list[PrefixEntry]        # the cached prefix it adopts
+    new_host: int                  # host blocks to allocate (besides the hits' shared ones)
+    reclaim: Optional[Reclaim]     # offloads to run first (None: none needed)
+
+
+class Capacity:
+    """The counting half of a scheduler's calls (see the module docstring)."""
+
+    def __init__(self, *, requests: RequestTable, devices: GroupCoordinator,
+                 device_pool: BlockPool, host_pool: BlockPool, prefix: Optional[PrefixCache],
+                 policy: ResidencyPolicy, max_model_len: int,
+                 max_num_batched_tokens: Optional[int]) -> None:
+        self.requests, self.devices, self.prefix, self.policy = requests, devices, prefix, policy
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.block_size = policy.block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    @property
+    def available_device_blocks(self) -> int:
+        """Free device blocks (cached ones included: taking one loses its page) minus the
+        hot regions reserved for requests that have not offloaded yet."""
+        return self.device_pool.num_free - self.devices.reserved
+
+    def fit(self, needed: int, request_id: Hashable = None,
+            num_tokens: int = 0) -> tuple[Optional[Reclaim], int]:
+        """The reclaim that makes ``needed`` device blocks available (None: they already
+        are, or no reclaim can help) and the blocks available then. With ``request_id`` (an
+        append of ``num_tokens``): ``CapacityError`` when they do not fit even then."""
+        available = self.available_device_blocks
+        if needed <= available or not self.devices.resident:
+            reclaim = None
+        else:
+            reclaim = self.policy.plan_reclaim(
+                self.requests.values(), needed, available, self.devices.resident_blocks,
+                self.device_pool.ref_count)
+            available = reclaim.available
+        if request_id is not None and needed > available:
+            raise CapacityError(
+                f"request {request_id!r}: appending {num_tokens} tokens needs {needed} device "
+                f"blocks, {max(available, 0)} of {self.device_pool.capacity} are "
+                f"available (free minus reserved hot regions).", resource="device blocks",
+                needed=needed, available=max(available, 0), request_id=request_id)
+        return reclaim, available
+
+    def admission(self, request_id: Hashable, prompt_len: object, max_new_tokens: object,
+                  token_ids: Optional[Sequence[int]]) -> Admission:
+        """Count a new request (errors as ``add_request`` but for a duplicate id)."""
+        prompt_len, max_new_tokens = check_lengths(request_id, prompt_len, max_new_tokens,
+                                                   self.max_model_len)
+        B = self.block_size
+        hashes = prompt_page_hashes(request_id, prompt_len, token_ids, B)
+        hits = self.prefix.lookup(hashes, (prompt_len - 1) // B) if self.prefix else []
+        if not self.requests.num_free_rows:
+            raise CapacityError(f"cannot add request {request_id!r}: all "
+                                f"{self.requests.max_num_seqs} state rows (max_num_seqs) "
+                                f"are in use.", resource="state rows", needed=1, available=0,
+                                request_id=request_id)
+        host, total = self.host_pool, prompt_len + max_new_tokens
+        new_host = cdiv(total, B) - len(hits)
+        host_free = host.num_free - sum(1 for e in hits if host.is_free(e.host_block))
+        if new_host > host_free:
+            raise CapacityError(
+                f"cannot add request {request_id!r}: it needs {new_host} host blocks for "
+                f"{total} tokens, {host_free} of {host.capacity} are free.",
+                resource="host blocks", needed=new_host, available=host_free,
+                request_id=request_id)
+        hot_cost = self.devices.hot_cost
+        reclaim, available = self.fit(hot_cost + len(hits) * len(self.devices.paged))
+        freed = reclaim.freed if reclaim is not None else frozenset()
+        available -= sum(1 for e in hits for b in e.blocks.values()
+                         if b and (self.device_pool.is_free(b) or b in freed))
+        if hot_cost > available:
+            raise CapacityError(
+                f"cannot add request {request_id!r}: its hot region needs {hot_cost} "
+                f"device blocks, {max(available, 0)} of {self.device_pool.capacity} "
+                f"are available (free minus the hot regions reserved for the other "
+                f"requests).", resource="device blocks", needed=hot_cost,
+                available=max(available, 0), request_id=request_id)
+        return Admission(prompt_len=prompt_len, max_new_tokens=max_new_tokens, hashes=hashes,
+                         hits=hits, new_host=new_host, reclaim=reclaim)
+
+    def append(self, req: Request, num_tokens: object) -> tuple[int, Optional[list[int]],
+                                                                 Optional[Reclaim]]:
+        """Count an append to ``req``: its new length, the new blocks per paged group
+        (None: one token that starts no page) and the reclaim to run first."""
+        new_len = req.check_append(num_tokens, self.max_num_batched_tokens)
+        devices = self.devices
+        if new_len == req.seq_len + 1 and devices.starts_no_page(req.seq_len):
+            return new_len, None, None
+        counts = devices.count_new_blocks(req, new_len)
+        reclaim, _ = self.fit(sum(counts), req.request_id, new_len - req.seq_len)
+        return new_len, counts, reclaim
+
+    def decode_batch(self, request_ids: Sequence[Hashable]) -> Optional[list[Request]]:
+        """The batch's requests, each counted for one more token (errors as
+        ``append_slots``, in batch order), when all their new blocks fit as they are; None
+        when an id comes twice or a reclaim is needed (append one request after the
+        other)."""
+        try:
+            if len(set(request_ids)) != len(request_ids):
+                return None
+        except TypeError:   # an unhashable id: the one-by-one path reports it
+            return None
+        reqs, needed = [], 0
+        for request_id in request_ids:
+            req = self.requests.get(request_id, "append_decode")
+            req.check_append(1, self.max_num_batched_tokens)
+            if not self.devices.starts_no_page(req.seq_len):
+                needed += sum(self.devices.count_new_blocks(req, req.seq_len + 1))
+            reqs.append(req)
+        return reqs if needed <= self.available_device_blocks else None
+
+
+__all__ = ["Admission", "Capacity"]

@@ -1,0 +1,165 @@
+"""``GroupCoordinator``: every device group's manager, driven as one (no torch).
+
+The scheduler speaks to the device groups through this object; it only orders the work of
+the managers (``managers.py``): growing a request in every paged group in config order,
+freeing it (paged groups, then hot regions), unpinning its durable pages tail first across
+the resident groups, taking its hot regions, adopting a cached prefix, and telling the
+resident groups when the pool reuses a block they read.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from hisparse_triton.groups import DEVICE_KINDS, GroupKind, PlanGroups, ResidentGroup
+from hisparse_triton.scheduler.block_pool import BlockPool
+from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.managers import (
+    GroupManager,
+    HotManager,
+    PagedManager,
+    ResidentManager,
+    SlidingWindowManager,
+    manager_class,
+)
+from hisparse_triton.scheduler.plan_builder import PlanBuilder
+from hisparse_triton.scheduler.prefix_cache import PrefixEntry
+from hisparse_triton.scheduler.requests import Request
+from hisparse_triton.scheduler.stats import Counters
+
+
+class GroupCoordinator:
+    """The managers of a plan's device groups (``managers[position]``), by role:
+    ``paged`` (a block per page: indexer, regular, sliding window, resident), ``resident``,
+    ``windowed``, ``hot``."""
+
+    def __init__(self, groups: PlanGroups, pool: BlockPool, plan_builder: PlanBuilder,
+                 journal: Journal, counters: Counters, max_num_seqs: int) -> None:
+        self.journal = journal
+        self.managers: list[GroupManager] = [
+            manager_class(g)(g, pool, plan_builder, journal, counters, max_num_seqs)
+            for g in groups.groups]
+        self.paged = [m for m in self.managers if isinstance(m, PagedManager)]
+        self.resident = [m for m in self.paged if isinstance(m, ResidentManager)]
+        self.windowed = [m for m in self.paged if isinstance(m, SlidingWindowManager)]
+        self.hot = [m for m in self.managers if isinstance(m, HotManager)]
+        self.resident_positions = frozenset(m.position for m in self.resident)
+        #: Device blocks of one request's hot regions (reserved at admission).
+        self.hot_cost = sum(m.width for m in self.hot)
+        #: The layers of each paged group (sparse layers under their model names).
+        self.row_names = [m.group.model_layer_names if isinstance(m.group, ResidentGroup)
+                          else m.group.layer_names for m in self.paged]
+        self._block_sizes = sorted({m.block_size for m in self.paged})
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def reserved(self) -> int:
+        """Device blocks reserved for the hot regions of requests that have not offloaded."""
+        return sum(m.reserved for m in self.hot)
+
+    def in_use(self) -> dict[GroupKind, int]:
+        """Block references held per group kind."""
+        out = dict.fromkeys(DEVICE_KINDS, 0)
+        for m in self.managers:
+            out[m.group.kind] += m.num_blocks
+        return out
+
+    def starts_no_page(self, position: int) -> bool:
+        """Whether a token at ``position`` starts no page in any group (the decode step)."""
+        return all(position % b for b in self._block_sizes)
+
+    def count_new_blocks(self, req: Request, new_len: int) -> list[int]:
+        """Blocks growing ``req`` to ``new_len`` tokens takes, per paged group."""
+        return [m.count_new_blocks(req, new_len) for m in self.paged]
+
+    def page_blocks(self, req: Request, page: int) -> dict[int, int]:
+        """Every paged group's block of ``req``'s ``page`` (0 = none), by position."""
+        return {m.position: int(m.blocks[req.row, page]) for m in self.paged}
+
+    def resident_blocks(self, req: Request, first: int, limit: int) -> list[int]:
+        """The resident groups' blocks of ``req``'s pages ``[first, limit)`` (0 = none)."""
+        return [int(m.blocks[req.row, page]) for page in range(first, limit)
+                for m in self.resident]
+
+    # -- rows ------------------------------------------------------------------------------
+    def rows(self, req: Request, start: int, end: int) -> list[np.ndarray]:
+        """``[end - start] int64`` device rows of positions ``[start, end)`` per paged group."""
+        return [m.rows(req, start, end) for m in self.paged]
+
+    def row_at(self, req: Request, position: int) -> list[int]:
+        """The device row of one position in every paged group."""
+        return [int(m.blocks[req.row, position // m.block_size]) * m.block_size
+                + position % m.block_size for m in self.paged]
+
+    def decode_rows(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``[paged groups, R] int64`` device rows of one position per state row."""
+        if not rows.size:
+            return np.empty((len(self.paged), 0), dtype=np.int64)
+        return np.stack([m.decode_rows(rows, positions) for m in self.paged])
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        for m in self.managers:
+            m.add_request(req)
+
+    def grow(self, req: Request, new_len: int, counts: Sequence[int]) -> None:
+        """Allocate ``counts`` (``count_new_blocks``, known to fit) in every paged group."""
+        for m, count in zip(self.paged, counts):
+            m.allocate(req, new_len, count)
+
+    def adopt_prefix(self, req: Request, hits: Sequence[PrefixEntry],
+                     counters: Counters) -> bool:
+        """Share the cached prefix pages' surviving device blocks with ``req``; returns
+        whether a resident page survives only on the host (``req`` must offload)."""
+        host_only = False
+        for page, entry in enumerate(hits):
+            for m in self.paged:
+                block = entry.blocks.get(m.position, 0)
+                if not block:
+                    host_only = True
+                    continue
+                m.adopt(req, page, block)
+                if isinstance(m, ResidentManager):
+                    counters.add("readopted_pages", 1)
+        return host_only
+
+    def offload(self, req: Request) -> None:
+        """Give ``req`` its hot regions (reserved at admission)."""
+        self.journal.setattr(req, "hot", {})
+        for m in self.hot:
+            m.take_region(req)
+
+    def unpin(self, req: Request, first: int, limit: int, *, drop: bool) -> None:
+        """Unpin resident pages ``[first, limit)`` of ``req``, tail first, so the newest
+        page enters the free queue first (is reused first)."""
+        for page in range(limit - 1, first - 1, -1):
+            for m in self.resident:
+                m.unpin(req, page, drop=drop)
+        self.journal.setattr(req, "released_pages", limit)
+
+    def release_windows(self, req: Request) -> None:
+        for m in self.windowed:
+            m.release(req)
+
+    def free(self, req: Request) -> None:
+        """Return every device block of ``req``: paged groups in order, then hot regions."""
+        for m in self.paged:
+            m.free(req)
+        for m in self.hot:
+            m.free(req)
+
+    def on_reuse(self, block: int) -> None:
+        """The pool handed ``block`` to a new owner: a resident group reading it loses the
+        pages it held there."""
+        for m in self.resident:
+            if m.on_reuse(block):
+                return
+
+    # -- checks ----------------------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        return tuple(m.snapshot() for m in self.managers)
+
+
+__all__ = ["GroupCoordinator"]

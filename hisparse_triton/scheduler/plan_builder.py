@@ -1,0 +1,144 @@
+"""``PlanBuilder``: the one place that writes the workers' tables and builds ``StepPlan``s.
+
+Between two plans the scheduler's parts queue what the workers must change through this
+object: state rows to reset, table entries to write (seq lens, host blocks, device blocks;
+a later write of the same entry wins, a reset drops the row's earlier writes), resident
+pages lost. ``build`` packs them with the step's mirror rows into the next ``StepPlan`` and
+starts a new, empty one. Every change is journaled (undone with a failed compound call).
+No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.step_plan import StepPlan, TableLayout
+
+
+class PlanBuilder:
+    """The pending plan of one scheduler (see the module docstring)."""
+
+    def __init__(self, layout: TableLayout, journal: Journal) -> None:
+        self.layout = layout
+        self._journal = journal
+        self._width = layout.width
+        self._resets: dict[int, None] = {}
+        self._writes: dict[int, int] = {}
+        self._lost: list[tuple[int, int, int]] = []
+        self.step = 0   # plans built so far
+
+    @property
+    def has_pending_changes(self) -> bool:
+        """Whether table changes wait for the next plan."""
+        return bool(self._resets or self._writes)
+
+    # -- table changes ---------------------------------------------------------------------
+    def reset_row(self, row: int) -> None:
+        """Queue an empty state row for the workers; drop the row's earlier pending writes."""
+        j = self._journal
+        j.setitem(self._resets, row, None)
+        start, end = row * self._width, (row + 1) * self._width
+        for index in [i for i in self._writes if start <= i < end]:
+            j.delitem(self._writes, index)
+
+    def write_seq_len(self, row: int, seq_len: int) -> None:
+        self._journal.setitem(self._writes, row * self._width + TableLayout.SEQ_LEN_COL,
+                              seq_len)
+
+    def write_host_blocks(self, row: int, blocks: Iterable[int]) -> None:
+        """The request's host block of every page, from page 0."""
+        col = row * self._width + self.layout.host_col
+        setitem, writes = self._journal.setitem, self._writes
+        for page, block in enumerate(blocks):
+            setitem(writes, col + page, block)
+
+    def write_blocks(self, row: int, position: int, first_page: int,
+                     blocks: Iterable[int]) -> None:
+        """Device group ``position``'s blocks of pages ``first_page, first_page + 1, ...``
+        (``hot`` groups: slots of the hot region)."""
+        col = row * self._width + self.layout.group_cols[position] + first_page
+        setitem, writes = self._journal.setitem, self._writes
+        for i, block in enumerate(blocks):
+            setitem(writes, col + i, int(block))
+
+    def clear_pages(self, row: int, position: int, pages: Iterable[int]) -> None:
+        """Table entries of those pages become the null block (the page left the GPU)."""
+        col = row * self._width + self.layout.group_cols[position]
+        setitem, writes = self._journal.setitem, self._writes
+        for page in pages:
+            setitem(writes, col + page, 0)
+
+    def lose(self, row: int, position: int, page: int) -> None:
+        """A resident page's block went to another owner: its entry becomes 0 and the plan
+        says it was lost."""
+        self.clear_pages(row, position, (page,))
+        self._journal.append(self._lost, (row, position, page))
+
+    # -- the plan --------------------------------------------------------------------------
+    def build(self, *, commit: bool, mirror_host_rows: np.ndarray,
+              mirror_device_rows: np.ndarray, released_pages: int) -> StepPlan:
+        """The next ``StepPlan`` (every change queued since the last one); starts anew."""
+        plan = StepPlan.build(
+            step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
+            reset_rows=np.fromiter(self._resets, dtype=np.int32, count=len(self._resets)),
+            write_index=np.fromiter(self._writes.keys(), dtype=np.int32,
+                                    count=len(self._writes)),
+            write_value=np.fromiter(self._writes.values(), dtype=np.int32,
+                                    count=len(self._writes)),
+            mirror_host_rows=mirror_host_rows, mirror_device_rows=mirror_device_rows,
+            lost=np.asarray(self._lost, dtype=np.int32).reshape(-1, 3),
+            released_pages=released_pages)
+        j = self._journal
+        j.setattr(self, "_resets", {})
+        j.setattr(self, "_writes", {})
+        j.setattr(self, "_lost", [])
+        j.setattr(self, "step", self.step + 1)
+        return plan
+
+    def snapshot(self) -> tuple:
+        """Comparable state (tests)."""
+        return (list(self._resets), list(self._writes.items()), list(self._lost), self.step)
+
+
+def mirror_rows(spans: Sequence[tuple[np.ndarray, int, int, int]],
+                resident_blocks: Sequence[np.ndarray], block_size: int,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Host rows ``[m] int32`` and per-resident-group device rows ``[g, m] int32`` of the
+    tokens ``[start, end)`` of each span ``(host_array, row, start, end)``.
+
+    ``resident_blocks[g]``: resident group ``g``'s ``[max_num_seqs, pages]`` block table.
+    Spans of one token (the decode step) come last, computed together.
+    """
+    B = block_size
+    g = len(resident_blocks)
+    host_rows: list[np.ndarray] = []
+    device_rows: list[np.ndarray] = []
+    single: list[tuple[int, int, int]] = []          # (host row, state row, position)
+    for host_array, row, start, end in spans:
+        if end - start == 1:
+            page, offset = divmod(start, B)
+            single.append((int(host_array[page]) * B + offset, row, start))
+            continue
+        pos = np.arange(start, end, dtype=np.int64)
+        page, offset = pos // B, pos % B
+        host_rows.append(host_array[page] * B + offset)
+        device_rows.append(np.stack([blocks[row, page].astype(np.int64) * B + offset
+                                     for blocks in resident_blocks])
+                           if g else np.zeros((0, pos.size), np.int64))
+    if single:
+        host, rows, pos = (np.asarray(column, dtype=np.int64) for column in zip(*single))
+        page, offset = pos // B, pos % B
+        host_rows.append(host)
+        device_rows.append(np.stack([blocks[rows, page].astype(np.int64) * B + offset
+                                     for blocks in resident_blocks])
+                           if g else np.zeros((0, pos.size), np.int64))
+    if not host_rows:
+        return np.zeros(0, np.int32), np.zeros((g, 0), np.int32)
+    return (np.concatenate(host_rows).astype(np.int32),
+            np.concatenate(device_rows, axis=1).astype(np.int32))
+
+
+__all__ = ["PlanBuilder", "mirror_rows"]

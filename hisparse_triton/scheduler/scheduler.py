@@ -1,0 +1,479 @@
+"""``HiSparseScheduler``: the CPU-only half of the runtime (admission, block tables, residency).
+
+A serving stack runs one scheduler (in its scheduler process) and one ``HiSparseWorker`` per
+GPU rank. The scheduler owns every decision and no tensor; each step it emits one
+``StepPlan`` that every worker applies (request ids never leave the scheduler, only state
+rows and block ids do)::
+
+    cached = scheduler.add_request(id, prompt_len, max_new_tokens, token_ids)  # admission
+    rows = scheduler.append_slots(id, n)    # {layer: int64 [n]} device rows of n new tokens
+    scheduler.free_request(id)              # a finished request
+    plan = scheduler.step()                 # -> every worker: worker.apply(plan)
+    ...  forward: the model writes KV at `rows`, worker.resolve_rows(...) per index group  ...
+    ...  worker.mirror(plan) after the forward  ...
+
+``step()`` closes the step: its plan carries every table change since the previous plan and
+the tokens appended since then, mirrored to the host pool after the forward; they count as
+durable from the NEXT ``step()`` on.
+
+This class orders the work of its parts: ``requests`` (the request table), ``coordinator``
+and ``managers`` (a manager per device group), ``capacity`` (what a call needs, counted
+first), ``residency`` (when pages leave the GPU: *dirty* -> *clean pinned* -> *clean
+unpinned*, readable in its free block until reused -> *lost*, read from the host),
+``block_pool``, ``prefix_cache`` (a request with ``token_ids`` reuses the longest cached
+prefix; models with sliding-window layers get no hits), ``plan_builder``, ``stats``.
+Chunked prefill: with ``max_num_batched_tokens`` set, a request may not have more tokens
+appended since its last plan than that (``UncommittedTokensError``: step first).
+
+Every public call is all-or-nothing: it counts what it needs and refuses before changing
+anything; compound changes (admission with prefix adoption, reclaim and offload, free) also
+run in a ``journal.transaction()``. ``can_admit`` / ``can_append`` answer without raising;
+``check_invariants`` checks the bookkeeping's rules.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Hashable, Optional, Sequence
+
+import numpy as np
+
+from hisparse_triton.config import EngineConfig
+from hisparse_triton.errors import HiSparseError, RuntimeClosedError, SchedulerStateError
+from hisparse_triton.groups import PlanGroups
+from hisparse_triton.scheduler.block_pool import BlockPool
+from hisparse_triton.scheduler.capacity import Admission, Capacity
+from hisparse_triton.scheduler.coordinator import GroupCoordinator
+from hisparse_triton.scheduler.invariants import scheduler_problems
+from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
+from hisparse_triton.scheduler.prefix_cache import PrefixCache
+from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
+from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
+from hisparse_triton.scheduler.stats import Counters, SchedulerStats
+from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.step_plan import StepPlan, TableLayout
+
+#: Default ``free_block_watermark``: offload once 10% or less of the device pool is free.
+DEFAULT_FREE_BLOCK_WATERMARK = 0.1
+_REFUSALS = (HiSparseError, ValueError)   # what can_admit / can_append turn into False
+
+
+class HiSparseScheduler:
+    """The CPU-only scheduler half of HiSparse (see the module docstring).
+
+    - ``kv_cache_config``: from ``get_hisparse_kv_cache_config``; ``config``: the
+      ``EngineConfig`` it was planned for (``config.hisparse`` set;
+      ``config.max_num_batched_tokens`` bounds each request's uncommitted tokens).
+    - ``max_num_seqs``: live requests at most (state rows of the workers' tables).
+    - ``free_block_watermark``: clean pages stay pinned while more device blocks than this
+      are truly free (a float: a fraction of the pool in [0, 1]; an int: a block count);
+      ``0.0`` offloads only when no truly free block is left. ``1.0`` is pure HiSparse:
+      every request offloads as soon as it can and its committed pages leave the GPU at
+      once (dropped, not kept readable), so all history outside the active tail is read
+      through the hot buffer (the mode that exercises and measures the host path).
+    - ``offload_threshold_pages``: a request that should offload does so once at least this
+      many of its pages can be unpinned (default 1).
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
+                 max_num_seqs: int,
+                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
+                 offload_threshold_pages: Optional[int] = None) -> None:
+        if not isinstance(config, EngineConfig) or config.hisparse is None:
+            raise ValueError("HiSparseScheduler needs an EngineConfig with hisparse set.")
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise ValueError(f"kv_cache_config must be a KVCacheConfig, got "
+                             f"{type(kv_cache_config).__name__}.")
+        self.config, self.kv_cache_config = config, kv_cache_config
+        self.max_num_seqs = int_at_least("max_num_seqs", max_num_seqs, 1)
+        self.max_model_len = config.max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.device_buffer_size = int(config.hisparse.device_buffer_size)
+        self.groups = PlanGroups.from_config(kv_cache_config, config)
+        self.block_size = B = self.groups.block_size
+        self.layout = TableLayout.build(self.groups, self.max_num_seqs)
+        self.hot_blocks_per_request = self.groups.hot_blocks_per_request
+        hot_widths = [g.width for g in self.groups.hot]
+        if hot_widths and min(hot_widths) * B < self.device_buffer_size:
+            raise ValueError(f"hot groups hold {min(hot_widths)} blocks of {B} rows, fewer "
+                             f"than device_buffer_size={self.device_buffer_size}.")
+        self.offload_threshold_pages = (
+            1 if offload_threshold_pages is None
+            else int_at_least("offload_threshold_pages", offload_threshold_pages, 1))
+        self.num_device_blocks = kv_cache_config.num_blocks
+        self.num_host_blocks = kv_cache_config.hisparse_host_num_blocks
+        if self.num_host_blocks < 2:
+            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
+                             f"page), the plan has {self.num_host_blocks}.")
+        self.journal = j = Journal()
+        self.device_block_pool = BlockPool(self.num_device_blocks, "device", j)
+        self.host_block_pool = BlockPool(self.num_host_blocks, "host", j)
+        self.free_block_watermark = free_block_watermark
+        self.policy = ResidencyPolicy.from_settings(
+            free_block_watermark, self.device_block_pool.capacity, block_size=B,
+            offload_threshold_pages=self.offload_threshold_pages,
+            window_tokens=None if self.max_num_batched_tokens is None else config.in_flight_tokens)
+        self.plan_builder = PlanBuilder(self.layout, j)
+        self.counters = Counters(j)
+        self._requests = RequestTable(self.max_num_seqs, j)
+        self.devices = d = GroupCoordinator(self.groups, self.device_block_pool,
+                                            self.plan_builder, j, self.counters,
+                                            self.max_num_seqs)
+        # Prefix reuse needs every page of every full-history group: none with a window.
+        self.prefix_caching = not d.windowed
+        self._prefix_required = [m.position for m in d.paged
+                                 if m.position not in d.resident_positions]
+        self._prefix = PrefixCache(j, self.host_block_pool, self.device_block_pool,
+                                   d.resident_positions.__contains__)
+        self.device_block_pool.on_reuse = self._on_device_reuse
+        self.host_block_pool.on_reuse = self._prefix.on_host_block_reused
+        self.capacity = Capacity(
+            requests=self._requests, devices=d, device_pool=self.device_block_pool,
+            host_pool=self.host_block_pool, prefix=self._prefix if self.prefix_caching else None,
+            policy=self.policy, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens)
+        self._closed = False
+
+    # ------------------------------------------------------------------ queries
+    leaders = property(lambda self: list(self.groups.leaders),
+                       doc="Index-group leader layers (what ``resolve_rows`` takes).")
+    index_groups = property(lambda self: [ig.layers for ig in self.groups.index_groups],
+                            doc="Every index group's sparse layers, leader first.")
+    source_layers = property(lambda self: self.groups.source_layers)
+    device_layers = property(lambda self: self.groups.device_layers,
+                             doc="Model layer names ``append_slots`` returns rows for.")
+    has_pending_changes = property(lambda self: self.plan_builder.has_pending_changes,
+                                   doc="Whether table changes wait for the next plan.")
+    step_count = property(lambda self: self.plan_builder.step,
+                          doc="Plans emitted so far (the next plan's ``step`` is this + 1).")
+    request_ids = property(lambda self: list(self._requests))
+    row_layer_names = property(
+        lambda self: list(self.devices.row_names),
+        doc="The layers of each paged group, in ``append_group_rows`` order.")
+    closed = property(lambda self: self._closed)
+
+    def has_request(self, request_id: Hashable) -> bool:
+        self._check_open()
+        return request_id in self._requests
+
+    def seq_len(self, request_id: Hashable) -> int:
+        """Tokens present so far (cached prefix + appended)."""
+        return self._request(request_id).seq_len
+
+    def unpinned_pages(self, request_id: Hashable) -> int:
+        """How many of the request's leading resident pages left its ownership (unpinned:
+        readable until their blocks are reused; or lost: read from the host)."""
+        return self._request(request_id).released_pages
+
+    def is_offloaded(self, request_id: Hashable) -> bool:
+        """Whether the request holds a hot region (its committed pages may leave the GPU)."""
+        return self._request(request_id).hot is not None
+
+    def state_row(self, request_id: Hashable) -> int:
+        """The request's row in the workers' per-request tables."""
+        return self._request(request_id).row
+
+    def state_rows(self, request_ids: Sequence[Optional[Hashable]]) -> np.ndarray:
+        """``[R] int32`` state rows (-1 for ``None`` = padding); ``DuplicateRequestError`` for
+        an id named twice, ``UnknownRequestError`` for an unknown one."""
+        self._check_open()
+        return self._requests.state_rows(request_ids)
+
+    def host_block_table(self, request_id: Hashable) -> list[int]:
+        """The request's host blocks, one per reserved page."""
+        return list(self._request(request_id).host_blocks)
+
+    def block_table(self, request_id: Hashable, layer_name: str) -> list[int]:
+        """The request's device blocks for a layer's group, one per page (0 = the page is
+        not on the GPU); for a hot layer its hot region."""
+        req = self._request(request_id)
+        position = self.groups.layer_group[self.groups.device_layer_name(layer_name)]
+        return self.devices.managers[position].table(req)
+
+    @property
+    def available_device_blocks(self) -> int:
+        """Device blocks an ``append_slots`` may take now: free blocks (cached ones
+        included: taking one loses its page) minus the hot regions reserved for requests
+        that have not offloaded yet."""
+        return self.capacity.available_device_blocks
+
+    @property
+    def truly_free_device_blocks(self) -> int:
+        """Free device blocks that hold no readable page (what the watermark watches)."""
+        return self.device_block_pool.num_truly_free
+
+    def stats(self) -> SchedulerStats:
+        """Occupancy and residency counters (plain CPU reads)."""
+        self._check_open()
+        return self.counters.stats(
+            self.devices.in_use(), self.device_block_pool, self.host_block_pool,
+            num_requests=len(self._requests), steps=self.plan_builder.step,
+            offloaded_requests=sum(r.hot is not None for r in self._requests.values()))
+
+    def reset_stats(self) -> None:
+        """Zero the cumulative counters; peaks restart from the current occupancy."""
+        self._check_open()
+        self.counters.reset(self.device_block_pool.num_used, self.host_block_pool.num_used)
+
+    # ------------------------------------------------------------------ admission
+    def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
+                    token_ids: Optional[Sequence[int]] = None) -> int:
+        """Admit a request; returns how many prompt tokens are already cached.
+
+        Reserves host pages for ``prompt_len + max_new_tokens`` tokens, a state row, and
+        (counted, not yet taken) the request's hot region on the device. With
+        ``token_ids`` (the prompt, ``prompt_len`` ints) the longest cached prefix is reused:
+        the request starts with that many tokens present (a multiple of ``block_size``,
+        less than ``prompt_len``) and the caller appends only the rest. Returns 0 without
+        ``token_ids``.
+
+        ``DuplicateRequestError`` (a ``ValueError``) for a live id; ``ValueError`` for bad
+        lengths, more than ``max_model_len`` tokens or bad ``token_ids``;
+        ``CapacityError`` when the host pool, the device pool (the hot region) or the
+        state rows (``max_num_seqs``) are full. Nothing changes on error.
+        """
+        self._check_open()
+        self._requests.check_new(request_id)
+        admission = self.capacity.admission(request_id, prompt_len, max_new_tokens, token_ids)
+        with self.journal.transaction():
+            self._run_reclaim(admission.reclaim)
+            return self._admit(request_id, admission, token_ids is not None)
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int,
+                  token_ids: Optional[Sequence[int]] = None) -> bool:
+        """Whether ``add_request`` with these arguments (and a new id) would succeed now."""
+        return self._answers(self.capacity.admission, "<new>", prompt_len, max_new_tokens,
+                             token_ids)
+
+    def _admit(self, request_id: Hashable, admission: Admission, with_tokens: bool) -> int:
+        hits = admission.hits
+        for entry in hits:   # shared host blocks are never written again
+            self.host_block_pool.share(entry.host_block)
+        host_blocks = [e.host_block for e in hits] + self.host_block_pool.allocate(
+            admission.new_host, request_id=request_id)
+        req = self._requests.add(request_id, admission.prompt_len, admission.max_new_tokens,
+                                 host_blocks, admission.hashes)
+        self.plan_builder.reset_row(req.row)
+        self.plan_builder.write_host_blocks(req.row, host_blocks)
+        self.devices.add_request(req)
+        self.counters.add("prefix_query_tokens", req.prompt_len if with_tokens else 0)
+        if hits:   # it starts offloaded when a resident page survives only on the host
+            host_only = self.devices.adopt_prefix(req, hits, self.counters)
+            self._requests.start_cached(req, len(hits), self.block_size)
+            self.plan_builder.write_seq_len(req.row, req.seq_len)
+            self.counters.add("prefix_hit_tokens", req.seq_len)
+            if host_only:
+                self._offload(req)
+        self._track_peaks()
+        return len(hits) * self.block_size
+
+    # ------------------------------------------------------------------ appending
+    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, np.ndarray]:
+        """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
+
+        Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
+        (sparse layers under their model name: their resident rows; indexer and regular
+        layers); row ``r`` of a layer is ``device_cache(layer)[r // B, r % B]`` on a worker.
+        Layers of one group share one array. ``ReservationExceededError`` past
+        ``prompt_len + max_new_tokens``; ``UncommittedTokensError`` past
+        ``max_num_batched_tokens`` tokens since the request's last plan; ``CapacityError``
+        when the device pool is full. Nothing changes on error.
+        """
+        per_group = self.append_group_rows(request_id, num_tokens)
+        return {name: rows for rows, names in zip(per_group, self.devices.row_names)
+                for name in names}
+
+    def append_group_rows(self, request_id: Hashable, num_tokens: int) -> list[np.ndarray]:
+        """``append_slots`` with one ``[num_tokens] int64`` array of rows per paged group (in
+        ``row_layer_names`` order) instead of a dict per layer (cheaper on the decode path)."""
+        self._check_open()
+        req = self._request(request_id, "append_slots")
+        new_len, counts, reclaim = self.capacity.append(req, num_tokens)
+        start = req.seq_len
+        if counts is None:   # the decode step: one token, no new page
+            rows = self.devices.row_at(req, start)
+            self._grow(req, new_len, None)
+            return [np.array([row], dtype=np.int64) for row in rows]
+        with self.journal.transaction() if reclaim is not None else nullcontext():
+            self._run_reclaim(reclaim)
+            self._grow(req, new_len, counts)
+        return self.devices.rows(req, start, new_len)
+
+    def can_append(self, request_id: Hashable, num_tokens: int) -> bool:
+        """Whether ``append_slots(request_id, num_tokens)`` would succeed now."""
+        return self._answers(lambda: self.capacity.append(self._request(request_id),
+                                                          num_tokens))
+
+    def append_decode(self, request_ids: Sequence[Hashable]) -> dict[str, np.ndarray]:
+        """``append_slots(id, 1)`` for every request of a decode batch, in one call:
+        ``{layer: int64 [R]}`` rows, row ``r`` for ``request_ids[r]`` (layers of one group
+        share one array). All-or-nothing; the same errors as ``append_slots``."""
+        self._check_open()
+        check_id_list(request_ids)
+        reqs = self.capacity.decode_batch(request_ids)
+        if reqs is None:   # one id twice or a reclaim: one request after the other
+            columns = []
+            with self.journal.transaction():
+                for request_id in request_ids:
+                    self._request(request_id, "append_decode")
+                    columns.append([int(rows[0])
+                                    for rows in self.append_group_rows(request_id, 1)])
+            table = np.array(columns, dtype=np.int64).reshape(len(columns), -1).T
+        else:
+            devices = self.devices
+            rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+            positions = np.fromiter((r.seq_len for r in reqs), dtype=np.int64,
+                                    count=len(reqs))
+            for req in reqs:
+                new_len = req.seq_len + 1
+                self._grow(req, new_len, None if devices.starts_no_page(req.seq_len)
+                           else devices.count_new_blocks(req, new_len))
+            table = devices.decode_rows(rows, positions)
+        return {name: table[i] for i, names in enumerate(self.devices.row_names)
+                for name in names}
+
+    def _grow(self, req: Request, new_len: int, counts: Optional[list[int]]) -> None:
+        """Grow ``req`` to ``new_len`` tokens: ``counts`` new blocks per paged group (known
+        to fit; None: no page starts)."""
+        if counts is not None:
+            self.devices.grow(req, new_len, counts)
+        self.journal.setattr(req, "seq_len", new_len)
+        self.plan_builder.write_seq_len(req.row, new_len)
+        if counts is not None:
+            self._track_peaks()
+
+    # ------------------------------------------------------------------ capacity
+    def _run_reclaim(self, reclaim: Optional[Reclaim]) -> None:
+        """Offload the requests a counted call chose (their pages stay readable in the free
+        queue; only blocks actually reused are lost)."""
+        for req in reclaim.requests if reclaim is not None else ():
+            self._release_resident(req, pressure=True)
+
+    # ------------------------------------------------------------------ ending
+    def free_request(self, request_id: Hashable) -> None:
+        """Return every block of the request (tail first) and its state row. Published
+        prefix pages stay readable in their free blocks until those are reused."""
+        self._check_open()
+        req = self._request(request_id, "free_request")
+        with self.journal.transaction():
+            self.devices.free(req)
+            self.host_block_pool.free(req.host_blocks[::-1])
+            self.plan_builder.reset_row(req.row)
+            self._requests.remove(req)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every published prefix page (their free blocks become truly free);
+        returns how many pages were dropped."""
+        self._check_open()
+        with self.journal.transaction():
+            return self._prefix.clear()
+
+    # ------------------------------------------------------------------ steps
+    def step(self, *, mirror: bool = True, release: bool = True) -> StepPlan:
+        """Close a step: emit the plan every worker applies (see the module docstring).
+
+        1. Tokens of earlier plans' mirrors become durable (and their full prompt pages are
+           published for prefix reuse). With ``release=True``: requests that should offload
+           take their hot regions and unpin durable pages outside the active tail;
+           sliding-window pages out of every future window are released. Their table
+           changes join this plan.
+        2. With ``mirror=True``, every token appended since the last mirrored plan is in this
+           plan's mirror rows (a worker must ``mirror(plan)`` after the forward);
+           ``mirror=False`` only flushes table changes (its tokens go into a later plan).
+        A serving loop calls ``step()`` once per model step with the defaults. (The
+        in-process ``HiSparseRuntime`` also flushes table changes mid-step with
+        ``mirror=False, release=False``.)
+        """
+        self._check_open()
+        j, values = self.journal, self.counters.values
+        released_before = values["unpinned_pages"] + values["window_released_pages"]
+        pressure = self.policy.under_pressure(self.truly_free_device_blocks)
+        for req in list(self._requests.values()):
+            if req.scheduled_len > req.committed_len:
+                j.setattr(req, "committed_len", req.scheduled_len)
+                if self.prefix_caching and req.page_hashes:   # newly durable prompt pages
+                    self._prefix.publish_durable(
+                        req, lambda page: self.devices.page_blocks(req, page),
+                        self._prefix_required, self.block_size)
+            if release:
+                self._release_resident(req, pressure)
+                self.devices.release_windows(req)
+        spans = self._requests.schedule_mirror() if mirror else []
+        host_rows, device_rows = mirror_rows(
+            spans, [m.blocks for m in self.devices.resident], self.block_size)
+        return self.plan_builder.build(
+            commit=mirror, mirror_host_rows=host_rows, mirror_device_rows=device_rows,
+            released_pages=(values["unpinned_pages"] + values["window_released_pages"]
+                            - released_before))
+
+    def _release_resident(self, req: Request, pressure: bool) -> None:
+        """Unpin the durable pages the policy lets go (offloading the request first)."""
+        span = self.policy.release_range(req, pressure) if self.devices.resident else None
+        if span is None:
+            return
+        with self.journal.transaction():
+            if span.offload:
+                self._offload(req)
+            self.devices.unpin(req, span.first, span.limit, drop=self.policy.always_offload)
+
+    def _offload(self, req: Request) -> None:
+        self.devices.offload(req)
+        self._track_peaks()
+
+    # ------------------------------------------------------------------ pool hooks
+    def _on_device_reuse(self, block: int) -> None:
+        """A device block that held readable pages went to a new owner."""
+        self.devices.on_reuse(block)
+        self._prefix.on_device_block_reused(block)
+
+    def _track_peaks(self) -> None:
+        self.counters.track_peaks(self.device_block_pool.num_used,
+                                  self.host_block_pool.num_used)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("the HiSparseScheduler is closed.")
+
+    def _request(self, request_id: Hashable, what: str = "") -> Request:
+        self._check_open()
+        return self._requests.get(request_id, what)
+
+    def _answers(self, count, *args) -> bool:
+        """Whether a counting call accepts (``False`` for anything the real call refuses)."""
+        self._check_open()
+        try:
+            count(*args)
+        except _REFUSALS:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Drop every request; later calls raise ``RuntimeClosedError``. Idempotent."""
+        self._closed = True
+        self._requests.clear()
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """``SchedulerStateError`` listing every broken bookkeeping rule (none: returns)."""
+        problems = scheduler_problems(self)
+        if problems:
+            raise SchedulerStateError("scheduler state is inconsistent:\n- "
+                                      + "\n- ".join(problems))
+
+    def _debug_snapshot(self) -> dict:
+        """Every piece of mutable state as comparable values (tests: a failed call changes
+        nothing)."""
+        requests, free_rows = self._requests.snapshot()
+        state: dict = {("request", rid): snap for rid, snap in requests.items()}
+        for pool in (self.device_block_pool, self.host_block_pool):
+            state[("pool", pool.name)] = pool.snapshot()
+        state["managers"] = self.devices.snapshot()
+        state["pending"] = self.plan_builder.snapshot()
+        state["cache"] = self._prefix.snapshot()
+        state["misc"] = (free_rows, self.counters.snapshot())
+        return state
+
+
+__all__ = ["DEFAULT_FREE_BLOCK_WATERMARK", "HiSparseScheduler", "SchedulerStats"]

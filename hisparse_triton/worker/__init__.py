@@ -1,0 +1,45 @@
+"""The worker half of the runtime: one ``HiSparseWorker`` per GPU rank, and its parts.
+
+- ``worker``: ``HiSparseWorker``: construction, the memory check and the public API;
+- ``tables``: the per-request int32 table arena, plan staging, ``apply`` and its undo;
+- ``hot_cache``: per index group, the hot slots, their LRU order, the counters and the bound
+  resolve + gather (the only part that calls ``hisparse_triton.ops`` and the kernels);
+- ``mirror``: the device -> host mirror of a plan's new rows;
+- ``layers``: where each layer's rows lie in the two pools;
+- ``stats``: ``WorkerStats`` and reading the device counters;
+- ``options``, ``placement``: constructor checks; small inputs onto the device;
+- ``pools``, ``shared_pool``: the host and device byte pools and a shared pool's file.
+
+Names are imported on first use, so ``import hisparse_triton.worker.shared_pool`` (the
+``shm`` command) loads neither torch nor Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public names -> the module that defines them.
+_EXPORTS = {
+    "BACKENDS": "hisparse_triton.worker.options",
+    "HiSparseWorker": "hisparse_triton.worker.worker",
+    "parse_device": "hisparse_triton.worker.options",
+    "plan_fingerprint": "hisparse_triton.worker.options",
+    "StatsSnapshot": "hisparse_triton.worker.stats",
+    "WorkerStats": "hisparse_triton.worker.stats",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hisparse_triton.worker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,0 +1,268 @@
+"""The hot cache of every index group, and the worker's one door to the ops and kernels.
+
+Per index group (``HotCache``): ``slot_host_rows [S, H]`` (host row held by each slot, -1
+empty), ``lru [S, H]`` (slot ids, least recently used first) and ``counters [3] int64``
+(hits, misses, masked): views of the stacked ``HotState`` (``[G, S, H]``, ``[G, 3]``), so a
+plan's resets clear every group's rows with one write. ``HotCache.resolve`` is the decode
+call: ONE resolve launch (rows, the miss plan, the counters) and ONE gather launch of the
+misses into the hot rows of all of the group's layers; on the Triton backend both are bound
+once to the group's fixed tensors (``BoundResolve`` / ``BoundCopy``), so a call is a lookup
+and two launches. When the gather raises, the resolve is undone (hot state and counters).
+
+Every call the worker makes into ``hisparse_triton.ops`` or ``hisparse_triton.kernels`` is in
+this module: ``kernel_backend``, ``new_workspace``, ``validate_tables``, ``copy_rows``,
+``launch_config_source`` and ``HotCache``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch
+
+from hisparse_triton.groups import IndexGroup
+from hisparse_triton.row_table import RowTable
+from hisparse_triton.worker.layers import PoolLayers
+from hisparse_triton.worker.placement import on_device
+from hisparse_triton.worker.tables import PlanTables
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hisparse_triton.ops import ResolveWorkspace
+
+__all__ = ["HotCache", "HotState", "check_topk", "copy_rows", "kernel_backend",
+           "launch_config_source", "load_ops", "new_workspace", "validate_tables"]
+
+
+def load_ops() -> ModuleType:
+    """``hisparse_triton.ops`` (imported on first use: importing it registers the
+    ``torch.library`` ops)."""
+    from hisparse_triton import ops
+
+    return ops
+
+
+def kernel_backend(backend: str, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"``: what ``backend`` means on ``device``; ``ValueError`` when
+    the Triton backend cannot run there."""
+    ops = load_ops()
+    try:
+        return ops.select_backend(backend, device)
+    except ops.BackendUnavailableError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def new_workspace(device: torch.device) -> "ResolveWorkspace":
+    """A ``ResolveWorkspace``: scratch and miss plan shared by the resolves of one worker
+    (they run one after another on a stream)."""
+    return load_ops().ResolveWorkspace(device)
+
+
+def validate_tables(tables: Iterable[RowTable], device: torch.device) -> None:
+    """Check every table for ``device`` now (reads their offsets on the host), so that the
+    decode path never does it on first use."""
+    ops = load_ops()
+    for table in tables:
+        ops.validate_table(table, device)
+
+
+def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+              counts: Optional[torch.Tensor] = None, *, backend: Optional[str]) -> None:
+    """``hisparse_triton.ops.copy_rows`` (the mirror's device -> host copy)."""
+    load_ops().copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
+
+
+def launch_config_source(kernel: str, device: torch.device) -> str:
+    """Where the transfer kernels' launch configs come from, for a start-up log line."""
+    if kernel != "triton":
+        return "launch configs: not used (reference ops)"
+    if device.type != "cuda":
+        return "launch configs: built-in defaults"
+    from hisparse_triton import tuning_cache
+
+    if tuning_cache.disabled():
+        return "launch configs: built-in defaults (tuning cache disabled)"
+    cache = tuning_cache.load_current()
+    if cache.entries:
+        return f"launch configs: tuned ({len(cache.entries)} entries in {cache.path})"
+    return f"launch configs: built-in defaults (no tuning cache at {cache.path})"
+
+
+def check_topk(topk: object, *, device_buffer_size: int, max_decode_query_len: int) -> None:
+    """``ValueError`` unless ``topk`` is an integer ``[R, K]`` tensor, or ``[R, Q, K]`` with
+    ``1 <= Q <= max_decode_query_len``, whose ``Q * K`` columns fit ``device_buffer_size``."""
+    if not isinstance(topk, torch.Tensor) or topk.dim() not in (2, 3):
+        raise ValueError(f"topk must be a [rows, k] or [rows, q, k] tensor, got "
+                         f"{type(topk).__name__} of shape "
+                         f"{tuple(getattr(topk, 'shape', ()))}.")
+    if topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
+        raise ValueError(f"topk must hold integer positions, got {topk.dtype}.")
+    if topk.dim() == 3:
+        q = topk.shape[1]
+        if not 1 <= q <= max_decode_query_len:
+            raise ValueError(f"topk [rows, q, k] has q={q} query tokens per request; "
+                             f"max_decode_query_len is {max_decode_query_len}.")
+    width = topk.shape[-1] * (topk.shape[1] if topk.dim() == 3 else 1)
+    if not 1 <= width <= device_buffer_size:
+        raise ValueError(f"top-k width {width} (q x k) must be in [1, device_buffer_size="
+                         f"{device_buffer_size}].")
+
+
+class HotState:
+    """The hot state of every index group, stacked: ``slot_host_rows [G, S, H] int32`` (-1 =
+    empty), ``lru [G, S, H] int32`` (every row starts in slot order) and ``counters [G, 3]
+    int64``. Resets of state rows (a ``RowState`` for ``PlanTables``) clear every group."""
+
+    def __init__(self, num_groups: int, max_num_seqs: int, slots: int,
+                 device: torch.device) -> None:
+        G, S, H = num_groups, max_num_seqs, slots
+        self.lru_identity = torch.arange(H, dtype=torch.int32, device=device)
+        self.slot_host_rows = torch.full((G, S, H), -1, dtype=torch.int32, device=device)
+        self.lru = self.lru_identity.repeat(G, S, 1)
+        self.counters = torch.zeros(G, 3, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def nbytes(num_groups: int, max_num_seqs: int, slots: int) -> int:
+        """Device bytes of the hot state of ``num_groups`` groups."""
+        return 2 * 4 * num_groups * max_num_seqs * slots + 4 * slots + 8 * 3 * num_groups
+
+    def snapshot(self) -> dict[str, list]:
+        """The hot state and counters as CPU lists (a device sync on CUDA)."""
+        return {"slot_host_rows": self.slot_host_rows.cpu().tolist(),
+                "lru": self.lru.cpu().tolist(), "counters": self.counters.cpu().tolist()}
+
+    def save_rows(self, rows: torch.Tensor) -> tuple:
+        return self.slot_host_rows[:, rows].clone(), self.lru[:, rows].clone()
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        self.slot_host_rows[:, rows] = -1
+        self.lru[:, rows] = self.lru_identity
+
+    def restore_rows(self, rows: torch.Tensor, saved: tuple) -> None:
+        slots, lru = saved
+        self.slot_host_rows[:, rows] = slots
+        self.lru[:, rows] = lru
+
+
+class HotCache:
+    """One index group's hot cache (see the module docstring).
+
+    - ``group``: the index group; ``resident_table`` / ``hot_table``: its resident and hot
+      block tables ``[S, P]`` / ``[S, HB]`` int32; ``seq_lens [S]``, ``host_blocks [S, P]``:
+      the request tables it reads (views of the worker's arena).
+    - ``device_table`` / ``host_table``: its layers' rows in the device / host pool;
+      ``row_bytes``: bytes of one row of one layer.
+    - ``state``: the stacked ``HotState`` (the cache holds views of its ``group.number``
+      entries); ``workspace``: the shared ``ResolveWorkspace``; ``kernel``: ``"triton"`` or
+      ``"torch"``; the sizes: what the resolve checks block ids against.
+    """
+
+    def __init__(self, group: IndexGroup, *, seq_lens: torch.Tensor,
+                 host_blocks: torch.Tensor, resident_table: torch.Tensor,
+                 hot_table: torch.Tensor, device_table: RowTable, host_table: RowTable,
+                 row_bytes: int, state: HotState, workspace: "ResolveWorkspace", kernel: str,
+                 block_size: int, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.group = group
+        self.seq_lens, self.host_blocks = seq_lens, host_blocks
+        self.resident_table, self.hot_table = resident_table, hot_table
+        self.device_table, self.host_table, self.row_bytes = device_table, host_table, row_bytes
+        self.slot_host_rows = state.slot_host_rows[group.number]
+        self.lru = state.lru[group.number]
+        self.counters = state.counters[group.number]
+        self.workspace, self.kernel = workspace, kernel
+        self.sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
+                          num_host_blocks=num_host_blocks)
+        self.device = seq_lens.device
+        self.rows_out: Optional[torch.Tensor] = None   # [R, K] the last call's rows
+        self.rows_view: Optional[torch.Tensor] = None  # it, in the shape returned
+        self._ops = load_ops()
+        self.bound = self.bound_gather = None
+        if kernel == "triton":
+            from hisparse_triton.kernels.gather import BoundCopy
+            from hisparse_triton.kernels.resolve import BoundResolve
+
+            self.bound = BoundResolve(seq_lens, resident_table, host_blocks, hot_table,
+                                      self.slot_host_rows, self.lru, counters=self.counters,
+                                      workspace=workspace, **self.sizes)
+            self.bound_gather = BoundCopy(device_table, host_table, pages=False,
+                                          kernel="gather")
+
+    @classmethod
+    def for_group(cls, group: IndexGroup, tables: PlanTables, layers: PoolLayers,
+                  state: HotState, workspace: "ResolveWorkspace", kernel: str) -> "HotCache":
+        """The hot cache of ``group`` over a worker's tables, pools and hot state."""
+        device_table, host_table, row_bytes = layers.row_tables(group.layers)
+        return cls(group, seq_lens=tables.seq_lens, host_blocks=tables.host_blocks,
+                   resident_table=tables.group_tables[group.resident],
+                   hot_table=tables.group_tables[group.hot], device_table=device_table,
+                   host_table=host_table, row_bytes=row_bytes, state=state,
+                   workspace=workspace, kernel=kernel, block_size=layers.block_size,
+                   num_device_blocks=layers.num_device_blocks,
+                   num_host_blocks=layers.num_host_blocks)
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The group's sparse layers, leader first."""
+        return self.group.layers
+
+    @property
+    def tables(self) -> tuple[RowTable, RowTable]:
+        """``(device_table, host_table)``: what the gather copies between."""
+        return self.device_table, self.host_table
+
+    @property
+    def bytes_per_miss(self) -> int:
+        """Bytes one gathered host row moves: a row of the leader and of every follower."""
+        return self.row_bytes * len(self.group.layers)
+
+    def resolve(self, state_rows: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """Rows of ``topk`` (``[R, K]``, or ``[R, Q, K]``: each request's Q selections as one
+        union; checked by ``check_topk``) for ``state_rows [R] int32``; gathers the misses.
+        CPU inputs of a CUDA cache are staged without a host sync. Returns the group's
+        persistent output in the shape of ``topk``; ``ValueError`` for bad ``state_rows``."""
+        shape = tuple(topk.shape)
+        if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
+            topk = topk.reshape(shape[0], shape[1] * shape[2])
+        R, K = topk.shape
+        if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
+                or tuple(state_rows.shape) != (R,)):
+            raise ValueError(f"state_rows must be an int32 tensor [{R}], got "
+                             f"{getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
+                             f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
+        if R == 0:
+            return torch.empty(shape, dtype=torch.int32, device=self.device)
+        # No grad-mode context here: only the kernels (or the reference's int ops) touch
+        # the cache's tensors, which works inside and outside inference mode alike.
+        state_rows = on_device(state_rows, self.device, "state_rows")
+        topk = on_device(topk, self.device, "topk")   # any integer dtype: converted in-kernel
+        out = self.rows_out
+        if out is None or out.shape != (R, K):
+            with torch.inference_mode(False):
+                out = self.rows_out = torch.empty(R, K, dtype=torch.int32,
+                                                  device=self.device)
+            self.rows_view = out.view(shape) if len(shape) == 3 else out
+        elif self.rows_view.shape != shape:
+            self.rows_view = out.view(shape) if len(shape) == 3 else out
+        ops = self._ops
+        # The workspace keeps the pre-call hot state of the rows it resolves, so a failed
+        # gather can undo it.
+        if self.bound is not None and ops.is_eager((topk, state_rows)):
+            result = self.bound(topk, state_rows, out)
+        else:
+            result = ops.resolve(
+                topk, state_rows, self.seq_lens, self.resident_table, self.host_blocks,
+                self.hot_table, self.slot_host_rows, self.lru, **self.sizes,
+                counters=self.counters, out=out, workspace=self.workspace,
+                backend=self.kernel)
+        try:
+            if self.bound_gather is not None and ops.is_eager((result.miss_src,)):
+                self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
+            else:
+                ops.copy_rows(self.device_table, self.host_table, result.miss_src,
+                              result.miss_dst, result.miss_count, backend=self.kernel)
+        except BaseException:  # undo the resolve: hot state and counters
+            ops.restore_resolve_state(self.workspace, state_rows, self.slot_host_rows,
+                                      self.lru)
+            self.counters -= result.stats.sum(dim=0)
+            raise
+        return self.rows_view

@@ -1,0 +1,375 @@
+"""``HiSparseWorker``: the GPU-side half of the runtime (pools, device tables, resolve, mirror).
+
+One worker per GPU rank. It owns the tensors: the host pool (created, or attached when the
+ranks of a node share it), the device pool, the per-request table arena, the hot state of
+every index group and the device counters. It makes no decisions: every table change comes
+from the scheduler in a ``StepPlan``, applied in plan order:
+
+    worker.apply(plan)          # before the forward: ONE host -> device copy of the plan
+    ...  forward: the model writes KV at the scheduler's rows; per index group
+         ids = worker.resolve_rows(leader, state_rows, topk)   -> attention reads ids  ...
+    worker.mirror(plan)         # after the forward: new rows device -> host
+
+Parts: ``PlanTables`` (table arena, plan staging, apply / revert), a ``HotCache`` per index
+group (hot slots, LRU, counters, resolve + gather), ``HostMirror``, ``PoolLayers`` (layers'
+rows in the pools), ``CounterReader``.
+
+Ordering on CUDA: every copy and kernel is enqueued on the current stream; nothing here waits
+for the device except ``stats()`` (one counter read) and a plan-staging slot reused before
+its copy ran (``tables.STAGING_SLOTS`` pinned buffers, so the CPU may run that many plans
+ahead). A released block is written again only by work enqueued after the mirror that read
+it, which the stream orders. A caller using several streams must order them itself.
+
+With a shared host pool (the TP ranks of one node): rank 0 creates the pool and is the only
+rank whose ``mirror`` copies; every rank applies the same plans, so their tables agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hisparse_triton.config import EngineConfig
+from hisparse_triton.errors import RuntimeClosedError
+from hisparse_triton.groups import PlanGroups
+from hisparse_triton.layout import underlying_layer_name
+from hisparse_triton.memory import MemoryRequest, check_memory
+from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.step_plan import StepPlan, TableLayout
+from hisparse_triton.worker import hot_cache
+from hisparse_triton.worker.hot_cache import HotCache, HotState
+from hisparse_triton.worker.layers import PoolLayers
+from hisparse_triton.worker.mirror import HostMirror
+from hisparse_triton.worker.options import BACKENDS, check_options, parse_device, plan_fingerprint
+from hisparse_triton.worker.placement import array_on_device
+from hisparse_triton.worker.pools import DevicePool, HostPool
+from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerStats
+from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BACKENDS", "STAGING_SLOTS", "HiSparseWorker", "StatsSnapshot", "WorkerStats",
+           "parse_device", "plan_fingerprint"]
+
+
+class HiSparseWorker:
+    """The tensor-owning worker half of HiSparse (see the module docstring).
+
+    - ``kv_cache_config``, ``config``: the same objects the scheduler was built from.
+    - ``max_num_seqs``: state rows (must equal the scheduler's).
+    - ``device``: where the device pool and tables live (default: CUDA if available, else
+      CPU). ``backend``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` (CUDA, or
+      CPU under ``TRITON_INTERPRET=1``) or ``"torch"`` (the reference ops).
+    - ``tp_rank``, ``host_pool_name``: for a plan with ``hisparse_shared_host_pool``:
+      ``host_pool_name`` is required; rank 0 creates the pool, every other rank attaches;
+      only rank 0's ``mirror`` copies (``mirrors_to_host``).
+    - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
+                 max_num_seqs: int, device: torch.device | str | None = None,
+                 backend: str = "auto", tp_rank: int = 0,
+                 host_pool_name: Optional[str] = None,
+                 host_ram_fraction: float = 0.9) -> None:
+        check_options(kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
+                      host_ram_fraction)
+        self.shared_host_pool = bool(kv_cache_config.hisparse_shared_host_pool)
+        self.tp_rank, self.host_pool_name = tp_rank, host_pool_name
+        #: Whether ``mirror`` writes the host pool (rank 0 of a shared pool, or a private one).
+        self.mirrors_to_host = not self.shared_host_pool or tp_rank == 0
+        self.device = parse_device(device)
+        self._kernel_backend = hot_cache.kernel_backend(backend, self.device)
+        self.backend, self.config, self.kv_cache_config = backend, config, kv_cache_config
+        self.max_num_seqs, self.max_model_len = max_num_seqs, config.max_model_len
+        self.device_buffer_size = int(config.hisparse.device_buffer_size)
+        self.groups = PlanGroups.from_config(kv_cache_config, config)
+        self.block_size = self.groups.block_size
+        self.layout = TableLayout.build(self.groups, max_num_seqs)
+        self.num_device_blocks = kv_cache_config.num_blocks
+        self.num_host_blocks = kv_cache_config.hisparse_host_num_blocks
+        if self.num_host_blocks < 2:
+            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
+                             f"page), the plan has {self.num_host_blocks}.")
+        self.bytes_per_block = kv_cache_config.bytes_per_block
+        self._closed = False
+        self._host_pool: Optional[HostPool] = None
+        self._device_pool: Optional[DevicePool] = None
+        host_bytes = max(t.offset + t.size for t in self.groups.host_tensors.values())
+        # Everything this worker will allocate, checked together before anything is.
+        check_memory([
+            *HostPool.memory_requests(host_bytes, shared=self.shared_host_pool,
+                                      create=tp_rank == 0),
+            *DevicePool.memory_requests(self.num_device_blocks, self.bytes_per_block,
+                                        self.device),
+            MemoryRequest("per-request tables and hot state", self.table_bytes, self.device,
+                          hint="max_num_seqs or device_buffer_size")],
+            max_ram_fraction=host_ram_fraction)
+        # The runtime's tensors are ordinary tensors whatever the caller's mode: built
+        # outside inference mode and without autograd, so in-place updates work from both.
+        with torch.inference_mode(False), torch.no_grad():
+            self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
+                                       max_ram_fraction=host_ram_fraction, device=self.device,
+                                       shared_name=host_pool_name, create=tp_rank == 0,
+                                       fingerprint=plan_fingerprint(kv_cache_config))
+            try:  # a failure below must not leave the (pinned) host pool to the GC
+                self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
+                                               self.device)
+                self._build_parts()
+            except BaseException:
+                self.close()
+                raise
+        logger.info("HiSparseWorker rank %d on %s: %d device blocks x %d B, %d host blocks "
+                    "(%.2f GiB%s), %d index groups, backend %s (%s); %s", tp_rank, self.device,
+                    self.num_device_blocks, self.bytes_per_block, self.num_host_blocks,
+                    host_bytes / (1 << 30), ", shared" if self.shared_host_pool else "",
+                    len(self.groups.index_groups), backend, self._kernel_backend,
+                    hot_cache.launch_config_source(self._kernel_backend, self.device))
+
+    @property
+    def table_bytes(self) -> int:
+        """Device bytes of the per-request tables, hot state and counters."""
+        return PlanTables.nbytes(self.layout) + HotState.nbytes(
+            len(self.groups.index_groups), self.max_num_seqs, self.device_buffer_size)
+
+    def _build_parts(self) -> None:
+        dev, groups = self.device, self.groups
+        self._layers = PoolLayers(groups, self.kv_cache_config, self._host_pool,
+                                  self._device_pool, dev)
+        self._hot = HotState(len(groups.index_groups), self.max_num_seqs,
+                             self.device_buffer_size, dev)
+        self._tables = tables = PlanTables(
+            self.layout, dev, self._hot, num_device_blocks=self.num_device_blocks,
+            num_host_blocks=self.num_host_blocks, block_size=self.block_size,
+            num_resident=len(groups.resident))
+        workspace = hot_cache.new_workspace(dev)
+        self._index_groups: dict[str, HotCache] = {
+            ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
+                                          self._kernel_backend)
+            for ig in groups.index_groups}
+        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
+                                        backend=self.backend)
+        hot_cache.validate_tables([*(t for c in self._index_groups.values() for t in c.tables),
+                                   *self._mirror.tables], dev)
+        self._stats = CounterReader(
+            self._hot.counters, [c.bytes_per_miss for c in self._index_groups.values()],
+            d2h_bytes=lambda: self._mirror.d2h_bytes, plans=lambda: tables.applied)
+
+    # ------------------------------------------------------------------ plans
+    def apply(self, plan: StepPlan) -> None:
+        """Write one plan's table changes: resets first, then the writes (one packed
+        host -> device copy, then on-device scatters; no host sync).
+
+        Plans must come in order (``plan.step`` = the previous plan's + 1) and a plan with
+        mirror rows must be ``mirror``-ed before the next one is applied; an out-of-order or
+        foreign plan is refused (``ValueError``) and changes nothing.
+        """
+        self._check_open()
+        self._tables.apply(plan)
+
+    def revert(self, plan: StepPlan) -> None:
+        """Undo ``apply(plan)`` when later work of the same call failed: the tables and hot
+        state are as before it and ``plan.step`` is expected next. ``plan`` must be the last
+        plan applied (``ValueError`` otherwise); bytes it already mirrored stay counted."""
+        self._check_open()
+        self._tables.revert(plan)
+
+    def mirror(self, plan: StepPlan) -> None:
+        """Copy the plan's new rows of every source layer device -> host (one launch per row
+        size), after the forward wrote them. On a rank that does not write a shared host
+        pool this only records that the step is done; a plan without mirror rows (or one
+        already mirrored) needs nothing. ``ValueError`` for a plan other than the last one
+        applied."""
+        self._check_open()
+        self._tables.check_last(plan)
+        if self._tables.mirror_due is None:  # nothing to copy, or already mirrored
+            return
+        if self.mirrors_to_host:
+            self._mirror.copy(plan, self._tables.packed(plan))
+        self._tables.mark_mirrored()
+
+    # ------------------------------------------------------------------ decode step
+    def _index_group(self, leader_layer: str) -> HotCache:
+        cache = self._index_groups.get(leader_layer)
+        if cache is None:
+            cache = self._index_groups.get(underlying_layer_name(leader_layer))
+        if cache is None:
+            leader = self.groups.leader_of(leader_layer)
+            hint = f"; its leader is {leader!r}" if leader else ""
+            raise ValueError(f"{leader_layer!r} is not an index-group leader{hint}.")
+        return cache
+
+    def index_group(self, leader_layer: str) -> tuple[str, ...]:
+        """The sparse layers (leader first) whose hot rows ``resolve_rows(leader)`` fills."""
+        self._check_open()
+        return self._index_group(leader_layer).layers
+
+    def hot_slots(self, leader_layer: str) -> torch.Tensor:
+        """``[max_num_seqs, H] int32``: the host row each hot slot of the index group holds,
+        by state row (-1 = empty). A live view for inspection; do not write it."""
+        self._check_open()
+        return self._index_group(leader_layer).slot_host_rows
+
+    def hot_order(self, leader_layer: str) -> torch.Tensor:
+        """``[max_num_seqs, H] int32``: the index group's hot slot ids by state row, least
+        recently used first. A live view for inspection; do not write it."""
+        self._check_open()
+        return self._index_group(leader_layer).lru
+
+    def check_topk(self, topk: object) -> None:
+        """``ValueError`` unless ``topk`` is an integer ``[R, K]`` tensor, or ``[R, Q, K]``
+        (Q speculative query tokens per request, ``Q <= max_decode_query_len``), whose
+        ``Q * K`` columns fit the hot buffer (``device_buffer_size``)."""
+        hot_cache.check_topk(topk, device_buffer_size=self.device_buffer_size,
+                             max_decode_query_len=self.config.hisparse.max_decode_query_len)
+
+    def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
+                     topk: torch.Tensor) -> torch.Tensor:
+        """Resolve one index group's top-k positions into device rows; gather the misses.
+
+        ``state_rows``: ``[R] int32`` (the scheduler's ``state_rows(ids)``), -1 = padding;
+        a row that is not live resolves against an empty request (all -1). ``topk``:
+        ``[R, K]`` integer token positions, ``K <= device_buffer_size``; any value is allowed
+        (negative, ``>= seq_len`` or huge positions resolve to -1). Speculative decoding:
+        ``[R, Q, K]`` (``Q <= max_decode_query_len``, ``Q * K <= device_buffer_size``)
+        resolves each request's Q selections as ONE union: a position several draft tokens
+        select takes one hot slot and is gathered (and counted as a miss) once; the result
+        is ``[R, Q, K]``. Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for
+        the leader and every follower (-1 = masked), until the next plan that releases pages
+        or the next resolve of this index group for the same request; the tensor is the
+        index group's persistent output, overwritten by its next resolve. Misses are
+        gathered host -> device into the hot rows of all of the index group's layers in one
+        launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
+        friendly). Only shapes are checked.
+        """
+        self._check_open()
+        cache = self._index_group(leader_layer)
+        self.check_topk(topk)
+        return cache.resolve(state_rows, topk)
+
+    def to_device(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """A small CPU array on the worker's device without a host sync (pinned staging)."""
+        return array_on_device(values, dtype, self.device)
+
+    # ------------------------------------------------------------------ views
+    def device_cache(self, layer_name: str) -> torch.Tensor:
+        """``[num_blocks, block_size, row_bytes] uint8`` view of a device layer.
+
+        ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
+        views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
+        Row ``r`` of ``append_slots``/``resolve_rows`` is ``view.view(-1, row_bytes)[r]``.
+        """
+        self._check_open()
+        return self._layers.device_cache(layer_name)
+
+    def device_rows(self, layer_name: str) -> torch.Tensor:
+        """``[num_rows, row_bytes] uint8`` flat view of a sparse layer's device cache, for a
+        plan made with ``row_aligned_blocks=True`` (``ValueError`` otherwise): the runtime's
+        row id ``block * block_size + slot`` is flat row ``block * rows_per_block + slot``
+        (``hisparse_triton.layout.device_row_layout(...).flat_row``), so an attention kernel
+        can index every sparse layer as one array of rows without a block stride."""
+        self._check_open()
+        return self._layers.device_rows(layer_name)
+
+    def host_cache(self, layer_name: str) -> torch.Tensor:
+        """``[host_num_blocks, block_size, row_bytes] uint8`` view of a source layer's host
+        rows (on CUDA, read it on the CPU only after synchronising with the mirror)."""
+        self._check_open()
+        return self._layers.host_cache(layer_name)
+
+    def block_tables(self, layer_name: str) -> torch.Tensor:
+        """``[max_num_seqs, pages] int32`` device block table of a layer's group, by state
+        row (a view of the table arena, updated in place by ``apply``)."""
+        self._check_open()
+        return self.tables[self.groups.layer_group[self.groups.device_layer_name(layer_name)]]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[max_num_seqs] int32`` tokens appended, by state row (a live arena view)."""
+        return self._tables.seq_lens
+
+    @property
+    def host_table(self) -> torch.Tensor:
+        """``[max_num_seqs, pages] int32`` host block of every page (0 = none; live view)."""
+        return self._tables.host_blocks
+
+    @property
+    def tables(self) -> list[torch.Tensor]:
+        """Every device group's ``[max_num_seqs, width] int32`` block table (live views)."""
+        return self._tables.group_tables
+
+    @property
+    def host_pool(self) -> HostPool:
+        """The host pool (source layers' rows)."""
+        return self._host_pool
+
+    @property
+    def device_pool(self) -> DevicePool:
+        """The device pool (every device layer)."""
+        return self._device_pool
+
+    @property
+    def leaders(self) -> list[str]:
+        return list(self.groups.leaders)
+
+    # ------------------------------------------------------------------ stats / close
+    def stats(self) -> WorkerStats:
+        """Transfer counters. Reads the device counters: one device sync on CUDA (call it
+        between steps; ``stats_async`` avoids the sync)."""
+        self._check_open()
+        return self._stats.read()
+
+    def stats_async(self) -> StatsSnapshot:
+        """Start reading the counters without waiting for the device: the counters are
+        copied into pinned host memory on the current stream (after everything enqueued so
+        far); ``result()`` on the returned snapshot waits only for that copy. Use it from a
+        serving loop's metrics path instead of ``stats()``."""
+        self._check_open()
+        return self._stats.read_async()
+
+    def reset_stats(self) -> None:
+        """Zero the transfer counters."""
+        self._check_open()
+        self._stats.zero()
+        self._mirror.d2h_bytes = 0
+
+    def _debug_snapshot(self) -> dict:
+        """Every device table and counter as CPU lists (a device sync on CUDA)."""
+        tables, due = self._tables, self._tables.mirror_due
+        return {"arena": tables.arena.cpu().tolist(), **self._hot.snapshot(),
+                "misc": (tables.next_step, self._mirror.d2h_bytes, tables.applied,
+                         None if due is None else due.step)}
+
+    # Names the in-process facade and older tests still read.
+    _unapply = revert
+    _arena = property(lambda self: self._tables.arena)
+    _lru = property(lambda self: self._hot.lru)
+    _slot_host_rows = property(lambda self: self._hot.slot_host_rows)
+    _ops = property(lambda self: hot_cache.load_ops())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("the HiSparseWorker is closed.")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release both pools (unpins the host pool; a shared pool's creator unlinks it);
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._host_pool is not None:
+            self._host_pool.close()
+        if self._device_pool is not None:
+            self._device_pool.close()
+
+    def __enter__(self) -> "HiSparseWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
