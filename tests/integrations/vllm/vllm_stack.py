@@ -315,7 +315,6 @@ class HiSparseStack:
         from vllm.v1.hisparse.binding import init_hisparse_kv_cache
         from vllm.v1.hisparse.layout import (get_hisparse_kv_cache_config,
                                              get_hisparse_kv_cache_groups)
-        from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.utils.hashing import sha256
 
@@ -347,10 +346,6 @@ class HiSparseStack:
         # ---- worker side ----
         kv_groups = self.kv_cache_config.kv_cache_groups
         self.source_group = next(i for i, g in enumerate(kv_groups) if g.host_resident)
-        self.resident_groups = [i for i, g in enumerate(kv_groups)
-                                if isinstance(g.kv_cache_spec, HiSparseResidentSpec)]
-        self.hot_groups = [i for i, g in enumerate(kv_groups)
-                           if isinstance(g.kv_cache_spec, HiSparseHotSpec)]
         max_rows = get_sparse_mla_index_group_max_rows(config)
         builder = SparseMLAIndexGroupBuilder(
             torch.full((shape.max_num_batched_tokens, shape.index_topk), -1, dtype=torch.int32),
@@ -377,6 +372,8 @@ class HiSparseStack:
                               for layer in range(shape.num_layers)]
 
         self.requests: dict[str, _WorkerRequest] = {}
+        # A new request takes the highest free state row, so state rows and batch rows differ
+        # (the ops must index by the right one).
         self.free_state_rows = list(range(shape.max_num_seqs))
         self.hashes: dict[str, np.ndarray] = {}
         self.request_keys: dict[str, int] = {}
