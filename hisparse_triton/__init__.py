@@ -58,6 +58,7 @@ _LAZY = {
     "BlockPoolError": "hisparse_triton.errors",
     "SharedHostPoolError": "hisparse_triton.errors",
     "UnsupportedVersionError": "hisparse_triton.errors",
+    "PrefillStagingError": "hisparse_triton.errors",
     "BackendUnavailableError": "hisparse_triton.ops",
     "RowTable": "hisparse_triton.row_table",
     "MemoryRequest": "hisparse_triton.memory",
