@@ -50,7 +50,8 @@ class PrefillStaging:
     block_size: int
 
     @classmethod
-    def from_plan(cls, kv_cache_config: KVCacheConfig, config: EngineConfig) -> "PrefillStaging":
+    def from_plan(cls, kv_cache_config: KVCacheConfig,
+                  config: EngineConfig) -> "PrefillStaging":
         """The region of ``kv_cache_config`` for ``config.hisparse.prefill_staging_rows``;
         ``ValueError`` naming both numbers when it would leave the pool fewer than 2 blocks
         (the null block and one allocatable block)."""

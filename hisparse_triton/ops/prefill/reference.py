@@ -95,7 +95,7 @@ def plan_prefill(
 
     distinct = torch.unique(g[hok])            # sorted ascending
     needed = distinct.numel()
-    rank = torch.searchsorted(distinct, torch.where(hok, g, 0))
+    rank = torch.searchsorted(distinct, torch.where(hok, g, 0).contiguous())
     rows = torch.where(res, rb * B + off,
                        torch.where(hok & (rank < C), staging_first_row + rank, -1)).to(i32)
     staged = min(needed, C)

@@ -66,8 +66,8 @@ class PrefillWorkspace:
         self.capacity_rows = _check_count("capacity_rows", capacity_rows, 0)
         self.first_row = _check_count("first_row", first_row, 0)
         if first_row + capacity_rows > 2**31 - 1:
-            raise ValueError(f"PrefillWorkspace: staging rows up to {first_row + capacity_rows}"
-                             f" do not fit int32 row ids")
+            raise ValueError(f"PrefillWorkspace: staging rows up to "
+                             f"{first_row + capacity_rows} do not fit int32 row ids")
         C = capacity_rows
         with torch.inference_mode(False):
             self.row_rank = torch.full((num_host_rows,), ROW_UNUSED, dtype=torch.int32,
