@@ -52,7 +52,7 @@ def cpu_case(request):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("op", ("gather", "backup"))
+@pytest.mark.parametrize("op", bm.ROW_OPS)
 @pytest.mark.parametrize("method", ("torch", "eager", "contiguous"))
 def test_cpu_transfer(benchmark, record, cpu_case, op, method):
     pools, plans = cpu_case

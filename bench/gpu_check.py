@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """One prepared GPU check: the performance-target measurements, ``tune`` for 656 B rows and
 the test suite on CUDA, in priority order inside one time budget, written as ONE JSON file
-(plus logs) under ``$OUT``.
+(plus logs) under ``$OUT``. Ops are named by the op registry's groups (``--ops rows``,
+``--ops pages``, ``--kernel rows``: ``hisparse_triton.benchmarks.registry``), so a new op of a
+group joins its steps without an edit here.
 
 Usage on a GPU machine, from the repository root::
 
@@ -89,10 +91,10 @@ class Step:
 
 STEPS = (
     Step("bench-targets", "bench",
-         (*TARGET_ROWS, "--ops", "gather,backup", "--methods", "triton,eager,contiguous",
+         (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,eager,contiguous",
           "--miss-ratios", "1,0.3,0.067"), 110,
          ("--row-bytes", "656", "--rows", "4k,64k", "--layers", "1,4", "--ops",
-          "gather,backup", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067",
+          "rows", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067",
           "--rep-ms", "25"), 45),
     Step("bench-resolve", "bench",
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
@@ -106,23 +108,23 @@ STEPS = (
           "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",
           "tests/test_cuda_graph.py", "tests/test_launch_budget.py"), 75),
     Step("tune", "tune",
-         ("--row-bytes", "656", "--kernel", "gather,backup", "--layers", "1,4", "--quick"), 110,
-         ("--row-bytes", "656", "--kernel", "gather,backup", "--layers", "1", "--quick"), 40),
+         ("--row-bytes", "656", "--kernel", "rows", "--layers", "1,4", "--quick"), 110,
+         ("--row-bytes", "656", "--kernel", "rows", "--layers", "1", "--quick"), 40),
     Step("bench-tuned", "bench",
-         (*TARGET_ROWS, "--ops", "gather,backup", "--methods", "triton,contiguous",
+         (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,contiguous",
           "--miss-ratios", "1,0.067"), 60),
     Step("bench-pages", "bench",
-         (*TARGET_ROWS, "--ops", "restore,spill", "--methods", "triton,eager,contiguous"), 60),
+         (*TARGET_ROWS, "--ops", "pages", "--methods", "triton,eager,contiguous"), 60),
     Step("bench-small", "bench",
          ("--row-bytes", "656", "--rows", "512,2k", "--layers", "1,4", "--ops",
-          "gather,backup", "--methods", "triton,torch,eager,contiguous", "--miss-ratios",
+          "rows", "--methods", "triton,torch,eager,contiguous", "--miss-ratios",
           "1,0.067"), 45),
     Step("bench-resolve-batches", "bench",
          ("--ops", "resolve", "--batch", "1,4,16,256", "--miss-ratios", "1,0.067",
           "--methods", "triton,torch"), 60),
     Step("bench-row-sizes", "bench",
          ("--row-bytes", "132,1152", "--rows", "4k,32k,256k", "--layers", "1,4", "--ops",
-          "gather,backup", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067"),
+          "rows", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067"),
          60),
 )
 #: ``--dry-run`` (CPU): tiny versions of a bench step, tune and a test file.
@@ -265,8 +267,10 @@ def merge_bench(results: list[tuple[str, Optional[dict[str, Any]]]]) -> Optional
 
 def _ceilings(bench: dict[str, Any]) -> list[str]:
     """The contiguous pinned copies measured (the link ceiling), per direction."""
+    from hisparse_triton.benchmarks.registry import DIRECTION, ROW_OPS
+
     lines = []
-    for op, label in (("gather", "H2D"), ("backup", "D2H")):
+    for op, label in ((op, DIRECTION[op].upper()) for op in ROW_OPS):
         figs = [f for f in bench.get("transfers", [])
                 if f.get("method") == "contiguous" and f.get("op") == op and f.get("gbps")]
         if figs:

@@ -105,6 +105,12 @@ class EngineConfig:
       (vLLM's scheduler budget); ``None`` means a whole prompt may run in one step. It caps
       what one request has in flight, which is what a resident or sliding-window group must
       hold at admission.
+    - ``max_concurrent_batches``: steps the engine keeps in flight at once (vLLM's
+      ``VllmConfig.max_concurrent_batches``: 1 when each step finishes before the next is
+      scheduled, 2 with async scheduling, the pipeline depth with pipeline parallelism).
+      Every in-flight step may hold ``max_num_batched_tokens`` tokens of a request that are
+      scheduled but not yet committed, so the admission window is
+      ``max_concurrent_batches * max_num_batched_tokens`` (see ``in_flight_tokens``).
     """
 
     max_model_len: int
@@ -114,6 +120,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     num_nodes: int = 1
     max_num_batched_tokens: Optional[int] = None
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
         _check_int("EngineConfig", "max_model_len", self.max_model_len, 1)
@@ -126,6 +133,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _check_int("EngineConfig", "max_num_batched_tokens",
                        self.max_num_batched_tokens, 1)
+        _check_int("EngineConfig", "max_concurrent_batches", self.max_concurrent_batches, 1)
         if self.hisparse is not None and not isinstance(self.hisparse, HiSparseConfig):
             raise TypeError(f"EngineConfig.hisparse must be a HiSparseConfig or None, "
                             f"got {type(self.hisparse).__name__}.")
@@ -158,9 +166,11 @@ class EngineConfig:
 
     @property
     def in_flight_tokens(self) -> int:
-        """Tokens one request can have scheduled in one step:
-        ``min(max_num_batched_tokens, max_model_len)``, or ``max_model_len`` when
-        ``max_num_batched_tokens`` is unset (a whole prompt in one step)."""
+        """Tokens of one request that can be scheduled but not yet committed:
+        ``min(max_concurrent_batches * max_num_batched_tokens, max_model_len)``, or
+        ``max_model_len`` when ``max_num_batched_tokens`` is unset (a whole prompt in one
+        step)."""
         if self.max_num_batched_tokens is None:
             return self.max_model_len
-        return min(self.max_num_batched_tokens, self.max_model_len)
+        return min(self.max_concurrent_batches * self.max_num_batched_tokens,
+                   self.max_model_len)

@@ -4,8 +4,8 @@ Given an ``EngineConfig`` and a model's ``kv_cache_spec`` (layer name -> spec), 
 
 1. splits the layers into KV-cache groups (:func:`get_hisparse_kv_cache_groups`): the
    host-resident *source* group (every sparse-MLA layer), the GPU *indexer* group, pairs of
-   GPU *resident* / *hot* groups over packed index groups, and *regular* groups (equal-sized,
-   :func:`group_regular_layers`);
+   GPU *resident* / *hot* groups over packed index groups, and *regular* groups (vLLM 0.33's
+   rules, :func:`~hisparse_triton.regular_groups.group_regular_layers`);
 2. sizes the host pool (:func:`create_hisparse_layout`);
 3. sizes the shared device pool, places every layer's bytes in it and records the plan's
    topology (:func:`get_hisparse_kv_cache_config`, :func:`build_hisparse_topology`);
@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from hisparse_triton.config import ACTIVE_TAIL_PAGES, EngineConfig
+from hisparse_triton.regular_groups import (
+    REGULAR_GROUP_SIZE_SLACK,
+    group_regular_layers,
+    regular_kv_cache_groups,
+)
 from hisparse_triton.specs import (
     GroupKind,
     HiSparseHotSpec,
@@ -55,11 +60,6 @@ SHARED_HOST_POOL_ALIGNMENT = 4096
 
 #: Group kinds reported by :func:`group_kind` (the values of :class:`GroupKind`).
 GROUP_KINDS = tuple(kind.value for kind in GroupKind)
-
-#: A regular spec type whose layer count is below this multiple of the smallest type's count
-#: sets the group size instead (see :func:`group_regular_layers`).
-REGULAR_GROUP_SIZE_SLACK = 1.25
-
 
 class HiSparsePlanWarning(UserWarning):
     """A plan that works but wastes memory (e.g. a hot buffer that is not whole pages)."""
@@ -109,45 +109,6 @@ def split_index_groups(sparse_specs: Mapping[str, MLAAttentionSpec]) -> list[tup
     return [tuple(unit) for unit in units]
 
 
-def group_regular_layers(specs: Mapping[str, KVCacheSpec]) -> list[tuple[str, ...]]:
-    """Split regular (non-HiSparse) layers into groups the way vLLM's hybrid allocator does.
-
-    Every group of a plan takes ``len(layers) * page`` bytes of a pool block and the block is
-    as large as the largest group, so one big group of, say, sliding-window layers would set
-    the block size and cost most of the pool's blocks. Groups of equal layer counts avoid it:
-
-    1. Layers with equal specs form one *type*, types in first-seen order, each type's layers
-       in model order.
-    2. The group size ``g`` is the layer count of the smallest type: hybrid models repeat a
-       pattern such as 5 sliding-window : 1 full layer, and the smallest type's count is how
-       often the pattern repeats. If even the largest type has fewer than
-       ``REGULAR_GROUP_SIZE_SLACK`` (1.25) times that many layers, ``g`` is the largest count
-       instead (12 + 13 layers make two groups of up to 13, not one of 12 and two of 6-7).
-    3. A type of ``n`` layers becomes ``k = cdiv(n, g)`` groups, group ``i`` taking every
-       ``k``-th layer from layer ``i`` (``layers[i::k]``), so the layers of one pipeline
-       stage spread over all ``k`` groups instead of filling some and leaving others empty.
-       When ``g`` does not divide ``n`` the last groups are one layer short (vLLM pads them
-       with unused layers; here a short group just uses fewer bytes of its blocks).
-
-    Example: 2 full-attention + 4 sliding-window layers of one page size -> ``g = 2`` ->
-    ``(f0, f1)``, ``(w0, w2)``, ``(w1, w3)``. Returns the groups' layer names, in order.
-    """
-    types: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in specs.items():
-        types.setdefault(spec, []).append(name)
-    if not types:
-        return []
-    counts = [len(layers) for layers in types.values()]
-    size = min(counts)
-    if max(counts) < size * REGULAR_GROUP_SIZE_SLACK:
-        size = max(counts)
-    groups: list[tuple[str, ...]] = []
-    for layers in types.values():
-        num_groups = cdiv(len(layers), size)
-        groups.extend(tuple(layers[i::num_groups]) for i in range(num_groups))
-    return groups
-
-
 def _device_buffer_warning(config: EngineConfig, block_size: int) -> Optional[str]:
     """The warning for a hot buffer that is not whole pages, or ``None``."""
     assert config.hisparse is not None
@@ -190,8 +151,8 @@ def get_hisparse_kv_cache_groups(
     ``config.hisparse`` is None or no layer has an ``MLAAttentionSpec``. Derived
     ``HiSparseResidentSpec``/``HiSparseHotSpec`` entries of the input are ignored.
     ``ValueError`` when the MLA layers lack SPARSE or INDEXER specs, mix block sizes, or a
-    packed hot group mixes page sizes. Regular layers are grouped by
-    :func:`group_regular_layers`. Warns (:class:`HiSparsePlanWarning`) when
+    packed hot group mixes page sizes. Regular layers are grouped by vLLM 0.33's rules
+    (:func:`~hisparse_triton.regular_groups.group_regular_layers`). Warns (:class:`HiSparsePlanWarning`) when
     ``device_buffer_size`` is not a multiple of the block size.
     """
     if config.hisparse is None:
@@ -246,8 +207,7 @@ def get_hisparse_kv_cache_groups(
             enable_kv_transfer=False))
 
     regular = {name: spec for name, spec in specs.items() if name not in mla}
-    regular_groups = [KVCacheGroupSpec(layers, regular[layers[0]])
-                      for layers in group_regular_layers(regular)]
+    regular_groups = regular_kv_cache_groups(regular)
     return [source_group, indexer_group, *resident_groups, *hot_groups, *regular_groups]
 
 
@@ -336,11 +296,21 @@ def create_hisparse_layout(config: EngineConfig, groups: Sequence[KVCacheGroupSp
 
 
 def _layer_pages(group: KVCacheGroupSpec) -> list[tuple[str, int]]:
-    """``(group-layer name, page bytes)`` of a group, in in-block order."""
+    """``(group-layer name, page bytes)`` of a group, in placement order.
+
+    Placement order is vLLM 0.33's: the group's layers gathered by equal spec, specs in
+    first-seen order, each spec's layers in group order. A group with one spec keeps its
+    layer order; with index sharing the source group places every leader first, then every
+    follower (their specs differ in ``is_index_group_leader``).
+    """
     spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        return [(name, spec.kv_cache_specs[name].page_size_bytes) for name in group.layer_names]
-    return [(name, spec.page_size_bytes) for name in group.layer_names]
+    if not isinstance(spec, UniformTypeKVCacheSpecs):
+        return [(name, spec.page_size_bytes) for name in group.layer_names]
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name in group.layer_names:
+        by_spec.setdefault(spec.kv_cache_specs[name], []).append(name)
+    return [(name, layer_spec.page_size_bytes)
+            for layer_spec, names in by_spec.items() for name in names]
 
 
 def _device_tensors(groups: Sequence[KVCacheGroupSpec], num_blocks: int,
@@ -371,7 +341,8 @@ def _device_tensors(groups: Sequence[KVCacheGroupSpec], num_blocks: int,
 
 
 def _host_tensors(source: KVCacheGroupSpec, host_num_blocks: int) -> list[KVCacheTensor]:
-    """One layer-major tensor per source layer: ``[host_num_blocks * block_size, row]``."""
+    """One layer-major tensor per source layer: ``[host_num_blocks * block_size, row]``,
+    the regions in placement order (:func:`_layer_pages`, as vLLM 0.33 lays them out)."""
     tensors = []
     offset = 0
     for name, page in _layer_pages(source):

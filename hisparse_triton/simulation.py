@@ -37,7 +37,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from hisparse_triton.presets import ModelGeometry, build_kv_cache_spec, get_preset
+from hisparse_triton.link import DEFAULT_LINK_GBPS
+from hisparse_triton.presets import (
+    DEFAULT_PRESET,
+    ModelGeometry,
+    build_kv_cache_spec,
+    get_preset,
+    list_presets,
+)
 from hisparse_triton.specs import cdiv
 
 #: ``verify=None`` checks runs whose dense copy stays under this many bytes.
@@ -50,13 +57,21 @@ SAMPLED_INDEX_GROUPS = 4
 DEFAULT_PREFILL_CHUNK = 8192
 #: Default decode steps per request.
 DEFAULT_OUTPUT_LEN = 64
+#: Settings a trace written by ``--record`` carries in its metadata (``"simulate"``), taken
+#: by a replay for every one its flags leave unset.
+TRACE_SETTINGS = ("layers", "device_buffer_size", "prefill_chunk", "max_num_batched_tokens",
+                  "free_block_watermark", "offload_threshold_pages", "device_blocks",
+                  "host_blocks")
 
 
 @dataclass(frozen=True)
 class SimSettings:
-    """One simulation. ``None`` fields take the preset's defaults (``with_defaults``)."""
+    """One simulation. ``None`` fields take the preset's defaults (``with_defaults``);
+    ``preset=None`` is a trace's preset (its metadata) or ``DEFAULT_PRESET``;
+    ``warmup_steps=None`` ends each stream's warm-up when its hot buffer is full (at most
+    half its steps)."""
 
-    preset: str = "tiny"
+    preset: Optional[str] = None
     layers: Optional[int] = None
     requests: Optional[int] = None
     max_running: Optional[int] = None
@@ -81,7 +96,9 @@ class SimSettings:
     device: str = "cpu"
     backend: str = "auto"
     verify: Optional[bool] = None
-    link_gbps: float = 50.0
+    link_gbps: float = DEFAULT_LINK_GBPS
+    link_source: str = "given"
+    warmup_steps: Optional[int] = None
     sampled: bool = field(default=False, compare=False)
 
 
@@ -100,6 +117,8 @@ def with_defaults(settings: SimSettings) -> SimSettings:
     ``DEFAULT_PREFILL_CHUNK`` tokens (at most ``max_num_batched_tokens``), and
     ``default_layers``. ``ValueError`` for a chunk or ``mtp`` above
     ``max_num_batched_tokens``, or a ``shared_prefix`` outside [0, 1]."""
+    if settings.preset is None:
+        settings = replace(settings, preset=DEFAULT_PRESET)
     g = get_preset(settings.preset)
     top_k = settings.top_k if settings.top_k is not None else g.index_topk
     output = settings.output_len if settings.output_len is not None else DEFAULT_OUTPUT_LEN
@@ -299,14 +318,17 @@ class _BufferLog:
     ``actual`` (positions whose page had no GPU block), ``dropped`` (the same with every
     unpinned page dropped: the counterfactual), and with ``attribute`` the valid columns and
     the misses of every query token (a miss belongs to the first query token selecting it;
-    the hot buffer's contents are read before the resolve). Reads the scheduler's request
-    table and the worker's hot state, read-only."""
+    the hot buffer's contents are read before the resolve); per stream and step the valid
+    columns and those sent through the buffer (``valid_columns``, ``through_columns``).
+    Reads the scheduler's request table and the worker's hot state, read-only."""
 
     def __init__(self, runtime: Any, queries: int, attribute: bool) -> None:
         self.runtime = runtime
         self.block_size = runtime.block_size
         self.actual: dict[tuple[int, int], list[np.ndarray]] = {}
         self.dropped: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.valid_columns: dict[tuple[int, int], list[int]] = {}
+        self.through_columns: dict[tuple[int, int], list[int]] = {}
         self.attribute = attribute
         self.query_columns = np.zeros(queries, dtype=np.int64)
         self.query_misses = np.zeros(queries, dtype=np.int64)
@@ -329,6 +351,8 @@ class _BufferLog:
             released = rt.scheduler.unpinned_pages(rid)
             self.actual.setdefault((rid, li), []).append(pos[through])
             self.dropped.setdefault((rid, li), []).append(pos[through | (page < released)])
+            self.valid_columns.setdefault((rid, li), []).append(int(pos.size))
+            self.through_columns.setdefault((rid, li), []).append(int(through.sum()))
             if held_rows is None:
                 continue
             query = valid // K
@@ -340,6 +364,69 @@ class _BufferLog:
             held = held_rows[rt.state_row(rid)].cpu().numpy()
             missed = asked[first][~np.isin(rows[first], held)]
             self.query_misses += np.bincount(query[missed], minlength=Q)
+
+
+def settings_from_trace(settings: SimSettings, trace: Any) -> tuple[SimSettings, list[str]]:
+    """``settings`` with what a replayed trace decides: its top-k, and for every field the
+    caller left unset (``None``) the preset and the ``TRACE_SETTINGS`` of its metadata (a
+    trace written by ``--record``); also the names taken from the metadata. ``ValueError``
+    for a top-k other than the trace's or a metadata preset that is not built in."""
+    if settings.top_k is not None and settings.top_k != trace.top_k:
+        raise ValueError(f"--top-k {settings.top_k} differs from the trace's top-k "
+                         f"{trace.top_k}.")
+    meta = trace.metadata if isinstance(trace.metadata, dict) else {}
+    changes: dict[str, Any] = {"top_k": trace.top_k}
+    taken: list[str] = []
+    preset = meta.get("preset")
+    if settings.preset is None and preset is not None:
+        if preset not in list_presets():
+            raise ValueError(f"the trace's metadata names the preset {preset!r}, which is not "
+                             f"built in; pass --preset (one of {', '.join(list_presets())}).")
+        changes["preset"] = preset
+        taken.append("preset")
+    recorded = meta.get("simulate")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    for name in TRACE_SETTINGS:
+        value = recorded.get(name)
+        if value is None or getattr(settings, name) is not None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"the trace's metadata has {name} = {value!r}, not a number.")
+        changes[name] = value
+        taken.append(name)
+    settings = replace(settings, **changes)
+    if settings.layers is None:
+        g = get_preset(settings.preset or DEFAULT_PRESET)
+        settings = replace(settings, layers=min(g.num_layers, trace.num_layers * g.index_share))
+    return settings, taken
+
+
+def steady_state(log: _BufferLog, capacity: int,
+                 warmup_steps: Optional[int] = None) -> dict[str, Any]:
+    """The miss rate without each stream's cold start: per (request, index group) stream its
+    first ``warmup_steps`` resolves are left out (``None``: the resolves until its hot
+    buffer first held ``capacity`` rows, at most half of them). The per-step misses are the
+    runtime's LRU replayed on what went through the buffer (equal to the runtime's)."""
+    from hisparse_triton.policies import stream_misses
+
+    misses = columns = counted = total = 0
+    for key, stream in log.actual.items():
+        per_step = stream_misses("lru", stream, capacity)
+        n = len(per_step)
+        if warmup_steps is None:
+            full = np.flatnonzero(np.cumsum(per_step) >= capacity)
+            skip = min(int(full[0]) + 1 if full.size else n, n // 2)
+        else:
+            skip = min(warmup_steps, n)
+        misses += int(per_step[skip:].sum())
+        columns += sum(log.valid_columns[key][skip:])
+        counted += n - skip
+        total += n
+    return {"warmup": "buffer-full" if warmup_steps is None else "steps",
+            "warmup_steps": warmup_steps, "resolved_rows": counted,
+            "resolved_rows_total": total, "misses": misses, "columns": columns,
+            "miss_rate": misses / columns if columns else 0.0,
+            "hit_rate": 1.0 - misses / columns if columns else 1.0}
 
 
 def run_simulation(settings: SimSettings,
@@ -360,20 +447,18 @@ def run_simulation(settings: SimSettings,
     from hisparse_triton.workload import (
         CALIBRATION_HISTORY, PUBLISHED_MISS_RATES, calibration_rates, plan_for_workload)
 
-    geometry = get_preset(settings.preset)
     trace = load_trace(settings.trace) if settings.trace is not None else None
     if settings.mtp > 1 and (trace is not None or settings.record is not None):
         raise ValueError(f"--mtp {settings.mtp} cannot be combined with --trace or --record: "
                          f"a trace holds one top-k selection per request and step.")
+    from_trace: list[str] = []
+    preset_source = "given" if settings.preset is not None else "default"
     if trace is not None:
-        if settings.top_k is not None and settings.top_k != trace.top_k:
-            raise ValueError(f"--top-k {settings.top_k} differs from the trace's top-k "
-                             f"{trace.top_k}.")
-        layers = settings.layers
-        if layers is None:
-            layers = min(geometry.num_layers, trace.num_layers * geometry.index_share)
-        settings = replace(settings, top_k=trace.top_k, layers=layers)
+        settings, from_trace = settings_from_trace(settings, trace)
+        if "preset" in from_trace:
+            preset_source = "trace"
     s = with_defaults(settings)
+    geometry = get_preset(s.preset)
     device = _resolve_device(s.device)
     mtp = s.mtp
     if trace is not None:
@@ -429,10 +514,17 @@ def run_simulation(settings: SimSettings,
         positions = _Positions(s, trace)
         recorder = None
         if s.record is not None:
+            recorded = {"layers": s.layers, "device_buffer_size": buffer,
+                        "prefill_chunk": s.prefill_chunk,
+                        "max_num_batched_tokens": s.max_num_batched_tokens,
+                        "free_block_watermark": s.free_block_watermark,
+                        "offload_threshold_pages": s.offload_threshold_pages,
+                        "device_blocks": s.device_blocks, "host_blocks": s.host_blocks}
             recorder = TraceRecorder(s.top_k, len(leaders), metadata={
                 "writer": "hisparse-triton simulate", "preset": s.preset,
                 "workload": "trace" if trace is not None else s.workload, "seed": s.seed,
-                "locality": s.locality if s.workload == "locality" else None})
+                "locality": s.locality if s.workload == "locality" else None,
+                "simulate": recorded})
         log = _BufferLog(runtime, mtp, attribute=mtp > 1)
         shared_pages = min(prefix.shared) // B if prefix is not None else 0
         chunk = s.prefill_chunk
@@ -512,8 +604,14 @@ def run_simulation(settings: SimSettings,
         if log.attribute and int(log.query_misses.sum()) != stats.misses:
             raise RuntimeError(f"the per-token attribution counts {int(log.query_misses.sum())} "
                                f"misses, the runtime {stats.misses}.")
+        record_summary = None
         if recorder is not None:
-            save_trace(recorder.build(), s.record)
+            built = recorder.build()
+            save_trace(built, s.record)
+            record_summary = {"path": s.record, "records": built.num_records,
+                              "requests": built.num_requests,
+                              "decode_steps": int(np.unique(built.step).size),
+                              "index_groups": built.num_layers, "top_k": built.top_k}
 
         host_block_bytes = sum(runtime.host_cache(layer).shape[1]
                                * runtime.host_cache(layer).shape[2]
@@ -539,8 +637,17 @@ def run_simulation(settings: SimSettings,
             avoided += dropped - kept
             avoided_bytes += (dropped - kept) * miss_bytes[key[1]]
         token_row_bytes = host_block_bytes // B       # one token over every sparse layer
+        valid = sum(sum(v) for v in log.valid_columns.values())
+        through = sum(sum(v) for v in log.through_columns.values())
+        resident_hits, hot_hits = valid - through, through - stats.misses
+        if resident_hits + hot_hits != stats.hits:
+            raise RuntimeError(f"the buffer log counts {resident_hits} resident and {hot_hits} "
+                               f"hot-buffer hits, the runtime {stats.hits} hits.")
+        steady = steady_state(log, buffer, s.warmup_steps)
         report: dict[str, Any] = {
             "preset": s.preset,
+            "preset_source": preset_source,
+            "from_trace": from_trace,
             "model_sparse_layers": geometry.num_layers,
             "model_index_groups": geometry.num_indexer_layers,
             "sparse_layers": sim_layers,
@@ -553,6 +660,7 @@ def run_simulation(settings: SimSettings,
             "workload": "trace" if trace is not None else s.workload,
             "trace": s.trace,
             "recorded": s.record,
+            "record": record_summary,
             "requests": sum(1 for f in schedule.first if f >= 0),
             "max_running": running,
             "prompt_len": longest_prompt,
@@ -578,12 +686,16 @@ def run_simulation(settings: SimSettings,
             "hits": stats.hits,
             "misses": stats.misses,
             "masked": stats.masked,
+            "resident_hits": resident_hits,
+            "hot_hits": hot_hits,
             "hit_rate": stats.hit_rate,
             "miss_rate": 1.0 - stats.hit_rate,
+            "steady_state": steady,
             "misses_per_generated_token": stats.misses / generated if generated else 0.0,
             "h2d_bytes": stats.h2d_bytes,
             "d2h_bytes": stats.d2h_bytes,
             "link_gbps": s.link_gbps,
+            "link_source": s.link_source,
             "h2d_seconds": stats.h2d_bytes / link,
             "d2h_seconds": stats.d2h_bytes / link,
             "h2d_bytes_per_step_model": h2d_step,
@@ -647,5 +759,6 @@ def run_simulation(settings: SimSettings,
 
 
 __all__ = ["DEFAULT_OUTPUT_LEN", "DEFAULT_PREFILL_CHUNK", "Schedule", "SimSettings",
-           "VERIFY_AUTO_MAX_BYTES", "cannot_miss_warnings", "default_layers", "run_simulation",
-           "synthetic_schedule", "trace_schedule", "with_defaults"]
+           "TRACE_SETTINGS", "VERIFY_AUTO_MAX_BYTES", "cannot_miss_warnings", "default_layers",
+           "run_simulation", "settings_from_trace", "steady_state", "synthetic_schedule",
+           "trace_schedule", "with_defaults"]

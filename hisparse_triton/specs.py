@@ -164,23 +164,41 @@ class FullAttentionSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
-    """A regular attention layer that only keeps the last ``sliding_window`` tokens."""
+    """A regular attention layer that only keeps the last ``sliding_window`` tokens.
+
+    ``extra_retained_tokens`` (default 0) keeps that many more tokens alive below the
+    window (read by no query, but not released yet): a drafter with several speculative
+    modules may re-prefill the last few tokens, so their window must still be there. vLLM
+    sets it on every sliding-window layer to ``num_prefill_lookahead_tokens - 1`` (the
+    number of multi-token-prediction modules minus one; 0 without them).
+    """
 
     sliding_window: int = 0
+    extra_retained_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive(type(self).__name__, sliding_window=self.sliding_window)
+        extra = self.extra_retained_tokens
+        if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
+            raise ValueError(f"{type(self).__name__}.extra_retained_tokens must be an int "
+                             f">= 0, got {extra!r}.")
+
+    @property
+    def num_retained_tokens(self) -> int:
+        """Tokens below a request's next position it keeps: ``window - 1 + extra_retained``."""
+        return self.sliding_window - 1 + self.extra_retained_tokens
 
     def max_memory_usage_bytes(self, config: "EngineConfig") -> int:
         """The pages a request can hold at once, plus one page a window straddles.
 
-        While a step is in flight a request keeps the last ``sliding_window - 1`` computed
-        tokens and the step's new tokens (``config.in_flight_tokens``: up to
-        ``max_num_batched_tokens``, a whole prompt when that is unset), never more than
-        ``max_model_len``: ``cdiv(min(window - 1 + in_flight, max_model_len), B) + 1`` pages.
+        While steps are in flight a request keeps the last ``num_retained_tokens``
+        (``window - 1 + extra_retained_tokens``) computed tokens and the scheduled ones
+        (``config.in_flight_tokens``: ``max_concurrent_batches * max_num_batched_tokens``,
+        a whole prompt when that is unset), never more than ``max_model_len``:
+        ``cdiv(min(retained + in_flight, max_model_len), B) + 1`` pages.
         """
-        tokens = min(self.sliding_window - 1 + config.in_flight_tokens, config.max_model_len)
+        tokens = min(self.num_retained_tokens + config.in_flight_tokens, config.max_model_len)
         return (cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
 
 
@@ -225,7 +243,9 @@ class HiSparseHotSpec(KVCacheSpec):
 class UniformTypeKVCacheSpecs(KVCacheSpec):
     """Several layers with one block size whose pages sit side by side in one block.
 
-    ``page_size_bytes`` is the sum of the layers' pages.
+    The layers share one block table, so they need the same number of pages per request
+    (all full attention, or all sliding windows of one size; their head counts and page
+    sizes may differ). ``page_size_bytes`` is the sum of the layers' pages.
     """
 
     kv_cache_specs: Mapping[str, KVCacheSpec] = field(default_factory=dict)
@@ -246,11 +266,20 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return cls(block_size=next(iter(specs.values())).block_size, kv_cache_specs=specs)
 
     @property
+    def first_spec(self) -> KVCacheSpec:
+        """The spec of the first layer (it names the kind of all of them)."""
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
     def page_size_bytes(self) -> int:
         return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
 
     def max_memory_usage_bytes(self, config: "EngineConfig") -> int:
-        return sum(spec.max_memory_usage_bytes(config) for spec in self.kv_cache_specs.values())
+        """The most pages any layer needs, times the summed page: the layers share one block
+        table, so every layer gets as many pages as the one that needs the most."""
+        pages = max(cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes)
+                    for spec in self.kv_cache_specs.values())
+        return pages * self.page_size_bytes
 
     def __hash__(self) -> int:
         return hash((self.block_size, tuple(sorted(self.kv_cache_specs.items(),
@@ -324,8 +353,13 @@ class KVCacheTensor:
       block; host: the layer's page bytes, blocks are contiguous).
     - ``layer_stride``: bytes from this layer to the next layer of the same group (device:
       the page size; host: one layer region, ``host_num_blocks * page``).
-    - ``size``: bytes this layer's view covers (``num_blocks * page`` on the device,
-      ``host_num_blocks * page`` on the host).
+    - ``size``: bytes this ONE layer's view covers (``num_blocks * page`` on the device,
+      ``host_num_blocks * page`` on the host), so ``size // num_blocks`` is its page.
+      vLLM's ``KVCacheTensor`` differs here: it describes a run of same-spec layers of one
+      group (``layers`` in order, ``layer_stride`` apart) and its ``size`` is the whole
+      backing allocation (``num_blocks * bytes_per_block`` on the device, every source
+      layer's region together on the host). The offsets agree: ours for layer ``l`` equals
+      vLLM's ``offset + index(l) * layer_stride``.
 
     Row ``r`` of the layer (``block * block_size + slot``) starts at byte
     ``offset + (r // block_size) * block_stride + (r % block_size) * row_bytes``.

@@ -17,7 +17,7 @@ trace's index groups ("layers"), its ``top_k`` selected positions. Arrays of the
 | ``request`` | ``[M] int64`` | request of each record; at most one record per (step, request) |
 | ``seq_len`` | ``[M] int64`` | the request's tokens at that step, the token being decoded included: positions ``[0, seq_len)`` are valid; per request strictly increasing, in ``(prompt_len, prompt_len + output_len]`` |
 | ``positions`` | ``[M, L, K] int32`` | the selected positions per index group, in column order; ``-1`` (or any value outside ``[0, seq_len)``) = no selection |
-| ``metadata`` | ``str`` (JSON) | free-form: who wrote it, preset, workload, seed |
+| ``metadata`` | ``str`` (JSON) | free-form: who wrote it, preset, workload, seed; ``simulate --record`` adds ``"simulate"`` (the run's layers and pool settings, which a replay uses) |
 
 A request is live from its first record to its last: replay admits it (reserving
 ``prompt_len + output_len`` tokens and prefilling ``prompt_len``) before its first record's

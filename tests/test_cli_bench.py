@@ -555,3 +555,43 @@ def test_preset_covers_the_model_shapes(preset, layers, row_bytes):
                                       "--layers", "2", "--topk", "64"])
     settings = bench.settings_from_args(args, torch.device("cpu"))
     assert settings.layers == (2,) and settings.top_k == 64 and settings.row_bytes == (row_bytes,)
+
+
+def test_threads_default_to_one_on_cpu_and_are_recorded(capsys):
+    threads = torch.get_num_threads()
+    try:
+        base = ["bench", "--rows", "64", "--row-bytes", "32", "--layers", "1", "--ops",
+                "gather", "--methods", "torch", "--top-k", "16", "--warmup-ms", "0.5",
+                "--rep-ms", "1", "--device", "cpu", "--no-progress", "--json"]
+        assert main(base) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["torch_threads"] == 1
+        assert "1 torch CPU thread" in captured.err
+        assert main([*base, "--threads", "100000"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "--threads 100000 exceeds the" in err and len(err.splitlines()) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_large_cpu_run_states_its_memory_first(monkeypatch, capsys):
+    from hisparse_triton.benchmarks.settings import host_memory_estimate
+    from hisparse_triton.commands import bench
+
+    settings = bm.BenchSettings.for_device(torch.device("cpu"))
+    est = host_memory_estimate(bm.override(settings, layers=(1, 61), row_bytes=(656,)))
+    # the largest pair: 4096 rows x 61 layers x 656 B in each of the two pools
+    assert est["pools"] == 2 * 4096 * 61 * 656 and est["staging"] == 3 * 4096 * 61 * 656
+    assert 1 << 30 < est["total"] < 2 << 30       # measured: about 1.2 GiB peak RSS
+    resolve_only = host_memory_estimate(bm.override(settings, ops=("resolve",)))
+    assert resolve_only["pools"] == 0 and resolve_only["total"] < 1 << 30
+    flags = ["bench", "--rows", "64", "--row-bytes", "32", "--layers", "1", "--ops", "gather",
+             "--methods", "torch", "--top-k", "16", "--warmup-ms", "0.5", "--rep-ms", "1",
+             "--device", "cpu", "--no-progress"]
+    monkeypatch.setattr(bench, "LARGE_RUN_BYTES", 1)
+    assert main(flags) == 0
+    assert "bench: this CPU sweep needs about" in capsys.readouterr().err
+    assert main(["bench", "--preset", "deepseek-v3.2-fp8", "--rows", "4096",
+                 "--row-bytes", "656000", "--device", "cpu", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "more than the" in err and "--layers" in err and len(err.splitlines()) == 1

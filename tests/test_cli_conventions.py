@@ -27,7 +27,8 @@ def _isolated(tmp_path, monkeypatch):
 
 #: A fast invocation of every command this suite checks (bare ``--json`` = stdout).
 COMMANDS = {
-    "simulate": ["simulate", "--requests", "1", "--prompt-len", "48", "--output-len", "2",
+    "simulate": ["simulate", "--preset", "tiny", "--requests", "1", "--prompt-len", "48",
+                 "--output-len", "2",
                  "--no-verify"],
     "bench": ["bench", "--rows", "64", "--row-bytes", "32", "--layers", "1", "--ops", "gather",
               "--methods", "torch", "--top-k", "16", "--warmup-ms", "0.5", "--rep-ms", "1",

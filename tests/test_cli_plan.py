@@ -208,6 +208,25 @@ def test_json_row_aligned_and_in_flight_keys(capsys):
     assert report["warnings"] == []
 
 
+def test_max_concurrent_batches_widens_the_admission_window(capsys):
+    one = plan_json(capsys, "--max-num-batched-tokens", "8192")
+    assert (one["max_concurrent_batches"], one["in_flight_tokens"]) == (1, 8192)
+    two = plan_json(capsys, "--max-num-batched-tokens", "8192", "--max-concurrent-batches", "2")
+    assert (two["max_concurrent_batches"], two["in_flight_tokens"]) == (2, 16_384)
+    assert two["schema_version"] == 1
+    resident = [g for g in two["groups"] if g["role"] == "resident"]
+    assert all(g["blocks_per_request"] == 256 for g in resident)
+    assert two["admission_blocks_per_request"] == one["admission_blocks_per_request"] + 6 * 128
+    assert two["gpu_concurrency"] < one["gpu_concurrency"]
+    _, out, _ = run_cli(capsys, "plan", "--max-num-batched-tokens", "8192",
+                        "--max-concurrent-batches", "2")
+    assert "max_num_batched_tokens 8,192 x 2 batches in flight = 16,384 tokens" in out
+    unset = plan_json(capsys, "--max-concurrent-batches", "2")
+    assert unset["in_flight_tokens"] == unset["max_model_len"]
+    code, _, err = run_cli(capsys, "plan", "--max-concurrent-batches", "0")
+    assert code == 2 and "argument --max-concurrent-batches: must be an integer in [1, " in err
+
+
 def test_json_glm5_index_share_row_aligned(capsys):
     report = plan_json(capsys, "--preset", "glm-5-indexshare", "--row-aligned-blocks")
     assert (report["bytes_per_block"], report["num_gpu_blocks"]) == (209_920, 409_200)

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from hisparse_triton.cli import main
+from hisparse_triton.link import DEFAULT_LINK_GBPS
 
-SMALL = ["simulate", "--requests", "3", "--max-running", "2", "--prompt-len", "100",
+SMALL = ["simulate", "--preset", "tiny", "--requests", "3", "--max-running", "2",
+         "--prompt-len", "100",
          "--output-len", "6", "--free-block-watermark", "1"]
 
 
@@ -36,7 +38,8 @@ def test_json_report_is_consistent(capsys):
     assert r["rows_checked"] == (r["resolved_rows"] * r["top_k"] - r["masked"]) * 2
     assert r["h2d_bytes"] == r["misses"] * 64 * 2       # 64 B rows, leader + follower
     assert r["d2h_bytes"] == 3 * (100 + 6) * 8 * 64     # every token of 8 sparse layers
-    assert r["h2d_seconds"] == pytest.approx(r["h2d_bytes"] / 50e9)
+    assert r["h2d_seconds"] == pytest.approx(r["h2d_bytes"] / (r["link_gbps"] * 1e9))
+    assert r["link_gbps"] == DEFAULT_LINK_GBPS and "31-37 GB/s" in r["link_source"]
     assert 0 < r["device_peak_bytes"] < r["all_gpu_peak_bytes"]
     assert r["gpu_bytes_saved"] == r["all_gpu_peak_bytes"] - r["device_peak_bytes"]
     # the documented key (it was spelled gpu_savedfraction)
@@ -55,9 +58,67 @@ def test_human_report(capsys):
     out = capsys.readouterr().out
     for text in ("hisparse-triton simulate: preset tiny", "hit rate", "at 25 GB/s",
                  "GPU memory saved", "verify: exact", "wall time", "lru", "fifo", "belady",
-                 "the runtime's rule: equals its", "calibration: LRU miss rate",
-                 "published GLM-5.1"):
+                 "the runtime's rule: equals its",
+                 "generator calibration (the generator's own fit, not this run): LRU miss rate",
+                 "published GLM-5.1", "steady state: miss rate", "from resident pages",
+                 "from the hot buffer", "(miss rate"):
         assert text in out
+
+
+def test_hits_split_and_the_steady_state(capsys):
+    """Hits are resident-page hits plus hot-buffer hits; the steady-state miss rate leaves
+    out each stream's warm-up (by default until its hot buffer is full, at most half)."""
+    r = run_json(capsys, "--output-len", "12")
+    assert r["resident_hits"] + r["hot_hits"] == r["hits"] and r["hot_hits"] > 0
+    st = r["steady_state"]
+    assert st["warmup"] == "buffer-full" and st["warmup_steps"] is None
+    assert st["resolved_rows_total"] == r["resolved_rows"]
+    assert r["resolved_rows"] // 2 <= st["resolved_rows"] < r["resolved_rows"]
+    assert 0 < st["misses"] < r["misses"] and st["columns"] < r["hits"] + r["misses"]
+    assert st["miss_rate"] == pytest.approx(st["misses"] / st["columns"])
+    assert st["miss_rate"] < r["miss_rate"]  # the cold start misses most
+    zero = run_json(capsys, "--output-len", "12", "--warmup-steps", "0")["steady_state"]
+    assert zero["warmup"] == "steps" and zero["resolved_rows"] == r["resolved_rows"]
+    assert zero["misses"] == r["misses"] and zero["miss_rate"] == pytest.approx(r["miss_rate"])
+    every = run_json(capsys, "--warmup-steps", "1000")["steady_state"]
+    assert every["resolved_rows"] == every["columns"] == 0
+    assert main([*SMALL, "--warmup-steps", "1000"]) == 0
+    assert "nothing left after the warm-up" in capsys.readouterr().out
+
+
+def test_defaults_are_the_other_commands_defaults():
+    from hisparse_triton.cli import build_parser
+    from hisparse_triton.link import DEFAULT_LINK_GBPS
+    from hisparse_triton.presets import DEFAULT_PRESET
+    from hisparse_triton.simulation import SimSettings, with_defaults
+
+    args = build_parser().parse_args(["simulate"])
+    assert args.preset is None and args.device == "auto" and args.threads == 1
+    assert with_defaults(SimSettings()).preset == DEFAULT_PRESET == "deepseek-v3.2-fp8"
+    assert SimSettings().link_gbps == DEFAULT_LINK_GBPS
+    bench = build_parser().parse_args(["bench"])
+    advise = build_parser().parse_args(["advise"])
+    assert bench.device == args.device  # bench's --threads: 1 on the CPU (see test_cli_bench)
+    assert advise.preset == DEFAULT_PRESET
+
+
+def test_pure_hisparse_and_roomy_pools_say_what_happened(capsys):
+    assert main([*SMALL]) == 0   # watermark 1: pages are dropped, not kept readable
+    out = capsys.readouterr().out
+    assert "pages dropped from the GPU as soon as they were durable" in out
+    assert "readable until their block is reused" not in out
+    assert main([*SMALL[:-2], "--device-blocks", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "no GPU memory saved (every page stayed on the GPU)" in out
+    assert "readable until their block is reused" in out
+    # DeepSeek-V3.2's indexer pages take whole pool blocks: a roomy pool costs more
+    assert main(["simulate", "--preset", "deepseek-v3.2-fp8", "--layers", "2", "--requests",
+                 "2", "--prompt-len", "2304", "--output-len", "3", "--top-k", "256",
+                 "--prefill-chunk", "1024", "--device-blocks", "400", "--policies",
+                 "none"]) == 0
+    out = capsys.readouterr().out
+    assert "MORE GPU memory than all layers on the GPU" in out and "saved (-" not in out
+    assert "the pool held every page (nothing offloaded)" in out
 
 
 def test_locality_raises_the_hit_rate(capsys):
@@ -80,7 +141,8 @@ def test_triton_backend(capsys):
     """Triton kernels inside simulate: on CUDA when present, else the interpreter on CPU."""
     device = ("cuda" if torch.cuda.is_available()
               and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-    r = json.loads(_run(capsys, "simulate", "--layers", "4", "--requests", "1",
+    r = json.loads(_run(capsys, "simulate", "--preset", "tiny", "--layers", "4",
+                        "--requests", "1",
                         "--prompt-len", "80", "--output-len", "1", "--topk", "16",
                         "--backend", "triton", "--device", device,
                         "--free-block-watermark", "1", "--json"))
@@ -131,14 +193,16 @@ def test_cuda_device_without_cuda(capsys):
 
 def test_a_workload_that_cannot_miss_warns(capsys):
     # every history (20 + 4 tokens) is shorter than top-k (32): each step selects it all
-    assert main(["simulate", "--requests", "2", "--prompt-len", "20", "--output-len", "4",
+    assert main(["simulate", "--preset", "tiny", "--requests", "2", "--prompt-len", "20",
+                 "--output-len", "4",
                  "--no-verify", "--json"]) == 0
     captured = capsys.readouterr()
     r = json.loads(captured.out)
     assert len(r["warnings"]) == 1 and "cannot miss" in r["warnings"][0]
     assert "simulate: warning: every request's history" in captured.err
     # the hot buffer (256 rows) holds every history (150 tokens): only first touches miss
-    assert main(["simulate", "--requests", "2", "--prompt-len", "140", "--output-len", "10",
+    assert main(["simulate", "--preset", "tiny", "--requests", "2", "--prompt-len", "140",
+                 "--output-len", "10",
                  "--device-buffer-size", "256", "--no-verify", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert len(r["warnings"]) == 1 and "holds every request's whole history" in r["warnings"][0]
@@ -233,7 +297,7 @@ def test_transfers_avoided_by_unpinned_pages(capsys):
     replaying the positions with them dropped at once misses more: the difference is what
     keeping them saved. Pure HiSparse (watermark 1) drops them: nothing is avoided."""
     flags = ["--requests", "4", "--prompt-len", "300", "--output-len", "8"]
-    assert main(["simulate", *flags, "--json"]) == 0
+    assert main(["simulate", "--preset", "tiny", *flags, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["unpinned_pages"] > 0 and r["unpinned_misses_avoided"] > 0
     assert r["misses_if_unpinned_dropped"] == r["misses"] + r["unpinned_misses_avoided"]
@@ -249,7 +313,7 @@ def test_human_report_of_the_serving_options(capsys):
     for text in ("engine chunk limit 64", "a shared prefix of 50 tokens (50.0% of each prompt)",
                  "2 query tokens per decode step", "rows x (2 x 32) columns",
                  "per query token", "token 1", "misses per generated token",
-                 "residency:", "the same LRU with them dropped at once misses",
+                 "residency:", "pages dropped from the GPU as soon as they were durable",
                  "prefix cache: 96 of 300 prompt tokens hit"):
         assert text in out, text
 

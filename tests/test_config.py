@@ -124,16 +124,23 @@ def test_explicit_shared_host_pool_across_nodes_or_stages_is_an_error(pp, nodes)
 def test_parallel_and_batching_fields_validated():
     for field, value in (("pipeline_parallel_size", 0), ("num_nodes", 0),
                          ("max_num_batched_tokens", 0), ("max_num_batched_tokens", 1.5),
-                         ("num_nodes", True)):
+                         ("num_nodes", True), ("max_concurrent_batches", 0),
+                         ("max_concurrent_batches", None), ("max_concurrent_batches", 2.0)):
         with pytest.raises(ValueError, match=f"EngineConfig.{field} must be an int >= 1, "
                                              f"got {value!r}"):
             EngineConfig(max_model_len=10, **{field: value})
     config = EngineConfig(max_model_len=10)
     assert (config.pipeline_parallel_size, config.num_nodes) == (1, 1)
     assert config.max_num_batched_tokens is None
+    assert config.max_concurrent_batches == 1
 
 
 def test_in_flight_tokens():
     assert EngineConfig(1000).in_flight_tokens == 1000
     assert EngineConfig(1000, max_num_batched_tokens=256).in_flight_tokens == 256
     assert EngineConfig(1000, max_num_batched_tokens=8192).in_flight_tokens == 1000
+    # every batch in flight may hold max_num_batched_tokens (vLLM: 2 with async scheduling)
+    assert EngineConfig(1000, max_num_batched_tokens=256,
+                        max_concurrent_batches=2).in_flight_tokens == 512
+    assert EngineConfig(1000, max_num_batched_tokens=256,
+                        max_concurrent_batches=4).in_flight_tokens == 1000

@@ -220,10 +220,12 @@ def test_two_full_and_four_sliding_window_layers_make_three_groups_of_two():
     ({"f": 10, "w": 20}, [10, 10, 10]),
     # 20 + 30: group size 20, the window type splits into two groups of 15
     ({"f": 20, "w": 30}, [20, 15, 15]),
-    # 12 + 13 are close (13 < 1.25 x 12): one group per type, of up to 13 layers
+    # 12 + 13 are close (13 < 1.5 x 12): one group per type, of up to 13 layers
     ({"w": 12, "f": 13}, [12, 13]),
-    # 4 + 5 is exactly 1.25: not close enough, group size 4
-    ({"w": 4, "f": 5}, [4, 3, 2]),
+    # 4 + 5 are close too (vLLM's factor is 1.5): group size 5
+    ({"w": 4, "f": 5}, [4, 5]),
+    # 4 + 6 is exactly 1.5: not close enough, group size 4
+    ({"w": 4, "f": 6}, [4, 3, 3]),
     ({"f": 3}, [3]),
 ])
 def test_group_regular_layers_sizes(counts, expected):

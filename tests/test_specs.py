@@ -113,6 +113,18 @@ def test_uniform_type_specs_sum_pages_and_check_block_sizes():
         UniformTypeKVCacheSpecs.from_specs({"a": a, "c": MLAAttentionSpec(16, 8, "uint8", SPARSE)})
     with pytest.raises(ValueError, match="at least one layer spec"):
         UniformTypeKVCacheSpecs.from_specs({})
+    assert uniform.first_spec is a
+
+
+def test_uniform_type_specs_give_every_layer_the_most_pages():
+    # one block table for all layers: each gets as many pages as the layer needing the most
+    config = EngineConfig(max_model_len=1000, max_num_batched_tokens=100)
+    short = SlidingWindowSpec(16, 1, 8, "float16", sliding_window=32)
+    kept = SlidingWindowSpec(16, 2, 8, "float16", sliding_window=32, extra_retained_tokens=20)
+    assert (cdiv(short.max_memory_usage_bytes(config), short.page_size_bytes),
+            cdiv(kept.max_memory_usage_bytes(config), kept.page_size_bytes)) == (10, 11)
+    uniform = UniformTypeKVCacheSpecs.from_specs({"s": short, "k": kept})
+    assert uniform.max_memory_usage_bytes(config) == 11 * (512 + 1024)
 
 
 def test_group_page_sizes_and_blocks_per_request():

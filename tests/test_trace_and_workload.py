@@ -121,7 +121,8 @@ def test_not_an_npz(tmp_path):
         tr.load_trace(str(path))
 
 
-SMALL = ["simulate", "--free-block-watermark", "1", "--requests", "3", "--max-running", "2",
+SMALL = ["simulate", "--preset", "tiny", "--free-block-watermark", "1", "--requests", "3",
+         "--max-running", "2",
          "--prompt-len", "100",
          "--output-len", "6", "--no-verify"]
 
@@ -140,6 +141,52 @@ def test_record_then_replay_is_identical(tmp_path, capsys):
                 "resolved_rows", "policies"):
         assert replayed[key] == recorded[key], key
     assert replayed["workload"] == "trace" and "calibration" not in replayed
+
+
+def test_replay_takes_the_preset_and_shape_from_the_trace(tmp_path, capsys):
+    """A trace recorded on a large preset replays with just --trace: the preset, the layers
+    and the pool settings come from its metadata (the same misses); flags still win."""
+    path = str(tmp_path / "ds.npz")
+    flags = ["--layers", "2", "--requests", "2", "--max-running", "2", "--prompt-len", "2304",
+             "--output-len", "3", "--top-k", "256", "--prefill-chunk", "1024",
+             "--device-buffer-size", "768", "--no-verify", "--policies", "none"]
+    assert main(["simulate", "--preset", "deepseek-v3.2-fp8", *flags, "--record", path]) == 0
+    out = capsys.readouterr().out
+    assert f"recorded: 6 top-k selections (2 requests, 3 decode steps, 2 index groups x " \
+           f"top-k 256, with the preset and pool settings) to {path}" in out
+    assert f"replay it with: hisparse-triton simulate --trace {path}" in out
+    meta = tr.load_trace(path).metadata
+    assert meta["preset"] == "deepseek-v3.2-fp8"
+    assert meta["simulate"]["layers"] == 2 and meta["simulate"]["device_buffer_size"] == 768
+    assert main(["simulate", "--preset", "deepseek-v3.2-fp8", *flags, "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--trace", path, "--no-verify", "--json"]) == 0
+    replay = json.loads(capsys.readouterr().out)
+    assert replay["preset"] == "deepseek-v3.2-fp8" and replay["preset_source"] == "trace"
+    assert set(replay["from_trace"]) >= {"preset", "layers", "device_buffer_size",
+                                         "prefill_chunk"}
+    for key in ("sparse_layers", "device_buffer_size", "prefill_chunk", "device_pool_blocks",
+                "hits", "misses", "h2d_bytes"):
+        assert replay[key] == direct[key], key
+    assert main(["simulate", "--trace", path, "--device-buffer-size", "512", "--no-verify",
+                 "--json"]) == 0
+    override = json.loads(capsys.readouterr().out)
+    assert override["device_buffer_size"] == 512 and "device_buffer_size" not in \
+        override["from_trace"]
+    rc = main(["simulate", "--trace", path, "--preset", "tiny"])
+    assert rc == 1 and "exceed the tiny preset's max context" in capsys.readouterr().err
+
+
+def test_a_trace_naming_an_unknown_preset_is_refused(tmp_path, capsys):
+    trace = tr.load_trace(tr.sample_trace_path())
+    trace.metadata = {**trace.metadata, "preset": "my-model"}
+    path = str(tmp_path / "m.npz")
+    tr.save_trace(trace, path)
+    assert main(["simulate", "--trace", path]) == 1
+    err = capsys.readouterr().err
+    assert "the trace's metadata names the preset 'my-model'" in err and "--preset" in err
+    assert main(["simulate", "--trace", path, "--preset", "tiny", "--no-verify"]) == 0
+    capsys.readouterr()
 
 
 def test_shipped_sample_replays(capsys):

@@ -12,71 +12,57 @@ What is measured (docs/benchmarking.md has the user's view):
   at a prescribed miss ratio;
 - where the H200 performance targets stand (``targets``).
 
-Modules, one job each: ``settings`` (the sweep), ``environment`` (GPU, driver, versions),
-``timing`` (medians, L2 flush, rotation, CUDA graphs), ``workloads`` (pools, plans, resolve
-state), ``figures`` (a measured point), ``transfers`` / ``resolve`` (the measurements),
-``runner`` (``run_bench``), ``targets``, ``report`` (the table), ``plot``, ``progress``.
+Modules, one job each: ``registry`` (the ops every tool measures or tunes), ``settings``
+(the sweep), ``environment`` (GPU, driver, versions), ``timing`` (medians, L2 flush,
+rotation, CUDA graphs), ``workloads`` (pools, plans, resolve state), ``figures`` (a measured
+point), ``transfers`` / ``resolve`` (the measurements), ``runner`` (``run_bench``),
+``tuner`` (the launch-config search of ``tune``), ``targets``, ``report`` (the table),
+``plot``, ``progress``, ``host_cost`` / ``step_cost`` (the decode path's host and device
+cost).
+
+The names below are loaded on first use (PEP 562), so that importing a torch-free module of
+this package (``registry``, ``settings``, ``targets``, ``report``) does not import torch.
 """
 
 from __future__ import annotations
 
-from hisparse_triton.benchmarks.environment import environment
-from hisparse_triton.benchmarks.figures import Figure
-from hisparse_triton.benchmarks.plot import MissingPlotDependency, plot_available, write_plot
-from hisparse_triton.benchmarks.progress import Progress
-from hisparse_triton.benchmarks.report import format_table
-from hisparse_triton.benchmarks.resolve import ResolveBench
-from hisparse_triton.benchmarks.runner import count_steps, iter_figures, run_bench
-from hisparse_triton.benchmarks.settings import (
-    ALL_OPS,
-    BASELINES,
-    BLOCK_SIZE,
-    DEFAULT_MISS_RATIOS,
-    DIRECTION,
-    GRAPH_METHOD,
-    KERNEL_METHODS,
-    KERNELS_NEED_GPU,
-    METHODS,
-    PAGE_OPS,
-    ROW_OPS,
-    SCHEMA,
-    TRANSFER_OPS,
-    VERSION,
-    BenchSettings,
-    override,
-)
-from hisparse_triton.benchmarks.targets import evaluate_targets, target_lines
-from hisparse_triton.benchmarks.timing import (
-    Rotation,
-    Timing,
-    capture_graph,
-    device_time,
-    event_time,
-    gbps,
-    wall_time,
-)
-from hisparse_triton.benchmarks.transfers import TransferBench
-from hisparse_triton.benchmarks.workloads import (
-    Pools,
-    ResolveWorkload,
-    RowPlans,
-    device_flat_rows,
-    host_flat_rows,
-    make_page_plans,
-    make_pools,
-    make_row_plans,
-    plan_geometry,
-    plan_variants,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "ALL_OPS", "BASELINES", "BLOCK_SIZE", "DEFAULT_MISS_RATIOS", "DIRECTION", "GRAPH_METHOD",
-    "KERNEL_METHODS", "KERNELS_NEED_GPU", "METHODS", "PAGE_OPS", "ROW_OPS", "SCHEMA",
-    "TRANSFER_OPS", "VERSION",
-    "BenchSettings", "Figure", "MissingPlotDependency", "Pools", "Progress", "ResolveBench",
-    "ResolveWorkload", "Rotation", "RowPlans", "Timing", "TransferBench", "capture_graph",
-    "count_steps", "device_flat_rows", "device_time", "environment", "evaluate_targets",
-    "event_time", "format_table", "gbps", "host_flat_rows", "iter_figures", "make_page_plans",
-    "make_pools", "make_row_plans", "override", "plot_available", "plan_geometry",
-    "plan_variants", "run_bench", "target_lines", "wall_time", "write_plot",
-]
+#: Public name -> the submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("environment",), "environment"),
+    **dict.fromkeys(("Figure",), "figures"),
+    **dict.fromkeys(("MissingPlotDependency", "plot_available", "write_plot"), "plot"),
+    **dict.fromkeys(("Progress",), "progress"),
+    **dict.fromkeys(("format_table",), "report"),
+    **dict.fromkeys(("ResolveBench",), "resolve"),
+    **dict.fromkeys(("count_steps", "iter_figures", "run_bench"), "runner"),
+    **dict.fromkeys(("ALL_OPS", "BENCH_OPS", "BenchOp", "DIRECTION", "PAGE_OPS", "ROW_OPS",
+                     "TRANSFER_OPS", "TUNABLE_OPS", "op_names"), "registry"),
+    **dict.fromkeys(("BASELINES", "BLOCK_SIZE", "DEFAULT_MISS_RATIOS", "GRAPH_METHOD",
+                     "KERNEL_METHODS", "KERNELS_NEED_GPU", "METHODS", "SCHEMA", "VERSION",
+                     "BenchSettings", "override"), "settings"),
+    **dict.fromkeys(("evaluate_targets", "target_lines"), "targets"),
+    **dict.fromkeys(("Rotation", "Timing", "capture_graph", "device_time", "event_time",
+                     "gbps", "wall_time"), "timing"),
+    **dict.fromkeys(("TransferBench",), "transfers"),
+    **dict.fromkeys(("Pools", "ResolveWorkload", "RowPlans", "device_flat_rows",
+                     "host_flat_rows", "make_page_plans", "make_pools", "make_row_plans",
+                     "plan_geometry", "plan_variants"), "workloads"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hisparse_triton.benchmarks.settings import KERNEL_METHODS, TRANSFER_OPS
+from hisparse_triton.benchmarks.registry import TRANSFER_OPS
+from hisparse_triton.benchmarks.settings import KERNEL_METHODS
 
 
 class MissingPlotDependency(RuntimeError):
@@ -34,6 +35,17 @@ def pyplot() -> Any:
     return plt
 
 
+def _title(fig: Any, text: str, width_in: float) -> float:
+    """``text`` as the figure's title, wrapped to the figure's width (about 11 characters an
+    inch at the title's size); returns the top of the panels' area, below the title."""
+    import textwrap
+
+    lines = textwrap.wrap(text, width=max(30, int(width_in * 11)))
+    fig.suptitle("\n".join(lines), fontsize=10)
+    height_in = fig.get_size_inches()[1]
+    return max(0.5, 1.0 - (0.22 * len(lines) + 0.1) / height_in)
+
+
 def write_plot(result: dict[str, Any], path: str) -> None:
     """PNG of GB/s vs rows moved (log-log), one panel per (op, row size), one line per method
     and layer count; the kernel methods at the largest miss ratio of the run, built-in launch
@@ -44,11 +56,12 @@ def write_plot(result: dict[str, Any], path: str) -> None:
         raise ValueError("--plot needs transfer figures, and this run measured none.")
     ops_ = sorted({f["op"] for f in figs}, key=TRANSFER_OPS.index)
     sizes = sorted({f["row_bytes"] for f in figs})
-    fig, axes = plt.subplots(len(ops_), len(sizes), figsize=(4.2 * len(sizes), 3.2 * len(ops_)),
+    width = 4.2 * len(sizes)
+    fig, axes = plt.subplots(len(ops_), len(sizes), figsize=(width, 3.2 * len(ops_)),
                              squeeze=False)
     env = result.get("environment", {})
-    fig.suptitle(f"hisparse-triton bench: {env.get('gpu') or 'CPU'} "
-                 f"(torch {env.get('torch')}, triton {env.get('triton')})")
+    top = _title(fig, f"hisparse-triton bench: {env.get('gpu') or 'CPU'} (torch "
+                      f"{env.get('torch')}, triton {env.get('triton')})", width)
     styles = {1: "-", 2: "--", 4: "-."}
     colors = {"triton": "tab:red", "triton_graph": "tab:orange", "torch": "tab:blue",
               "eager": "tab:gray", "contiguous": "tab:green"}
@@ -78,7 +91,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
             ax.set_ylabel("GB/s (log)")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
 
@@ -94,17 +107,25 @@ def write_advise_plot(payload: dict[str, Any], path: str) -> None:
               ("gpu_bytes_per_request", "GPU memory / request", 1 / 2**20, "MiB"),
               ("concurrency", "steady-state requests", 1.0, ""),
               ("tokens_per_s", "decode tokens/s (estimate)", 1.0, ""))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.4), squeeze=False)
-    fig.suptitle(f"hisparse-triton advise: {payload['preset']}, {payload['context_len']} "
-                 f"tokens/request, {payload['gpu_memory_gib']:g} GiB GPU")
+    width = 4.0 * len(panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.6), squeeze=False)
+    top = _title(fig, f"hisparse-triton advise: {payload['preset']}, "
+                      f"{payload['context_len']} tokens/request, "
+                      f"{payload['gpu_memory_gib']:g} GiB GPU, {payload['host_pool_gib']:g} "
+                      f"GiB host", width)
     best = payload.get("recommended") or {}
+    gpu = payload.get("all_gpu") or {}
     for ax, (key, title, scale, unit) in zip(axes[0], panels):
         for block in sorted({r["block_size"] for r in rows}):
             pts = sorted((r["device_buffer_size"], r[key] * scale) for r in rows
                          if r["block_size"] == block)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     label=f"block {block}")
-        if best:
+        if key in ("concurrency", "tokens_per_s", "gpu_bytes_per_request") and gpu:
+            ax.axhline(gpu[key] * scale, color="tab:gray", linestyle="--",
+                       label="all-GPU" + (" (recommended)" if best.get("mode") == "all-gpu"
+                                          else ""))
+        if best.get("mode", "hisparse") == "hisparse" and best.get("block_size"):
             mine = next(r for r in rows if r["block_size"] == best["block_size"]
                         and r["device_buffer_size"] == best["device_buffer_size"])
             ax.plot([mine["device_buffer_size"]], [mine[key] * scale], marker="*",
@@ -114,6 +135,6 @@ def write_advise_plot(payload: dict[str, Any], path: str) -> None:
         ax.set_title(title + (f" ({unit})" if unit else ""), fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

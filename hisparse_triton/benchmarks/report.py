@@ -71,7 +71,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"hisparse-triton bench on {where}: torch {env.get('torch')}, "
              f"triton {env.get('triton')}"
              + (f", driver {env['driver']}" if env.get("driver") else "")
-             + (f", CUDA {env['cuda_runtime']}" if env.get("cuda_runtime") else "")]
+             + (f", CUDA {env['cuda_runtime']}" if env.get("cuda_runtime") else "")
+             + (f", {result['torch_threads']} torch CPU thread"
+                f"{'s' if result['torch_threads'] != 1 else ''}"
+                if result.get("torch_threads") else "")]
     for note in result.get("notes", []):
         lines.append(f"NOTE: {note}.")
     if result.get("transfers"):

@@ -13,15 +13,13 @@ from hisparse_triton.benchmarks.environment import environment
 from hisparse_triton.benchmarks.figures import Figure
 from hisparse_triton.benchmarks.progress import Progress
 from hisparse_triton.benchmarks.resolve import ResolveBench
+from hisparse_triton.benchmarks.registry import PAGE_OPS, ROW_OPS, TRANSFER_OPS
 from hisparse_triton.benchmarks.settings import (
     BASELINES,
     BLOCK_SIZE,
     KERNEL_METHODS,
     KERNELS_NEED_GPU,
-    PAGE_OPS,
-    ROW_OPS,
     SCHEMA,
-    TRANSFER_OPS,
     VERSION,
     BenchSettings,
 )

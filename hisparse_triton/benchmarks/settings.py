@@ -1,4 +1,5 @@
-"""What a benchmark sweep measures: the names of ops and methods, and ``BenchSettings``.
+"""What a benchmark sweep measures: the methods, and ``BenchSettings`` (the ops come from
+``registry``).
 
 No torch import at module level beyond what ``BenchSettings.for_device`` needs to read the L2
 size of a CUDA device.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hisparse_triton.benchmarks.registry import ALL_OPS, TRANSFER_OPS
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
 
 #: ``schema`` / ``schema_version`` of the JSON ``bench`` writes (3: the version key is
@@ -16,18 +18,12 @@ from hisparse_triton.config import ACTIVE_TAIL_PAGES
 SCHEMA = "hisparse-triton/bench"
 VERSION = 3
 
-TRANSFER_OPS = ("gather", "backup", "restore", "spill")
-ROW_OPS = ("gather", "backup")
-PAGE_OPS = ("restore", "spill")
-ALL_OPS = TRANSFER_OPS + ("resolve",)
 #: Methods a user can ask for. ``triton_graph`` figures (CUDA-graph replay of the Triton
 #: kernels) come with ``triton`` on CUDA unless ``BenchSettings.graph`` is false.
 KERNEL_METHODS = ("triton", "torch")
 BASELINES = ("eager", "contiguous")
 METHODS = KERNEL_METHODS + BASELINES
 GRAPH_METHOD = "triton_graph"
-#: Direction of each transfer op: ``"h2d"`` or ``"d2h"``.
-DIRECTION = {"gather": "h2d", "backup": "d2h", "restore": "h2d", "spill": "d2h"}
 
 #: Rows per block (page) of the benchmark pools, as in the planner's layouts.
 BLOCK_SIZE = 64
@@ -130,6 +126,36 @@ class BenchSettings:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}.")
+
+
+#: Verification compares at most this many bytes per case (``transfers.VERIFY_BYTES``).
+_VERIFY_BYTES = 64 << 20
+#: What torch and the interpreter take besides the sweep's own tensors.
+_BASE_BYTES = 256 << 20
+
+
+def host_memory_estimate(settings: BenchSettings) -> dict[str, int]:
+    """Peak RAM of the transfer sweep run on the CPU (both pools are host memory there), in
+    bytes, for its largest (row size, layers) pair: ``pools`` (source and destination pools of
+    ``max(rows, rotation)`` rows per layer), ``staging`` (the eager baseline's staging copy of
+    the largest case on both sides, and the torch backend's gathered rows), ``verify`` (the
+    check's copies) and ``base`` (torch itself); ``total`` their sum. A CPU run of
+    DeepSeek-V3.2's 61 layers at 4k rows of 656 B takes about 1.2 GiB."""
+    worst = {"pools": 0, "staging": 0, "verify": 0}
+    if any(op in TRANSFER_OPS for op in settings.ops):
+        for row_bytes in settings.row_bytes:
+            for layers in settings.layers:
+                pool_rows = max(max(settings.rows), -(-settings.rotate_bytes
+                                                      // (row_bytes * layers)))
+                payload = max(settings.rows) * layers * row_bytes
+                case = {"pools": 2 * pool_rows * layers * row_bytes, "staging": 3 * payload,
+                        "verify": 4 * min(payload, _VERIFY_BYTES)}
+                if sum(case.values()) > sum(worst.values()):
+                    worst = case
+    worst["plans"] = settings.max_plan_bytes
+    worst["base"] = _BASE_BYTES
+    worst["total"] = sum(worst.values())
+    return worst
 
 
 def min_seq_len(top_k: int, hot_slots: int) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+from hisparse_triton.benchmarks.registry import ROW_OPS
+
 TARGET_GATHER_GBPS = 45.0
 TARGET_GATHER_VS_CONTIGUOUS = 0.8
 TARGET_BACKUP_GBPS = 45.0
@@ -97,8 +99,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         _target(f"backup GB/s, {rows}", TARGET_BACKUP_GBPS, "GB/s", True,
                 transfer(("backup",), "gbps"), companions(("backup",), "gbps")),
         _target(f"gather and backup vs torch eager, {rows}", TARGET_VS_EAGER, "x", True,
-                transfer(("gather", "backup"), "vs_eager"),
-                companions(("gather", "backup"), "vs_eager")),
+                transfer(ROW_OPS, "vs_eager"), companions(ROW_OPS, "vs_eager")),
         latency,
         _target(f"resolve vs torch reference, {shape}", TARGET_VS_EAGER, "x", True,
                 _values(_resolve(result, "triton"), "vs_torch"),

@@ -28,16 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from hisparse_triton.benchmarks.figures import Figure
-from hisparse_triton.benchmarks.settings import (
-    BASELINES,
-    BLOCK_SIZE,
-    DIRECTION,
-    GRAPH_METHOD,
-    PAGE_OPS,
-    ROW_OPS,
-    TRANSFER_OPS,
-    BenchSettings,
-)
+from hisparse_triton.benchmarks.registry import DIRECTION, PAGE_OPS, ROW_OPS, TRANSFER_OPS
+from hisparse_triton.benchmarks.settings import BASELINES, BLOCK_SIZE, GRAPH_METHOD, BenchSettings
 from hisparse_triton.benchmarks.timing import (
     Measurer,
     Rotation,

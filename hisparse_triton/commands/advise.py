@@ -3,17 +3,17 @@ and a GPU / host budget, with numbers (``hisparse_triton.advisor``; no torch).
 
 Every setting of the sweep is planned (memory per request, steady-state concurrency) and its
 miss rate measured on a top-k trace (the calibrated generator, or ``--trace``); the link time
-per decode step uses ``--link-gbps`` or the gather figures of a ``bench`` result
-(``--bench-json``). The setting with the best throughput estimate is recommended; the
-formula is printed with it.
+per decode step uses ``--link-gbps``, the gather figures of a GPU ``bench`` result
+(``--bench-json``) or the published row-gather speed (``hisparse_triton.link``); the compute
+time per step comes from a step model (``--step-ms``: one figure, or figures at several
+batch sizes). Each setting is compared with keeping every layer on the GPU; the best is
+recommended, with the formula and the crossover (the number of concurrent requests from
+which HiSparse wins).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
 import sys
 from typing import Any
 
@@ -22,6 +22,7 @@ from hisparse_triton.commands.argtypes import (
     bounded_int_list,
     bounded_number,
     existing_file,
+    fraction,
     output_path,
 )
 from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add_top_k_flag
@@ -31,11 +32,34 @@ from hisparse_triton.commands.output import (
     report_stream,
     write_json,
 )
+from hisparse_triton.link import DEFAULT_LINK_GBPS, DEFAULT_LINK_SOURCE
 from hisparse_triton.presets import DEFAULT_PRESET, list_presets
 
-#: ``schema_version`` of ``advise --json``.
-SCHEMA_VERSION = 1
-DEFAULT_LINK_GBPS = 50.0
+#: ``schema_version`` of ``advise --json`` (2: ``step_ms`` became ``step_model``, the
+#: all-GPU row, the crossover and ``recommended.mode`` were added).
+SCHEMA_VERSION = 2
+#: ``--step-ms``'s default, spelled as the flag takes it (``advisor.DEFAULT_STEP_POINTS``).
+DEFAULT_STEP_MS = "1:25,256:50"
+
+
+def step_points(text: str) -> tuple[tuple[float, float], ...]:
+    """``--step-ms``: ``MS`` (any batch) or ``BATCH:MS,BATCH:MS,...`` at distinct batches."""
+    bad = argparse.ArgumentTypeError(
+        f"must be MS or BATCH:MS points at distinct batches, batch in [1, 1048576], ms in "
+        f"[0.001, 1000000] (e.g. 40, or 1:25,256:50), got {text!r}")
+    points = []
+    for part in [p for p in text.replace(" ", "").split(",") if p]:
+        batch, _, ms = part.rpartition(":")
+        try:
+            point = (float(batch) if batch else 1.0, float(ms))
+        except ValueError:
+            raise bad from None
+        if not (1 <= point[0] <= 1 << 20 and 0.001 <= point[1] <= 1e6):
+            raise bad
+        points.append(point)
+    if not points or len({b for b, _ in points}) != len(points):
+        raise bad
+    return tuple(points)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -58,19 +82,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--buffers", type=bounded_int_list(1, 32768), default=None,
                         metavar="LIST",
                         help="device_buffer_size values (default k,2k,4k,8k for top-k k)")
-    parser.add_argument("--block-sizes", type=bounded_int_list(1, 4096), default=(16, 32, 64),
-                        metavar="LIST", help="KV block sizes in tokens (default 16,32,64)")
+    parser.add_argument("--block-sizes", type=bounded_int_list(1, 4096), default=None,
+                        metavar="LIST",
+                        help="KV block sizes in tokens (default: those the preset's attention "
+                             "kernel takes, 64 for DeepSeek-V3.2 and GLM-5 (FlashMLA sparse); "
+                             "16,32,64 for tiny). Other sizes are shown but never recommended")
     add_top_k_flag(parser, type=bounded_int(1, 32768), default=None,
                    help="positions selected per step (default: the preset's index_topk)")
     parser.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
                                                            "decimal GB/s, not bytes/s"),
                         default=None, help=f"host->device gather speed, GB/s (default "
-                                           f"{DEFAULT_LINK_GBPS:g}, or --bench-json)")
+                                           f"{DEFAULT_LINK_GBPS:g}: published 656 B "
+                                           f"row-gather figures, 31-37 GB/s; or --bench-json)")
     parser.add_argument("--bench-json", metavar="PATH", default=None,
-                        help="take the link speed from the gather figures of a `bench --json` "
-                             "result (a file, or a directory: its newest *.json)")
-    parser.add_argument("--step-ms", type=bounded_number(0.001, 1e6, " ms"), default=40.0,
-                        help="decode step time without transfers, ms (default 40)")
+                        help="take the link speed from the gather figures of a GPU `bench "
+                             "--json` (or bench/gpu_check.py) result: a file, or a directory "
+                             "(its newest such file); CPU results are refused")
+    parser.add_argument("--step-ms", type=step_points, default=None, metavar="MS|B:MS,...",
+                        help=f"decode step time without transfers: MS at any batch, or "
+                             f"BATCH:MS points (linear in between), e.g. 1:25,256:50 (default "
+                             f"{DEFAULT_STEP_MS}, an assumption: measure your engine's)")
+    parser.add_argument("--overlap", type=fraction, default=0.0,
+                        help="share of the gathers hidden under the step's compute, in [0, 1] "
+                             "(default 0: none, pessimistic)")
+    parser.add_argument("--mtp", metavar="Q", type=bounded_int(1, 16), default=1,
+                        help="query tokens per decode step (speculative decoding): Q top-k "
+                             "selections looked up as one union, Q tokens per step (every "
+                             "draft accepted); buffers default to Q x (1,2,4,8) x top-k")
     parser.add_argument("--max-batch", type=bounded_int(1, 1 << 20), default=None,
                         help="cap on requests decoded together (default: what fits)")
     parser.add_argument("--trace", metavar="FILE", type=existing_file, default=None,
@@ -89,37 +127,82 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _newest_json(path: str) -> str:
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.json")), key=os.path.getmtime)
-        if not files:
-            raise ValueError(f"--bench-json {path}: the directory holds no .json file.")
-        return files[-1]
-    if not os.path.isfile(path):
-        raise ValueError(f"--bench-json {path}: no such file or directory.")
-    return path
-
-
 def _bytes(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def format_advice(p: dict[str, Any]) -> str:
-    """The human-readable sweep and recommendation."""
+def _table_row(r: dict[str, Any], mark: str) -> str:
+    return (f"{r['block_size']:>5} {r['device_buffer_size']:>7} {100 * r['miss_rate']:>5.1f}% "
+            f"{r['rows_per_step']:>10,.0f} {_bytes(r['bytes_per_step']):>9} "
+            f"{_bytes(r['gpu_bytes_per_request']):>12} {r['concurrency']:>9.1f} "
+            f"{r['batch']:>6} {r['link_ms_per_step']:>8.2f} {r['step_ms']:>8.2f} "
+            f"{r['tokens_per_s']:>9,.0f}{mark}")
+
+
+def _recommendation(p: dict[str, Any]) -> list[str]:
     from hisparse_triton.advisor import RECOMMEND_TOLERANCE
 
+    best, gpu, cross = p.get("recommended"), p["all_gpu"], p["crossover"]
+    tie = (f"estimates within {100 * RECOMMEND_TOLERANCE:g}% of the best count as equal, the "
+           f"least GPU memory per request wins")
+    if best is None:
+        return ["recommended: none: no setting of the sweep fits the budget"]
+    if best["mode"] == "all-gpu":
+        hs, hs_batch = best.get("best_hisparse_tokens_per_s"), best.get("best_hisparse_batch")
+        if hs is None:
+            why = "no HiSparse setting of the sweep fits the budget"
+        elif hs_batch <= best["batch"]:
+            why = (f"the best HiSparse setting reaches {hs:,.0f} tokens/s at batch {hs_batch}: "
+                   f"it runs no more requests than all-GPU here, so its gathers can only cost time")
+        else:
+            why = (f"the best HiSparse setting reaches {hs:,.0f} tokens/s at batch {hs_batch}: "
+                   f"its gathers cost more than its larger batch gains")
+        return [f"recommended: all-GPU (no HiSparse): about {best['tokens_per_s']:,.0f} "
+                f"tokens/s at batch {best['batch']} (all-GPU holds {gpu['concurrency']:.1f} "
+                f"requests); {why}"]
+    kernel = p.get("attention_kernel")
+    note = "" if best["supported"] else (
+        f"; NOTE: {kernel} does not take block size {best['block_size']} (it takes "
+        f"{', '.join(map(str, p['supported_block_sizes']))}) and none of the swept sizes it "
+        f"takes fits")
+    lines = [f"recommended: block_size {best['block_size']}, device_buffer_size "
+             f"{best['device_buffer_size']}: about {best['tokens_per_s']:,.0f} tokens/s at "
+             f"batch {best['batch']} (miss rate {100 * best['miss_rate']:.1f}%), "
+             f"{best['vs_all_gpu']:.2f}x all-GPU's {gpu['tokens_per_s']:,.0f} ({tie}){note}"]
+    if cross["requests"] is not None:
+        lines.append(f"crossover: with this setting HiSparse decodes faster than all-GPU from "
+                     f"{cross['requests']} concurrent requests on (all-GPU holds "
+                     f"{cross['all_gpu_batch']}); with fewer, keep every layer on the GPU")
+    return lines
+
+
+def format_advice(p: dict[str, Any]) -> str:
+    """The human-readable sweep and recommendation."""
+    kernel = p.get("attention_kernel")
+    sizes = p.get("supported_block_sizes")
+    given = [b for b in p["block_sizes"] if sizes and b not in sizes]
+    blocks = (f"block sizes {', '.join(map(str, p['block_sizes']))} ("
+              + (f"{kernel} takes {', '.join(map(str, sizes))} only"
+                 + (f"; {', '.join(map(str, given))} shown, never recommended" if given else "")
+                 if kernel else "any size: the preset names no attention kernel") + ")")
+    mtp = (f", {p['mtp']} query tokens per step (one union; every draft token assumed "
+           f"accepted)" if p["mtp"] > 1 else "")
+    overlap = (f"{100 * p['overlap']:g}% of the gathers hidden under compute" if p["overlap"]
+               else "gathers not overlapped with compute")
     lines = [
         f"hisparse-triton advise: {p['preset']} ({p['sparse_layers']} sparse layers, "
         f"{p['index_groups']} index groups, {p['row_bytes']} B rows), {p['context_len']} tokens "
         f"per request, {p['gpu_memory_gib']:g} GiB GPU KV budget, {p['host_pool_gib']:g} GiB "
-        f"host pool, top-k {p['top_k']}",
+        f"host pool, top-k {p['top_k']}{mtp}; {blocks}",
         f"miss rates: the runtime's LRU on the {p['trace']}, steady state (the first "
         f"{p['warmup_steps']} steps of each stream left out), the last 2 pages resident",
-        f"link: {p['link_gbps']:g} GB/s ({p['link_source']}); decode step {p['step_ms']:g} ms "
-        f"of compute plus the step's gathers (not overlapped)",
+        f"link: {p['link_gbps']:g} GB/s ({p['link_source']})",
+        f"decode step compute: {p['step_model']['text']} ({p['step_model']['source']}); "
+        f"{overlap}",
         "",
         f"{'block':>5} {'buffer':>7} {'miss':>6} {'rows/step':>10} {'MiB/step':>9} "
-        f"{'GPU MiB/req':>12} {'requests':>9} {'batch':>6} {'link ms':>8} {'tokens/s':>9}",
+        f"{'GPU MiB/req':>12} {'requests':>9} {'batch':>6} {'link ms':>8} {'step ms':>8} "
+        f"{'tokens/s':>9}",
     ]
     best = p.get("recommended") or {}
     for r in p["settings"]:
@@ -127,25 +210,23 @@ def format_advice(p: dict[str, Any]) -> str:
             lines.append(f"{r['block_size']:>5} {r['device_buffer_size']:>7}  does not fit: "
                          f"{r['error']}")
             continue
-        mark = " <-" if (r["block_size"], r["device_buffer_size"]) == \
+        mark = " <-" if best.get("mode") == "hisparse" and \
+            (r["block_size"], r["device_buffer_size"]) == \
             (best.get("block_size"), best.get("device_buffer_size")) else ""
-        lines.append(
-            f"{r['block_size']:>5} {r['device_buffer_size']:>7} {100 * r['miss_rate']:>5.1f}% "
-            f"{r['rows_per_step']:>10,.0f} {_bytes(r['bytes_per_step']):>9} "
-            f"{_bytes(r['gpu_bytes_per_request']):>12} {r['concurrency']:>9.1f} "
-            f"{r['batch']:>6} {r['link_ms_per_step']:>8.2f} {r['tokens_per_s']:>9,.0f}{mark}")
+        if not r["supported"]:
+            mark += f" (not {kernel})"
+        lines.append(_table_row(r, mark))
+    gpu = p["all_gpu"]
+    mark = " <-" if best.get("mode") == "all-gpu" else ""
+    lines.append(f"{'  all-GPU (every layer on the GPU)':<41} "
+                 f"{_bytes(gpu['gpu_bytes_per_request']):>12} {gpu['concurrency']:>9.1f} "
+                 f"{gpu['batch']:>6} {0.0:>8.2f} {gpu['step_ms']:>8.2f} "
+                 f"{gpu['tokens_per_s']:>9,.0f}{mark}")
     lines.append("(rows/step and MiB/step: gathered per request per decode step over all "
-                 "layers; link ms: the whole batch's gathers per step)")
+                 "layers; link ms: the whole batch's gathers per step; step ms: compute and "
+                 "link together)")
     lines.append("")
-    if best:
-        lines.append(f"recommended: block_size {best['block_size']}, device_buffer_size "
-                     f"{best['device_buffer_size']}: about {best['tokens_per_s']:,.0f} "
-                     f"tokens/s at batch {best['batch']} (miss rate "
-                     f"{100 * best['miss_rate']:.1f}%; estimates within "
-                     f"{100 * RECOMMEND_TOLERANCE:g}% of the best count as equal, the least GPU "
-                     f"memory per request wins)")
-    else:
-        lines.append("recommended: none: no setting of the sweep fits the budget")
+    lines += _recommendation(p)
     lines.append(f"formula: {p['formula']}")
     return "\n".join(lines)
 
@@ -153,7 +234,8 @@ def format_advice(p: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton advise``."""
     from hisparse_triton.advisor import (
-        DEFAULT_BUFFER_FACTORS, AdviseSettings, link_from_bench, run_advise)
+        DEFAULT_BUFFER_FACTORS, AdviseSettings, StepModel, attention_kernel,
+        find_bench_result, link_from_bench, run_advise)
     from hisparse_triton.benchmarks.progress import Progress, default_enabled
     from hisparse_triton.presets import get_preset
 
@@ -171,26 +253,25 @@ def run(args: argparse.Namespace) -> int:
     geometry = get_preset(args.preset)
     link_gbps, source, by_rows = args.link_gbps or DEFAULT_LINK_GBPS, "given", None
     if args.link_gbps is None and args.bench_json is None:
-        source = "default; --link-gbps or --bench-json for yours"
+        source = DEFAULT_LINK_SOURCE
     if args.bench_json is not None:
-        path = _newest_json(args.bench_json)
-        try:
-            with open(path, encoding="utf-8") as handle:
-                result = json.load(handle)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--bench-json {path}: not a readable JSON file ({exc}).") from None
+        path, result = find_bench_result(args.bench_json)
         by_rows, source = link_from_bench(result, geometry.mla_row_bytes)
         link_gbps = by_rows(1 << 14)
-        source = f"{source}, {path}; per setting at its rows per launch"
+        source = f"{source}, read from {path}; each setting at its rows per launch"
+        print(f"hisparse-triton advise: link speed from {path}", file=sys.stderr)
+    step = (StepModel(args.step_ms, "given") if args.step_ms is not None else
+            StepModel(source="default, an assumption: measure your engine's with --step-ms"))
     buffers = args.buffers
     settings = AdviseSettings(
         preset=args.preset, gpu_memory_gib=args.gpu_memory_gib,
         host_pool_gib=args.host_pool_gib, context_len=args.context_len, buffers=buffers,
         block_sizes=args.block_sizes, top_k=args.top_k, link_gbps=link_gbps,
-        link_source=source, step_ms=args.step_ms, max_batch=args.max_batch, trace=args.trace,
-        streams=args.streams, steps=args.steps, warmup=max(1, args.steps // 4), seed=args.seed,
-        link_by_rows=by_rows)
-    total = len(args.block_sizes) * len(buffers or DEFAULT_BUFFER_FACTORS)
+        link_source=source, step=step, overlap=args.overlap, mtp=args.mtp,
+        max_batch=args.max_batch, trace=args.trace, streams=args.streams, steps=args.steps,
+        warmup=max(1, args.steps // 4), seed=args.seed, link_by_rows=by_rows)
+    blocks = args.block_sizes or attention_kernel(geometry.name)[1] or (16, 32, 64)
+    total = len(blocks) * len(buffers or DEFAULT_BUFFER_FACTORS)
     bar = Progress(total, "advise", enabled=default_enabled(args.progress), unit="setting")
     try:
         payload = run_advise(settings, on_setting=bar.step)

@@ -95,6 +95,25 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def op_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A type for comma-separated benchmark ops out of ``allowed``: op names or groups of the
+    op registry (``rows``, ``pages``, ``transfers``, ``all``; ``benchmarks.registry``)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        from hisparse_triton.benchmarks.registry import expand_ops
+
+        names = [p for p in text.replace(" ", "").split(",") if p]
+        if not names:
+            raise argparse.ArgumentTypeError(f"unknown empty list; choose from "
+                                             f"{', '.join(allowed)}")
+        try:
+            return expand_ops(names, allowed)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def output_path(text: str) -> str:
     """A file to write: its directory must exist and the path must not be a directory
     (checked when the flags are parsed, not after a long run)."""

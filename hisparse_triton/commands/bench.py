@@ -15,20 +15,27 @@ import argparse
 import sys
 from typing import Any
 
+from hisparse_triton.benchmarks.registry import ALL_OPS
+from hisparse_triton.benchmarks.settings import METHODS
 from hisparse_triton.commands.argtypes import (
     bounded_int,
     bounded_int_list,
     bounded_number,
     choice_list,
+    op_list,
     output_path,
     ratio_list,
 )
-from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add_top_k_flag
+from hisparse_triton.commands.flags import (
+    add_progress_flag,
+    add_seed_flag,
+    add_threads_flag,
+    add_top_k_flag,
+    set_torch_threads,
+)
 from hisparse_triton.commands.output import add_json_flag, json_document, report_stream, write_json
 from hisparse_triton.presets import list_presets
 
-OPS = ("gather", "backup", "restore", "spill", "resolve")
-METHODS = ("triton", "torch", "eager", "contiguous")
 
 
 #: Plausible ranges of the numeric flags (a value outside is rejected with the range named).
@@ -86,8 +93,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="hot-buffer slots per request for resolve (default 4096)")
     sweep.add_argument("--seq-len", type=bounded_int(1, 1 << 22), default=None, metavar="N",
                        help="tokens per request for resolve (default 32768)")
-    sweep.add_argument("--ops", type=choice_list(OPS), default=None, metavar="LIST",
-                       help=f"what to measure: {','.join(OPS)} (default all)")
+    sweep.add_argument("--ops", type=op_list(ALL_OPS), default=None, metavar="LIST",
+                       help=f"what to measure: {','.join(ALL_OPS)}, or a group: rows, pages, "
+                            f"transfers, all (default all)")
     sweep.add_argument("--methods", type=choice_list(METHODS), default=None, metavar="LIST",
                        help=f"methods: {','.join(METHODS)} (default all; triton needs CUDA)")
     sweep.add_argument("--quick", action="store_true",
@@ -115,6 +123,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "(default deepseek-v3.2-fp8) at --batch 64, every request on the "
                              "host path: eager step time, the index groups' resolves replayed "
                              "from one CUDA graph, misses and GB/s gathered per step")
+    add_threads_flag(timing, default=None,
+                     help="torch CPU threads (default 1 when the sweep runs on the CPU, as "
+                          "simulate: CPU figures swing with the machine's load when torch "
+                          "spreads over every core; on CUDA torch's own default, so that the "
+                          "eager baseline's host-side copies are not slowed)")
     add_seed_flag(timing, what="the workloads")
     out = parser.add_argument_group("output")
     add_output_flags(out)
@@ -163,6 +176,34 @@ def settings_from_args(args: argparse.Namespace, device: Any) -> Any:
     return settings
 
 
+#: A CPU sweep estimated above this many bytes of RAM says so before it starts.
+LARGE_RUN_BYTES = 1 << 30
+
+
+def check_host_memory(settings: Any) -> None:
+    """Before a CPU sweep: print its RAM estimate when it is large, refuse it (``ValueError``)
+    when it exceeds the RAM available to this process."""
+    from hisparse_triton.benchmarks.settings import host_memory_estimate
+    from hisparse_triton.memory import available_ram_bytes
+
+    def format_bytes(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
+
+    need = host_memory_estimate(settings)
+    if need["total"] < LARGE_RUN_BYTES:
+        return
+    parts = ", ".join(f"{name} {format_bytes(need[name])}"
+                      for name in ("pools", "staging", "verify", "plans", "base"))
+    available = available_ram_bytes()
+    text = (f"this CPU sweep needs about {format_bytes(need['total'])} of RAM ({parts}; the "
+            f"largest case: {max(settings.rows)} rows x {max(settings.layers)} layers)")
+    if need["total"] > available:
+        raise ValueError(f"{text}, more than the {format_bytes(available)} available; shrink "
+                         f"it with --layers, --rows or --row-bytes.")
+    print(f"hisparse-triton bench: {text}; {format_bytes(available)} available. --layers, "
+          f"--rows or --row-bytes shrink it.", file=sys.stderr)
+
+
 def resolve_device(name: str) -> Any:
     import torch
 
@@ -184,6 +225,7 @@ def run_host(args: argparse.Namespace) -> int:
     from hisparse_triton.benchmarks.host_cost import resolve_host_cost
     from hisparse_triton.benchmarks.step_cost import decode_step_host_cost
 
+    set_torch_threads(args.threads or 1)
     batch = args.batch[0] if args.batch else 64
     top_k = args.top_k or 2048
     hot = args.hot_slots or max(4096, 2 * top_k)
@@ -251,6 +293,10 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     settings = settings_from_args(args, device)
+    threads = set_torch_threads(args.threads if args.threads is not None or
+                                device.type == "cuda" else 1)
+    if device.type != "cuda":
+        check_host_memory(settings)
     if args.plot and not any(op in bm.TRANSFER_OPS for op in settings.ops):
         raise ValueError("--plot draws transfer throughput; add a transfer op to --ops "
                          f"(one of {', '.join(bm.TRANSFER_OPS)}).")
@@ -277,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"out of memory for this sweep ({text}); shrink it with --rows, "
                          f"--layers, --row-bytes, --batch or --hot-slots.") from None
     progress.close()
+    result["torch_threads"] = threads
     table = bm.format_table(result)
     print(table, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:

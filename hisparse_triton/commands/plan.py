@@ -104,6 +104,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="tokens scheduled per step; a resident group then admits a "
                              "request with cdiv(N, block) pages (default: unset, a whole "
                              "prompt per step)")
+    parser.add_argument("--max-concurrent-batches", metavar="N",
+                        type=bounded_int(1, MAX_PARALLEL_SIZE), default=1,
+                        help="steps in flight at once, each holding up to "
+                             "--max-num-batched-tokens (vLLM: 2 with async scheduling, the "
+                             "pipeline depth with pipeline parallelism; default 1)")
     parser.add_argument("--row-aligned-blocks", action="store_true",
                         help="round the device block up to a whole number of every sparse "
                              "layer's pages, so each sparse layer is a flat row array "
@@ -161,6 +166,7 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
                device_buffer_size: Optional[int] = None, tp: int = 1,
                shared_host_pool: Optional[bool] = None, pp: int = 1, nodes: int = 1,
                max_num_batched_tokens: Optional[int] = None,
+               max_concurrent_batches: int = 1,
                row_aligned_blocks: bool = False,
                top_k: Optional[int] = None) -> dict[str, Any]:
     """Plan a preset; returns the report ``--json`` writes (without the schema envelope).
@@ -180,7 +186,8 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
     config = EngineConfig(max_model_len=max_model_len or geometry.max_model_len,
                           hisparse=hisparse, tensor_parallel_size=tp,
                           pipeline_parallel_size=pp, num_nodes=nodes,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_concurrent_batches=max_concurrent_batches)
     spec = build_kv_cache_spec(geometry)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", HiSparsePlanWarning)
@@ -228,6 +235,8 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
         "index_topk": hisparse.index_topk,
         "device_buffer_size": hisparse.device_buffer_size,
         "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_concurrent_batches": config.max_concurrent_batches,
+        "in_flight_tokens": config.in_flight_tokens,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "num_nodes": nodes,
@@ -295,14 +304,21 @@ def format_plan(report: dict[str, Any]) -> str:
     else:
         sharing = "per TP rank" if tp > 1 else "private"
     batched = r["max_num_batched_tokens"]
+    batches = r["max_concurrent_batches"]
+    if batched is None:
+        in_flight = "unset (a whole prompt per step)"
+    elif batches == 1:
+        in_flight = f"{batched:,} (a resident group admits a request with the pages of one step)"
+    else:
+        in_flight = (f"{batched:,} x {batches} batches in flight = {r['in_flight_tokens']:,} "
+                     f"tokens (a resident group admits a request with the pages of {batches} "
+                     f"steps)")
     lines = [
         f"HiSparse plan: {r['preset']} ({r['description']})",
         f"  max_model_len {r['max_model_len']:,} tokens, block {r['block_size']}, "
         f"index_topk {r['index_topk']:,}, device_buffer_size {r['device_buffer_size']:,} rows, "
         f"TP {tp}, PP {r['pipeline_parallel_size']}, nodes {r['num_nodes']}",
-        "  max_num_batched_tokens " + (f"{batched:,} (a resident group admits a request with "
-                                        f"the pages of one step)" if batched is not None else
-                                        "unset (a whole prompt per step)"),
+        f"  max_num_batched_tokens {in_flight}",
     ]
     lines += [textwrap.fill(note, width=100, initial_indent="  warning: ",
                             subsequent_indent="           ") for note in r["warnings"]]
@@ -359,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
                         device_buffer_size=args.device_buffer_size, tp=args.tp,
                         shared_host_pool=args.shared_host_pool, pp=args.pp, nodes=args.nodes,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_concurrent_batches=args.max_concurrent_batches,
                         row_aligned_blocks=args.row_aligned_blocks, top_k=args.top_k)
     if args.json is not None:
         write_json(json_document("plan", PLAN_SCHEMA_VERSION, report), args.json)

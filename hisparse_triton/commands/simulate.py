@@ -12,7 +12,6 @@ the offline optimum on the same positions. Imports torch only inside ``run``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -22,18 +21,23 @@ from hisparse_triton.commands.argtypes import (
     existing_file,
     fraction,
     output_path,
-    positive_int,
 )
-from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, add_top_k_flag
+from hisparse_triton.commands.flags import (
+    add_progress_flag,
+    add_seed_flag,
+    add_threads_flag,
+    add_top_k_flag,
+    set_torch_threads,
+)
 from hisparse_triton.commands.output import (
     add_json_flag,
     json_document,
     report_stream,
     write_json,
 )
-from hisparse_triton.presets import list_presets
+from hisparse_triton.link import DEFAULT_LINK_GBPS, DEFAULT_LINK_SOURCE
+from hisparse_triton.presets import DEFAULT_PRESET, list_presets
 
-DEFAULT_PRESET = "tiny"
 #: ``policies.POLICIES`` and ``workload.WORKLOADS``, spelled here so that building the parser
 #: does not import numpy (a test checks they agree).
 POLICIES = ("lru", "fifo", "belady")
@@ -68,8 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "report hit rate, bytes moved, transfer time and GPU memory saved, the "
                     "runtime's LRU next to FIFO and the offline optimum; --verify checks "
                     "every resolved row against a dense copy. Defaults scale with the preset.")
-    parser.add_argument("--preset", default=DEFAULT_PRESET, choices=list_presets(),
-                        help=f"model geometry (default {DEFAULT_PRESET})")
+    parser.add_argument("--preset", default=None, choices=list_presets(),
+                        help=f"model geometry (default {DEFAULT_PRESET}, or with --trace the "
+                             f"preset the trace was recorded with; tiny runs in seconds)")
     parser.add_argument("--layers", type=bounded_int(1, 1024), default=None,
                         help="sparse layers to simulate (default: all of a preset with at "
                              "most 8, else 4 index groups: a sample, scaled to the model)")
@@ -95,7 +100,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "repeated from the previous step (default 0.8)")
     work.add_argument("--trace", metavar="FILE", type=existing_file, default=None,
                       help="replay recorded top-k positions (.npz, see docs/tools.md) instead "
-                           "of a generator; the trace sets requests, lengths and top-k")
+                           "of a generator; the trace sets requests, lengths and top-k, and "
+                           "a trace written by --record also the preset, layers and pool "
+                           "settings (flags override)")
     work.add_argument("--record", metavar="FILE", type=output_path, default=None,
                       help="write this run's top-k positions as a trace (.npz)")
     work.add_argument("--prefill-chunk", type=bounded_int(1, 1 << 22), default=None,
@@ -128,12 +135,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="device pool blocks (default: steady state of --max-running "
                             "requests: indexer, hot region and resident tail each, plus one "
                             "prefill chunk)")
-    pools.add_argument("--device", default="cpu",
-                       help="cpu (default), cuda, cuda:N or auto (cuda when available)")
+    pools.add_argument("--device", default="auto",
+                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
+                            "cuda:N")
     pools.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
-    pools.add_argument("--threads", type=positive_int, default=1,
-                       help="CPU threads for torch (default 1: the ops are small)")
+    add_threads_flag(pools, default=1, help="CPU threads for torch (default 1, as bench: the "
+                                            "ops are small, and more threads make the timing "
+                                            "swing with the machine's load)")
     report = parser.add_argument_group("report")
     report.add_argument("--policies", type=_policy_list, default=POLICIES, metavar="LIST",
                         help=f"hot-buffer policies to compare on the same positions: "
@@ -143,9 +152,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "when the dense copy is under 256 MiB)")
     report.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
                                                            "decimal GB/s, not bytes/s"),
-                        default=50.0,
-                        help="host<->device bandwidth for the transfer-time estimate, GB/s "
-                             "(default 50)")
+                        default=None,
+                        help=f"host<->device bandwidth for the transfer-time estimate, GB/s "
+                             f"(default {DEFAULT_LINK_GBPS:g}: published 656 B row-gather "
+                             f"figures, see docs/tools.md)")
+    report.add_argument("--warmup-steps", type=bounded_int(0, 1 << 20), default=None,
+                        metavar="N",
+                        help="resolves of each request and index group left out of the "
+                             "steady-state miss rate (default: until its hot buffer is full, "
+                             "at most half of them)")
     add_progress_flag(report)
     add_json_flag(report, "the report")
     return parser
@@ -171,6 +186,50 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _residency_line(r: dict[str, Any]) -> str:
+    if r["free_block_watermark"] is not None and not isinstance(r["free_block_watermark"], int) \
+            and r["free_block_watermark"] >= 1.0:
+        return (f"residency: {r['unpinned_pages']} pages dropped from the GPU as soon as they "
+                f"were durable (watermark 1: pure HiSparse, they are read from the host "
+                f"through the hot buffer from then on), so no transfer was avoided")
+    return (f"residency: {r['unpinned_pages']} pages unpinned (readable until their block is "
+            f"reused), {r['lost_pages']} lost; keeping them readable avoided "
+            f"{r['unpinned_misses_avoided']} transfers "
+            f"({_bytes(r['unpinned_h2d_bytes_avoided'])}): the same LRU with them dropped at "
+            f"once misses {r['misses_if_unpinned_dropped']}")
+
+
+def _memory_line(r: dict[str, Any]) -> str:
+    head = (f"GPU memory (decode working set, peak, simulated layers): all layers on GPU "
+            f"{_bytes(r['all_gpu_peak_bytes'])}, HiSparse {_bytes(r['device_peak_bytes'])} "
+            f"+ host {_bytes(r['host_peak_bytes'])}")
+    saved = r["gpu_bytes_saved"]
+    if saved == 0:
+        return f"{head} -> no GPU memory saved (every page stayed on the GPU)"
+    if saved > 0:
+        return (f"{head} -> {_bytes(saved)} of GPU memory saved "
+                f"({100 * r['gpu_saved_fraction']:.0f}%)")
+    why = ("the pool held every page (nothing offloaded) and the indexer's pages take whole "
+           "pool blocks; HiSparse saves memory only under pressure" if not r["unpinned_pages"]
+           else "the hot regions and the indexer's whole pool blocks cost more than the pages "
+                "that left the GPU")
+    return (f"{head} -> {_bytes(-saved)} MORE GPU memory than all layers on the GPU "
+            f"({100 * -r['gpu_saved_fraction']:.0f}%): {why}")
+
+
+def _steady_line(r: dict[str, Any]) -> str:
+    st = r["steady_state"]
+    if st["warmup"] == "buffer-full":
+        warm = "each request's resolves until its hot buffer was full (at most half of them)"
+    else:
+        warm = f"each request's first {st['warmup_steps']} resolves per index group"
+    if not st["columns"]:
+        return f"steady state: nothing left after the warm-up ({warm}); see the whole run"
+    return (f"steady state: miss rate {_pct(st['miss_rate'])} after a warm-up of {warm}: "
+            f"{st['resolved_rows']} of {st['resolved_rows_total']} resolved rows counted "
+            f"(the whole run's {_pct(r['miss_rate'])} includes each buffer's cold start)")
+
+
 def format_report(r: dict[str, Any]) -> str:
     """The human-readable report."""
     sampled = (f"{r['sparse_layers']} of {r['model_sparse_layers']} sparse layers simulated "
@@ -191,21 +250,39 @@ def format_report(r: dict[str, Any]) -> str:
             if r["device_pool_sizing"] == "given" else
             f"steady state of {r['max_running']} requests, under memory pressure")
     columns = f"({mtp} x {r['top_k']})" if mtp > 1 else f"{r['top_k']}"
+    preset = r["preset"] + {"trace": ", from the trace", "default": ", the default",
+                            "given": ""}[r.get("preset_source", "given")]
     lines = [
-        f"hisparse-triton simulate: preset {r['preset']} ({sampled}; {r['resident_groups']} "
+        f"hisparse-triton simulate: preset {preset} ({sampled}; {r['resident_groups']} "
         f"resident + {r['resident_groups']} hot groups), device {r['device']}, backend "
         f"{r['backend']}",
         f"workload: {source}; {r['requests']} requests x ({r['prompt_len']} prompt + "
         f"{r['output_len']} output) tokens, {r['max_running']} running at a time, prefill "
         f"chunks of {r['prefill_chunk']}{serving}; top-k {r['top_k']}, hot buffer "
         f"{r['device_buffer_size']} rows",
+    ]
+    taken = [name for name in r.get("from_trace", []) if name != "preset"]
+    if taken:
+        lines.append(f"from the trace's metadata: {', '.join(taken)} (flags override)")
+    cal = r.get("calibration")
+    if cal:
+        ours = " / ".join(_pct(x) for x in cal["lru_miss_rates"])
+        published = " / ".join(_pct(x) for x in cal["published_miss_rates"])
+        lines.append(f"generator calibration (the generator's own fit, not this run): LRU miss "
+                     f"rate at buffer k / 2k / 4k = {ours} on one {cal['history']}-token "
+                     f"stream at top-k {cal['top_k']}; published GLM-5.1 at k = 2048: "
+                     f"{published}")
+    lines += [
         f"device pool: {r['device_pool_blocks']} blocks ({_bytes(r['device_pool_bytes'])}: "
         f"{pool}); host pool {_bytes(r['host_pool_bytes'])}",
         f"decode: {r['decode_steps']} steps, {r['generated_tokens']} tokens, {r['resolves']} "
         f"resolve calls, {r['resolved_rows']} rows x {columns} columns"
         + (" (each row's selections resolved as one union)" if mtp > 1 else ""),
-        f"top-k columns: {r['hits']} hits, {r['misses']} misses (gathered), {r['masked']} "
-        f"masked -> hit rate {_pct(r['hit_rate'])} (miss rate {_pct(r['miss_rate'])})",
+        f"top-k columns: {r['hits']} hits ({r['resident_hits']} from resident pages, "
+        f"{r['hot_hits']} from the hot buffer), {r['misses']} misses (gathered), "
+        f"{r['masked']} masked -> hit rate {_pct(r['hit_rate'])} (miss rate "
+        f"{_pct(r['miss_rate'])}, whole run)",
+        _steady_line(r),
     ]
     if r.get("query_tokens"):
         per = ", ".join(f"token {q['query']} {_pct(q['hit_rate'])} ({q['misses']} misses)"
@@ -213,11 +290,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"per query token (a miss counts for the first token selecting it): "
                      f"hit rate {per}; {r['misses_per_generated_token']:.1f} misses per "
                      f"generated token")
-    lines.append(
-        f"residency: {r['unpinned_pages']} pages unpinned (readable until their block is "
-        f"reused), {r['lost_pages']} lost; keeping them readable avoided "
-        f"{r['unpinned_misses_avoided']} transfers ({_bytes(r['unpinned_h2d_bytes_avoided'])}):"
-        f" the same LRU with them dropped at once misses {r['misses_if_unpinned_dropped']}")
+    lines.append(_residency_line(r))
     if r["shared_prefix"] is not None:
         lines.append(
             f"prefix cache: {r['prefix_hit_tokens']} of {r['prefix_query_tokens']} prompt "
@@ -235,39 +308,30 @@ def format_report(r: dict[str, Any]) -> str:
         for name, v in policies.items():
             lines.append(f"  {name:<7}{v['misses']:>12} misses  {_pct(v['miss_rate']):>6}  "
                          f"{notes[name]}".rstrip())
-    cal = r.get("calibration")
-    if cal:
-        ours = " / ".join(_pct(x) for x in cal["lru_miss_rates"])
-        published = " / ".join(_pct(x) for x in cal["published_miss_rates"])
-        lines.append(f"calibration: LRU miss rate at buffer k / 2k / 4k = {ours} (this "
-                     f"generator, top-k {cal['top_k']}, {cal['history']}-token history, steady "
-                     f"state); published GLM-5.1 at k = 2048: {published}")
     scale = (f" (scaled to {r['model_index_groups']} index groups)" if r["sampled"] else "")
+    link = "" if r.get("link_source", "given") == "given" else f" ({r['link_source']})"
     lines += [
         f"bytes moved: host->device {_bytes(r['h2d_bytes'])} (misses), device->host "
         f"{_bytes(r['d2h_bytes'])} (write-through of every new row)",
-        f"at {r['link_gbps']:g} GB/s: host->device {_seconds(r['h2d_seconds_per_step_model'])}"
-        f" per decode step{scale}, {_bytes(r['h2d_bytes_per_step_model'])}",
-        f"GPU memory (decode working set, peak, simulated layers): all layers on GPU "
-        f"{_bytes(r['all_gpu_peak_bytes'])}, HiSparse {_bytes(r['device_peak_bytes'])} "
-        f"+ host {_bytes(r['host_peak_bytes'])} -> {_bytes(r['gpu_bytes_saved'])} of GPU "
-        f"memory saved ({100 * r['gpu_saved_fraction']:.0f}%)",
+        f"at {r['link_gbps']:g} GB/s{link}: host->device "
+        f"{_seconds(r['h2d_seconds_per_step_model'])} per decode step{scale}, "
+        f"{_bytes(r['h2d_bytes_per_step_model'])}",
+        _memory_line(r),
     ]
     if r["verified"]:
         lines.append(f"verify: exact ({r['rows_checked']} resolved rows checked against the "
                      f"dense copy, leaders and followers)")
     else:
         lines.append("verify: off")
+    rec = r.get("record")
+    if rec:
+        lines.append(f"recorded: {rec['records']} top-k selections ({rec['requests']} requests, "
+                     f"{rec['decode_steps']} decode steps, {rec['index_groups']} index groups "
+                     f"x top-k {rec['top_k']}, with the preset and pool settings) to "
+                     f"{rec['path']}; replay it with: hisparse-triton simulate --trace "
+                     f"{rec['path']}")
     lines.append(f"wall time {r['wall_seconds']:.2f} s")
     return "\n".join(lines)
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -296,24 +360,21 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         offload_threshold_pages=args.offload_threshold_pages,
         free_block_watermark=args.free_block_watermark, host_blocks=args.host_blocks,
         device_blocks=args.device_blocks, seed=args.seed, device=args.device,
-        backend=args.backend, verify=args.verify, link_gbps=args.link_gbps)
+        backend=args.backend, verify=args.verify,
+        link_gbps=args.link_gbps if args.link_gbps is not None else DEFAULT_LINK_GBPS,
+        link_source="given" if args.link_gbps is not None else DEFAULT_LINK_SOURCE,
+        warmup_steps=args.warmup_steps)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton simulate``."""
-    cpus = available_cpus()
-    if args.threads > cpus:  # thousands of OpenMP threads fail to start or crash the process
-        raise ValueError(f"--threads {args.threads} exceeds the {cpus} CPUs available to this "
-                         f"process.")
+    set_torch_threads(args.threads)  # refuses more threads than CPUs, naming the count
     settings = settings_from_args(args)
-    import torch
-
     from hisparse_triton.benchmarks.progress import Progress, default_enabled
     from hisparse_triton.errors import HiSparseError
     from hisparse_triton.oracle import OracleMismatch
     from hisparse_triton.simulation import run_simulation
 
-    torch.set_num_threads(args.threads)
     out = report_stream(args.json)
     bar: list[Any] = []
 

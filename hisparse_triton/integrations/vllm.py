@@ -1,0 +1,240 @@
+"""vLLM 0.33's HiSparse custom ops on hisparse-triton's kernels: ``register()``.
+
+vLLM 0.33.0 runs its HiSparse data plane through five ops it looks up under
+``torch.ops._C_cache_ops``: ``hisparse_resolve_residency``, ``hisparse_gather_compact``,
+``hisparse_gather_plan``, ``hisparse_invalidate_written_slots`` and
+``cp_gather_and_upconvert_fp8_kv_cache`` (with the host-row arguments of the prefill staging
+path). Its own implementations exist only in its CUDA build. ``register()`` defines them with
+vLLM's names, schemas (argument order, defaults, mutated arguments) and semantics
+(``hisparse_triton.integrations.vllm_reference``), so vLLM's HiSparse runs on these kernels
+unchanged:
+
+- an op vLLM already provides is left alone, unless ``override=True`` or
+  ``HISPARSE_TRITON_VLLM_OVERRIDE=1``: then ours replace its CPU and CUDA kernels (for A/B
+  runs against vLLM's CUDA ops);
+- each call runs on the backend ``HISPARSE_TRITON_BACKEND`` names (``auto``: Triton on CUDA
+  tensors, the torch models on CPU ones; ``triton``; ``torch``), read at every call;
+- fake (meta) kernels let ``torch.compile`` and CUDA-graph capture trace the ops; the schema
+  marks every argument an op writes.
+
+``register()`` returns whether ours serve the four ``hisparse_*`` ops (what vLLM checks before
+it starts HiSparse) and logs the providers once; ``providers()`` says which implementation
+each op has. Calling it again is cheap and safe. This module never imports vLLM; when vLLM's
+compiled extension is installed but not loaded yet, its library is loaded first (so its own
+ops are seen and never redefined).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from hisparse_triton.integrations import vllm_reference
+
+__all__ = ["HISPARSE_OPS", "NAMESPACE", "OP_NAMES", "OVERRIDE_ENV", "SCHEMAS", "providers",
+           "register"]
+
+logger = logging.getLogger(__name__)
+
+#: The op namespace vLLM calls.
+NAMESPACE = "_C_cache_ops"
+#: Environment variable that forces ours over vLLM's (``1``).
+OVERRIDE_ENV = "HISPARSE_TRITON_VLLM_OVERRIDE"
+#: The ops vLLM 0.33 requires before it starts HiSparse (``_has_hisparse_ops``).
+HISPARSE_OPS = ("hisparse_resolve_residency", "hisparse_invalidate_written_slots",
+                "hisparse_gather_plan", "hisparse_gather_compact")
+#: Every op defined here.
+OP_NAMES = HISPARSE_OPS + ("cp_gather_and_upconvert_fp8_kv_cache",)
+
+#: vLLM 0.33.0's schemas, verbatim (argument names, order, defaults, aliasing).
+SCHEMAS = {
+    "hisparse_resolve_residency": (
+        "hisparse_resolve_residency(Tensor host_cache, Tensor! hot_cache, "
+        "Tensor hot_block_table, Tensor global_indices, Tensor! hot_indices, "
+        "Tensor! device_global_indices, Tensor! lru_slots, Tensor? request_state_indices, "
+        "int region_stride, int max_union_rows, Tensor(a!)? miss_mask=None, "
+        "Tensor(b!)? stats=None, Tensor(c!)? attention_indices=None, "
+        "int attention_block_stride=0, Tensor? request_ids=None, "
+        "Tensor? source_block_table=None, int source_block_size=0, "
+        "Tensor(d!)? resolved_global_indices=None, Tensor(e!)? valid_counts=None, "
+        "Tensor(f!)? swap_host_physical_rows=None, Tensor(g!)? swap_device_physical_rows=None, "
+        "Tensor(h!)? swap_counts=None, Tensor? resident_block_table=None, "
+        "int resident_block_size=0, int resident_null_block=0) -> ()"),
+    "hisparse_invalidate_written_slots": (
+        "hisparse_invalidate_written_slots(Tensor! device_global_indices, "
+        "Tensor request_state_indices, Tensor req_id_per_token, Tensor written_slots) -> ()"),
+    "hisparse_gather_plan": (
+        "hisparse_gather_plan(Tensor host_cache, Tensor! hot_cache, Tensor global_indices, "
+        "Tensor hot_indices, Tensor miss_mask, Tensor? request_state_indices, "
+        "Tensor(a!)? attention_indices=None, int attention_block_stride=0) -> ()"),
+    "hisparse_gather_compact": (
+        "hisparse_gather_compact(Tensor host_cache, Tensor! hot_cache, "
+        "Tensor miss_global_indices, Tensor miss_hot_indices, Tensor miss_counts) -> ()"),
+    "cp_gather_and_upconvert_fp8_kv_cache": (
+        "cp_gather_and_upconvert_fp8_kv_cache(Tensor src_cache, Tensor! dst, "
+        "Tensor block_table, Tensor workspace_starts, int batch_size, Tensor? seq_starts, "
+        "Tensor? host_cache=None, Tensor? host_row_ids=None, "
+        "Tensor? device_row_ids=None) -> ()"),
+}
+
+
+class _OpSpec(NamedTuple):
+    """One op: its torch model, the name of its Triton launcher in ``kernels``, and the
+    argument whose device picks the backend (the op's index tensors)."""
+
+    reference: Callable[..., None]
+    kernel_module: str
+    kernel_name: str
+    device_arg: int
+
+
+_SPECS = {
+    "hisparse_resolve_residency": _OpSpec(
+        vllm_reference.hisparse_resolve_residency, "vllm_residency",
+        "hisparse_resolve_residency", 3),
+    "hisparse_invalidate_written_slots": _OpSpec(
+        vllm_reference.hisparse_invalidate_written_slots, "vllm_residency",
+        "hisparse_invalidate_written_slots", 0),
+    "hisparse_gather_plan": _OpSpec(
+        vllm_reference.hisparse_gather_plan, "vllm_gather", "hisparse_gather_plan", 2),
+    "hisparse_gather_compact": _OpSpec(
+        vllm_reference.hisparse_gather_compact, "vllm_gather", "hisparse_gather_compact", 2),
+    "cp_gather_and_upconvert_fp8_kv_cache": _OpSpec(
+        vllm_reference.cp_gather_and_upconvert_fp8_kv_cache, "vllm_fp8",
+        "cp_gather_and_upconvert_fp8_kv_cache", 2),
+}
+
+#: op name -> "hisparse_triton" (ours serve it) or "vllm" (vLLM's own), for ops seen so far.
+_PROVIDERS: dict[str, str] = {}
+#: ``torch.library.Library`` objects: a registration lives as long as its library object.
+_LIBRARIES: list[torch.library.Library] = []
+_LOGGED: list[bool] = []
+
+
+def _select(device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device`` (``$HISPARSE_TRITON_BACKEND``)."""
+    if not _SELECT:
+        from hisparse_triton.ops.backends import select_backend
+
+        _SELECT.append(select_backend)
+    return _SELECT[0](None, device)
+
+
+_SELECT: list[Callable[[Optional[str], torch.device], str]] = []
+
+
+def _implementation(name: str) -> Callable[..., None]:
+    """The kernel registered for CPU and CUDA: picks the backend at every call."""
+    spec = _SPECS[name]
+    reference = spec.reference
+    launchers: list[Callable[..., None]] = []
+
+    def run(*args: Any) -> None:
+        if _select(args[spec.device_arg].device) == "torch":
+            return reference(*args)
+        if not launchers:
+            module = importlib.import_module(f"hisparse_triton.kernels.{spec.kernel_module}")
+            launchers.append(getattr(module, spec.kernel_name))
+        return launchers[0](*args)
+
+    run.__name__ = f"{name}_hisparse_triton"
+    return run
+
+
+def _fake(*args: Any) -> None:
+    """Fake (meta) kernel of every op: they return nothing and write their ``Tensor!`` args."""
+    return None
+
+
+def _qualname(name: str) -> str:
+    return f"{NAMESPACE}::{name}"
+
+
+def _op_defined(name: str) -> bool:
+    """Whether the dispatcher knows ``_C_cache_ops::<name>`` (from anyone)."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(_qualname(name), "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _load_vllm_extension() -> None:
+    """Load vLLM's compiled ops library when it is installed but not loaded yet, so that its
+    own ops are seen (and never redefined here). Imports no vLLM Python module."""
+    if any(m in sys.modules for m in ("vllm._C_stable_libtorch", "vllm._C")):
+        return
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    for folder in spec.submodule_search_locations:
+        for pattern in ("_C_stable_libtorch*.so", "_C.*.so"):
+            for path in sorted(glob.glob(os.path.join(folder, pattern))):
+                try:
+                    torch.ops.load_library(path)
+                except (OSError, RuntimeError) as error:
+                    logger.debug("vLLM's ops library %s did not load (%s); its ops are "
+                                 "absent here", path, error)
+
+
+def _register_op(namespace: str, name: str, schema: str, impl: Callable[..., None],
+                 fake: Callable[..., None], *, define: bool) -> None:
+    """Give ``namespace::name`` our CPU and CUDA kernels (defining the schema first when
+    ``define``) and a fake kernel when it has none."""
+    if define:
+        lib = torch.library.Library(namespace, "FRAGMENT")
+        lib.define(schema)
+    else:
+        lib = torch.library.Library(namespace, "IMPL")
+    for key in ("CPU", "CUDA"):
+        lib.impl(name, impl, key)
+    _LIBRARIES.append(lib)
+    try:
+        torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
+    except RuntimeError:  # the op already has a fake kernel (vLLM's own)
+        pass
+
+
+def register(override: bool = False) -> bool:
+    """Provide vLLM 0.33's HiSparse ops under ``torch.ops._C_cache_ops`` (see the module
+    docstring). ``override`` (or ``HISPARSE_TRITON_VLLM_OVERRIDE=1``) replaces vLLM's own.
+    Returns whether ours serve the four ``hisparse_*`` ops; logs the providers once."""
+    override = override or os.environ.get(OVERRIDE_ENV, "") == "1"
+    if any(name not in _PROVIDERS for name in OP_NAMES):
+        _load_vllm_extension()
+    changed = False
+    for name in OP_NAMES:
+        provider = _PROVIDERS.get(name)
+        if provider == "hisparse_triton" or (provider == "vllm" and not override):
+            continue
+        exists = provider == "vllm" or _op_defined(name)
+        if exists and not override:
+            _PROVIDERS[name] = "vllm"
+            continue
+        _register_op(NAMESPACE, name, SCHEMAS[name], _implementation(name), _fake,
+                     define=not exists)
+        _PROVIDERS[name] = "hisparse_triton"
+        changed = True
+    active = all(_PROVIDERS[name] == "hisparse_triton" for name in HISPARSE_OPS)
+    if changed or not _LOGGED:
+        ours = [n for n in OP_NAMES if _PROVIDERS[n] == "hisparse_triton"]
+        theirs = [n for n in OP_NAMES if _PROVIDERS[n] == "vllm"]
+        logger.info("vLLM HiSparse ops: %s (hisparse-triton: %s; vLLM: %s)",
+                    "hisparse-triton" if active else "vLLM", ", ".join(ours) or "none",
+                    ", ".join(theirs) or "none")
+        _LOGGED.append(True)
+    return active
+
+
+def providers() -> dict[str, Optional[str]]:
+    """Op name -> ``"hisparse_triton"`` / ``"vllm"`` (``None``: ``register()`` not called)."""
+    return {name: _PROVIDERS.get(name) for name in OP_NAMES}
