@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from hisparse_triton.ops.prefill.workspace import PrefillWorkspace
-from hisparse_triton.ops.resolve.contract import TOPK_DTYPES
+from hisparse_triton.ops.resolve.contract import TOPK_DTYPES, check_rows_out
 
 __all__ = ["PrefillPlan", "check_prefill_args"]
 
@@ -113,16 +113,7 @@ def check_prefill_args(
                          f"{staging_first_row + staging_rows}) lie outside the "
                          f"{device_rows} device rows")
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype is not torch.int32 \
-                or tuple(out.shape) != (T, K):
-            raise ValueError(f"plan_prefill: out must be an int32 tensor [{T}, {K}], got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} of shape "
-                             f"{tuple(getattr(out, 'shape', ()))}")
-        if out.device != device:
-            raise ValueError(f"plan_prefill: out is on {out.device} but topk is on {device}")
-        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
-            raise ValueError(f"plan_prefill: out is written and must not have a stride-0 "
-                             f"(expanded) dimension, got strides {out.stride()}")
+        check_rows_out("plan_prefill", out, T, K, device)
     if workspace is not None:
         if not isinstance(workspace, PrefillWorkspace):
             raise TypeError(f"plan_prefill: workspace must be a PrefillWorkspace, got "

@@ -44,24 +44,27 @@ def _prefill_kernel():
     return _KERNEL[0].plan_prefill
 
 
+def _op_outputs(plan: PrefillPlan) -> tuple[Tensor, Tensor, Tensor]:
+    """The custom op's fresh outputs: ``(rows, src_rows, [staged, needed])``."""
+    return plan.rows.clone(), plan.src_rows.clone(), torch.cat([plan.staged, plan.needed])
+
+
 def _plan_cpu(topk: Tensor, state_rows: Tensor, seq_lens: Tensor, resident_blocks: Tensor,
               host_blocks: Tensor, block_size: int, num_device_blocks: int,
               num_host_blocks: int, staging_first_row: int,
               staging_rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    plan = reference.plan_prefill(
+    return _op_outputs(reference.plan_prefill(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, block_size=block_size,
         num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-        staging_first_row=staging_first_row, staging_rows=staging_rows)
-    return plan.rows.clone(), plan.src_rows.clone(), torch.cat([plan.staged, plan.needed])
+        staging_first_row=staging_first_row, staging_rows=staging_rows))
 
 
 def _plan_cuda(topk, state_rows, seq_lens, resident_blocks, host_blocks, block_size,
                num_device_blocks, num_host_blocks, staging_first_row, staging_rows):
-    plan = _prefill_kernel()(
+    return _op_outputs(_prefill_kernel()(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, block_size=block_size,
         num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-        staging_first_row=staging_first_row, staging_rows=staging_rows)
-    return plan.rows.clone(), plan.src_rows.clone(), torch.cat([plan.staged, plan.needed])
+        staging_first_row=staging_first_row, staging_rows=staging_rows))
 
 
 def _plan_fake(topk, state_rows, seq_lens, resident_blocks, host_blocks, block_size,
@@ -106,23 +109,10 @@ def _traced_plan(args: tuple, sizes: dict, out: Optional[Tensor],
                  workspace: Optional[PrefillWorkspace]) -> PrefillPlan:
     """Traced calls: the registered op (fresh outputs) plus torch ops that place the results
     where the keywords ask."""
-    topk = args[0]
-    T, K, *_ = check_prefill_args(*args, *sizes.values(), out, workspace)
+    check_prefill_args(*args, *sizes.values(), out, workspace)
     rows, src_rows, counts = plan_prefill_op(*args, *sizes.values())
-    first, C = sizes["staging_first_row"], sizes["staging_rows"]
-    if workspace is None:
-        dst_rows = torch.arange(first, first + C, dtype=torch.int32,
-                                device=topk.device).view(1, C)
-        if out is not None:
-            out.copy_(rows)
-            rows = out
-        return PrefillPlan(rows, src_rows, dst_rows, counts[0:1], counts[1:2])
-    target = out if out is not None else workspace.rows(T, K)
-    target.copy_(rows)
-    workspace.src_rows.copy_(src_rows)
-    workspace.counts.copy_(counts)
-    return PrefillPlan(target, workspace.src_rows, workspace.dst_rows, workspace.staged,
-                       workspace.needed)
+    return reference.emit_plan(rows, src_rows, counts, sizes["staging_first_row"], out,
+                               workspace)
 
 
 def stage_prefill(device_table: RowTable, host_table: RowTable, topk: Tensor,

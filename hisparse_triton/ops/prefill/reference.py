@@ -14,8 +14,9 @@ import torch
 
 from hisparse_triton.ops.prefill.contract import PrefillPlan, check_prefill_args
 from hisparse_triton.ops.prefill.workspace import PrefillWorkspace
+from hisparse_triton.ops.resolve.reference import classify_columns
 
-__all__ = ["plan_prefill"]
+__all__ = ["emit_plan", "plan_prefill"]
 
 
 def plan_prefill(
@@ -73,39 +74,34 @@ def plan_prefill(
     st = state_rows.to(i64)
     row_ok = (st >= 0) & (st < S)
     stc = torch.where(row_ok, st, 0)
-    pos = topk.to(i64)
-    posc = pos.clamp(min=0)
-    page = posc // B
-    off = posc - page * B
-    if S > 0:
-        seq = seq_lens.to(i64)[stc]
-    else:
-        seq = torch.zeros(T, dtype=i64, device=dev)
-    inr = row_ok[:, None] & (pos >= 0) & (pos < seq[:, None]) & (page < P)
-    if S > 0 and P > 0:
-        pagec = torch.where(inr, page, 0)
-        srow = stc[:, None].expand(T, K)
-        rb = resident_blocks[srow, pagec].to(i64)
-        hb = host_blocks[srow, pagec].to(i64)
-    else:
-        rb = hb = torch.zeros(T, K, dtype=i64, device=dev)
-    res = inr & (rb >= 1) & (rb < num_device_blocks)
-    hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
-    g = hb * B + off
+    res, hok, device_row, g = classify_columns(
+        topk, stc, row_ok, seq_lens, resident_blocks, host_blocks, block_size=B,
+        num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks)
 
     distinct = torch.unique(g[hok])            # sorted ascending
     needed = distinct.numel()
     rank = torch.searchsorted(distinct, torch.where(hok, g, 0).contiguous())
-    rows = torch.where(res, rb * B + off,
+    rows = torch.where(res, device_row,
                        torch.where(hok & (rank < C), staging_first_row + rank, -1)).to(i32)
     staged = min(needed, C)
     src_rows = torch.full((1, C), -1, dtype=i32, device=dev)
     src_rows[0, :staged] = distinct[:staged].to(i32)
 
     counts = torch.tensor([staged, needed], dtype=i32, device=dev)
+    return emit_plan(rows, src_rows, counts, staging_first_row, out, workspace)
+
+
+def emit_plan(rows: torch.Tensor, src_rows: torch.Tensor, counts: torch.Tensor,
+              staging_first_row: int, out: Optional[torch.Tensor],
+              workspace: Optional[PrefillWorkspace]) -> PrefillPlan:
+    """A computed plan (``rows [T, K]``, ``src_rows [1, C]``, ``counts [2] = (staged,
+    needed)`` int32) put where the caller asked for it: ``out`` receives the rows, a
+    ``workspace`` holds every output; else fresh tensors."""
+    T, K = rows.shape
+    C = src_rows.shape[1]
     if workspace is None:
-        dst_rows = torch.arange(staging_first_row, staging_first_row + C, dtype=i32,
-                                device=dev).view(1, C)
+        dst_rows = torch.arange(staging_first_row, staging_first_row + C, dtype=torch.int32,
+                                device=rows.device).view(1, C)
         if out is not None:
             out.copy_(rows)
             rows = out
