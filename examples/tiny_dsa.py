@@ -83,6 +83,7 @@ from hisparse_triton.commands.argtypes import (
     nonnegative_int,
     positive_int,
 )
+from hisparse_triton.distributed import broadcast_host_pool_secret
 from hisparse_triton.errors import HiSparseError
 from hisparse_triton.layout import group_kind
 from hisparse_triton.presets import (
@@ -1324,13 +1325,19 @@ def _tp_rank_main(rank: int, job_path: str) -> int:
         scheduler = (HiSparseScheduler(plan.kv_cache_config, plan.config,
                                        max_num_seqs=spec.running, **spec.runtime_options())
                      if rank == 0 else None)
+
+        def make_worker(secret: Optional[str]) -> HiSparseWorker:
+            return HiSparseWorker(plan.kv_cache_config, plan.config,
+                                  max_num_seqs=spec.running, device=spec.device,
+                                  backend=spec.backend, tp_rank=rank,
+                                  host_pool_name=job["pool"], host_pool_secret=secret)
+
+        if rank == 0:                      # rank 0 creates the shared host pool first ...
+            worker = make_worker(None)
+        # ... and sends its secret: the others attach only to the pool it made.
+        secret = broadcast_host_pool_secret(worker.host_pool_secret if rank == 0 else None)
         if rank != 0:
-            dist.barrier()                 # rank 0 creates the shared host pool first
-        worker = HiSparseWorker(plan.kv_cache_config, plan.config, max_num_seqs=spec.running,
-                                device=spec.device, backend=spec.backend, tp_rank=rank,
-                                host_pool_name=job["pool"])
-        if rank == 0:
-            dist.barrier()
+            worker = make_worker(secret)
         result = run(spec, SplitStore(worker, scheduler, GlooLink()), job["drafts"])
         dist.barrier()                     # every rank is done with the shared pool
         torch.save({"result": dataclasses.asdict(result),

@@ -57,6 +57,7 @@ _LAZY = {
     "HostMemoryError": "hisparse_triton.errors",
     "BlockPoolError": "hisparse_triton.errors",
     "SharedHostPoolError": "hisparse_triton.errors",
+    "ReadOnlyViewError": "hisparse_triton.errors",
     "UnsupportedVersionError": "hisparse_triton.errors",
     "PrefillStagingError": "hisparse_triton.errors",
     "BackendUnavailableError": "hisparse_triton.ops",

@@ -112,6 +112,11 @@ class UnsupportedVersionError(HiSparseError, ImportError):
         return str(self.args[0])
 
 
+class ReadOnlyViewError(HiSparseError, RuntimeError):
+    """A write to a read-only view: an attached rank's view of a shared host pool (only the
+    creating rank writes the pool)."""
+
+
 class PrefillStagingError(CapacityError):
     """A prefill chunk references more distinct host-only rows than the prefill staging
     region holds (``resolve_prefill``). ``needed``: the chunk's distinct host-only rows (or
