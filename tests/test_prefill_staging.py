@@ -15,8 +15,13 @@ import dataclasses
 import pytest
 import torch
 
-from hisparse_triton import HiSparseConfig
-from hisparse_triton.errors import CapacityError, PrefillStagingError, ReservationExceededError
+from hisparse_triton import HiSparseConfig, HiSparseRuntime
+from hisparse_triton.errors import (
+    CapacityError,
+    PrefillStagingError,
+    ReservationExceededError,
+    UnknownRequestError,
+)
 from hisparse_triton.oracle import DenseOracle, SplitView, position_bytes
 from hisparse_triton.presets import build_kv_cache_spec
 from hisparse_triton.scheduler import HiSparseScheduler
@@ -334,3 +339,59 @@ def test_bad_calls_are_refused_and_change_nothing(call, error, match) -> None:
 
 def L0(worker: HiSparseWorker) -> str:
     return worker.leaders[0]
+
+
+# ---------------------------------------------------------------------- the facade
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_the_facade_prefills_a_long_prompt_in_16_chunks_exactly(backend) -> None:
+    """The same 16 chunks through ``HiSparseRuntime.resolve_prefill`` (request ids, one per
+    query token; pending table changes flushed by the call), checked against the dense
+    oracle for every layer of both index groups."""
+    kvc, config = make_plan(max_model_len=264, staging_rows=256, device_blocks=190)
+    gen = torch.Generator().manual_seed(7)
+    with HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu", backend=backend,
+                         free_block_watermark=1.0) as rt:
+        oracle = DenseOracle(rt, seed=3)
+        rt.add_request("long", 256, 4)
+        oracle.add("long")
+        for k in range(16):
+            oracle.write("long", rt.append_slots("long", 16))
+            ids = ["long"] * 16
+            positions = torch.arange(16 * k, 16 * (k + 1))
+            topk = (torch.rand(16, TOPK, generator=gen) * (positions[:, None] + 1)).long()
+            for leader in rt.leaders:
+                rows = rt.resolve_prefill(leader, ids, topk)
+                oracle.check_resolve(leader, ids, topk, rows)
+            rt.commit()
+        assert rt.scheduler.unpinned_pages("long") >= 56
+        assert int(rt.worker.prefill_counts[1]) > 64
+
+
+def test_the_facade_refuses_bad_prefill_calls_and_changes_nothing() -> None:
+    kvc, config = make_plan(max_model_len=264, staging_rows=8, device_blocks=190)
+    with HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu",
+                         free_block_watermark=1.0) as rt:
+        rt.add_request("a", 128, 4)
+        for _ in range(6):
+            rt.append_slots("a", 16)
+            rt.commit()
+        rt.append_slots("a", 16)
+        leader = rt.leaders[0]
+        topk = torch.arange(16 * TOPK).view(16, TOPK) % 96
+        rt.resolve_prefill(leader, ["a"] * 16, topk[:, :1] * 0)   # flushes; fits
+        before = rt._debug_snapshot()
+        for call, error, match in (
+                (lambda: rt.resolve_prefill(leader, ["a"] * 15, topk), ValueError, "16 rows"),
+                (lambda: rt.resolve_prefill(leader, ["b"] * 16, topk), UnknownRequestError,
+                 "'b'"),
+                (lambda: rt.resolve_prefill(leader, "a" * 16, topk), ValueError, "list or"),
+                (lambda: rt.resolve_prefill(leader, ["a"] * 16, topk.float()), ValueError,
+                 "integer positions"),
+                (lambda: rt.resolve_prefill("nope", ["a"] * 16, topk), ValueError, "leader"),
+                (lambda: rt.resolve_prefill(leader, ["a"] * 16, topk), PrefillStagingError,
+                 "holds 8")):
+            with pytest.raises(error, match=match):
+                call()
+            assert rt._debug_snapshot() == before
