@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,9 +20,17 @@ ACTIVE_TAIL_PAGES = 2
 GIB = 1 << 30
 
 
-def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}.")
+#: Largest ``host_pool_gib`` (1 PiB): far above any machine, and its bytes fit an int64.
+MAX_HOST_POOL_GIB = 1 << 20
+
+
+def _check_int(owner: object, name: str, value: object, minimum: int) -> None:
+    """``ValueError`` unless ``owner.name`` is an int >= ``minimum`` (a numpy integer too:
+    it is stored as an int); ``owner`` is the frozen dataclass being checked."""
+    kind = type(owner).__name__
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{kind}.{name} must be an int >= {minimum}, got {value!r}.")
+    object.__setattr__(owner, name, int(value))
 
 
 @dataclass(frozen=True)
@@ -33,10 +41,15 @@ class HiSparseConfig:
     - ``device_buffer_size``: hot-buffer rows per request; default
       ``(max_decode_query_len + 1) * index_topk``; must lie in
       ``[max_decode_query_len * index_topk, 32768]``.
-    - ``host_pool_gib``: size of the pinned host pool (required, > 0).
+    - ``host_pool_gib``: size of the pinned host pool (required, in
+      ``(0, MAX_HOST_POOL_GIB]``).
     - ``max_decode_query_len``: query tokens per request per decode step.
     - ``shared_host_pool``: one host pool for all tensor-parallel ranks of a node;
       ``None`` means auto, see ``EngineConfig.shared_host_pool``.
+    - ``prefill_staging_rows``: host-only rows one prefill chunk may reference
+      (``resolve_prefill``); the last ``cdiv(prefill_staging_rows, block_size)`` blocks of
+      the device pool are kept out of allocation to hold them
+      (``hisparse_triton.staging.PrefillStaging``). 0 (the default) reserves nothing.
     """
 
     index_topk: int = 2048
@@ -44,17 +57,19 @@ class HiSparseConfig:
     host_pool_gib: Optional[float] = None
     max_decode_query_len: int = 1
     shared_host_pool: Optional[bool] = None
+    prefill_staging_rows: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("HiSparseConfig", "index_topk", self.index_topk, 1)
-        _check_int("HiSparseConfig", "max_decode_query_len", self.max_decode_query_len, 1)
+        _check_int(self, "index_topk", self.index_topk, 1)
+        _check_int(self, "prefill_staging_rows", self.prefill_staging_rows, 0)
+        _check_int(self, "max_decode_query_len", self.max_decode_query_len, 1)
         needed = self.max_decode_query_len * self.index_topk
         defaulted = self.device_buffer_size is None
         if defaulted:
             object.__setattr__(self, "device_buffer_size",
                                (self.max_decode_query_len + 1) * self.index_topk)
         else:
-            _check_int("HiSparseConfig", "device_buffer_size", self.device_buffer_size, 1)
+            _check_int(self, "device_buffer_size", self.device_buffer_size, 1)
         size = self.device_buffer_size
         if size < needed:
             raise ValueError(
@@ -69,13 +84,15 @@ class HiSparseConfig:
         if self.host_pool_gib is None:
             raise ValueError("HiSparseConfig.host_pool_gib is required when HiSparse is "
                              "enabled (the size of the pinned host pool in GiB).")
-        if (isinstance(self.host_pool_gib, bool)
-                or not isinstance(self.host_pool_gib, (int, float))
-                or not self.host_pool_gib > 0
-                or (isinstance(self.host_pool_gib, float)
-                    and not math.isfinite(self.host_pool_gib * GIB))):
-            raise ValueError(f"HiSparseConfig.host_pool_gib must be a finite number > 0, "
-                             f"got {self.host_pool_gib!r}.")
+        gib = self.host_pool_gib
+        if (isinstance(gib, bool) or not isinstance(gib, numbers.Real)
+                or not 0 < gib <= MAX_HOST_POOL_GIB):   # (NaN and infinities fail it too)
+            text = repr(gib)
+            text = text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+            raise ValueError(f"HiSparseConfig.host_pool_gib must be a finite number in "
+                             f"(0, {MAX_HOST_POOL_GIB}] (GiB), got {text}.")
+        object.__setattr__(self, "host_pool_gib", int(gib) if isinstance(gib, numbers.Integral)
+                           else float(gib))
         if self.shared_host_pool is not None and not isinstance(self.shared_host_pool, bool):
             raise ValueError(f"HiSparseConfig.shared_host_pool must be True, False or None, "
                              f"got {self.shared_host_pool!r}.")
@@ -117,17 +134,17 @@ class EngineConfig:
     max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("EngineConfig", "max_model_len", self.max_model_len, 1)
-        _check_int("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, 1)
-        _check_int("EngineConfig", "pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        _check_int("EngineConfig", "num_nodes", self.num_nodes, 1)
+        _check_int(self, "max_model_len", self.max_model_len, 1)
+        _check_int(self, "tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int(self, "pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_int(self, "num_nodes", self.num_nodes, 1)
         if self.num_gpu_blocks_override is not None:
-            _check_int("EngineConfig", "num_gpu_blocks_override",
+            _check_int(self, "num_gpu_blocks_override",
                        self.num_gpu_blocks_override, 1)
         if self.max_num_batched_tokens is not None:
-            _check_int("EngineConfig", "max_num_batched_tokens",
+            _check_int(self, "max_num_batched_tokens",
                        self.max_num_batched_tokens, 1)
-        _check_int("EngineConfig", "max_concurrent_batches", self.max_concurrent_batches, 1)
+        _check_int(self, "max_concurrent_batches", self.max_concurrent_batches, 1)
         if self.hisparse is not None and not isinstance(self.hisparse, HiSparseConfig):
             raise TypeError(f"EngineConfig.hisparse must be a HiSparseConfig or None, "
                             f"got {type(self.hisparse).__name__}.")

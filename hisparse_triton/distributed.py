@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hisparse_triton.step_plan import StepPlan
+from hisparse_triton.worker import shared_pool
 
 
 def broadcast_plan(plan: Optional[StepPlan], *, src: int = 0, group: Any = None,
@@ -48,4 +49,21 @@ def broadcast_plan(plan: Optional[StepPlan], *, src: int = 0, group: Any = None,
     return StepPlan.from_bytes(buffer.cpu().numpy().tobytes())
 
 
-__all__ = ["broadcast_plan"]
+def broadcast_host_pool_secret(secret: Optional[str], *, src: int = 0, group: Any = None,
+                               device: torch.device | str = "cpu") -> str:
+    """Send rank ``src``'s shared host pool secret (its ``worker.host_pool_secret``) to every
+    rank of ``group``; returns it on every rank. Rank ``src`` builds its worker first (it
+    creates the pool), the others pass the result as ``host_pool_secret``: the broadcast also
+    orders the two (a rank returns only once ``src`` has sent). A collective."""
+    rank = dist.get_rank(group)
+    device = torch.device(device)
+    if rank == src:
+        raw = shared_pool.check_secret(secret)
+        buffer = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    else:
+        buffer = torch.zeros(shared_pool.SECRET_BYTES, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src, group=group)
+    return bytes(buffer.cpu().tolist()).hex()
+
+
+__all__ = ["broadcast_host_pool_secret", "broadcast_plan"]

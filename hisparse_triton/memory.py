@@ -17,16 +17,18 @@ Requests on other device types (``meta``, ``mps``, ...) are not checked.
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from hisparse_triton.errors import CapacityError, HostMemoryError
 
 __all__ = ["MemoryRequest", "available_ram_bytes", "cgroup_available_bytes", "check_fraction",
-           "check_memory", "format_bytes"]
+           "check_memory", "format_bytes", "format_fraction"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,11 @@ class MemoryRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.what, str) or not self.what:
             raise ValueError(f"MemoryRequest.what must be a non-empty str, got {self.what!r}.")
-        if (not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool)
-                or self.nbytes < 0):
+        if (not isinstance(self.nbytes, numbers.Integral)
+                or isinstance(self.nbytes, (bool, np.bool_)) or self.nbytes < 0):
             raise ValueError(f"MemoryRequest.nbytes of {self.what!r} must be an int >= 0, "
                              f"got {self.nbytes!r}.")
+        object.__setattr__(self, "nbytes", int(self.nbytes))
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -159,11 +162,19 @@ def available_ram_bytes() -> int:
     return available if limited is None else min(available, limited)
 
 
-def check_fraction(max_ram_fraction: float) -> None:
-    """``ValueError`` unless ``max_ram_fraction`` is a number in ``(0, 1]``."""
-    if (isinstance(max_ram_fraction, bool) or not isinstance(max_ram_fraction, (int, float))
+def check_fraction(max_ram_fraction: float, name: str = "max_ram_fraction") -> None:
+    """``ValueError`` naming ``name`` unless ``max_ram_fraction`` is a real number in
+    ``(0, 1]`` (numpy floats and integers too)."""
+    if (isinstance(max_ram_fraction, (bool, np.bool_))
+            or not isinstance(max_ram_fraction, numbers.Real)
             or not 0 < max_ram_fraction <= 1):
-        raise ValueError(f"max_ram_fraction must be in (0, 1], got {max_ram_fraction!r}.")
+        raise ValueError(f"{name} must be in (0, 1], got {max_ram_fraction!r}.")
+
+
+def format_fraction(fraction: float) -> str:
+    """``fraction`` as a percentage that never rounds to 0: ``"90%"``, ``"99.5%"``,
+    ``"1e-298%"``."""
+    return f"{100 * float(fraction):.3g}%"
 
 
 def _itemize(requests: Sequence[MemoryRequest]) -> tuple[str, str]:
@@ -211,9 +222,9 @@ def check_memory(requests: Sequence[MemoryRequest], *, max_ram_fraction: float =
             items, advice = _itemize(host)
             total = f" = {format_bytes(needed)}" if len(host) > 1 else ""
             raise HostMemoryError(
-                f"{items}{total} exceeds {max_ram_fraction:.0%} of the available RAM "
-                f"({format_bytes(available)}: MemAvailable, capped by the cgroup memory "
-                f"limit); {advice}.", resource="host RAM bytes", needed=needed,
+                f"{items}{total} exceeds {format_fraction(max_ram_fraction)} of the "
+                f"available RAM ({format_bytes(available)}: MemAvailable, capped by the cgroup "
+                f"memory limit); {advice}.", resource="host RAM bytes", needed=needed,
                 available=available)
     for device, on_device in by_gpu.items():
         needed = sum(r.nbytes for r in on_device)

@@ -1,11 +1,17 @@
 """``HiSparseRuntime``: the in-process facade over one ``HiSparseScheduler`` and one
 ``HiSparseWorker``.
 
-A program that runs its scheduler and its model in one process uses this object: every
-call does the scheduler's part and, when the worker's tables must be current (before a
-resolve, at ``commit()``), hands the plan to the worker. A serving stack that splits the two
-(a scheduler process, one worker per GPU rank) uses ``HiSparseScheduler`` and
-``HiSparseWorker`` directly; see ``docs/runtime.md``.
+A program that runs its scheduler and its model in one process uses this object. It drives
+the two halves with the same protocol a serving stack uses: every call does the scheduler's
+part, and the table changes reach the worker as plans, one per step in a steady loop: the
+first ``resolve`` after a step's appends hands them over with the step's mirror rows
+(``HiSparseScheduler.flush``), ``commit()`` mirrors them after the forward and makes them
+durable (``HiSparseScheduler.commit_mirrors``). Changes made between two resolves of one step
+travel in one more plan at the next resolve; reads (``block_tables``, ``hot_slots``) never
+make a plan: they show the worker's tables as of the last plan (``flush()`` hands pending
+changes over now). A serving stack that splits the two (a scheduler process, one worker per
+GPU rank) uses ``HiSparseScheduler`` and ``HiSparseWorker`` directly; see
+``docs/runtime.md``.
 
 Lifecycle of a request::
 
@@ -16,13 +22,13 @@ Lifecycle of a request::
     commit()                                      # mirror new rows to host, release old pages
     free_request(id)
 
-Ordering on CUDA: every transfer is enqueued on the current stream. ``commit()`` enqueues
-the device->host mirror of new rows and then, on the CPU, returns sealed resident pages to
-the device block pool. A released block is only written again by work enqueued later
-(a gather in ``resolve``, the model's KV write into rows from ``append_slots``), which the
-stream runs after the mirror has read it, so no event or host sync is needed. This holds as
-long as the caller writes KV and calls the runtime on one stream; a caller using several
-streams must make them wait on the current stream after ``commit()``.
+Ordering on CUDA: every transfer is enqueued on the current stream. ``commit()`` returns
+sealed resident pages to the device block pool (CPU bookkeeping) and enqueues the
+device->host mirror of the step's new rows. A released block is only written again by work
+enqueued after ``commit()`` (a gather in ``resolve``, the model's KV write into rows from
+``append_slots``), which the stream runs after the mirror has read it, so no event or host
+sync is needed. This holds as long as the caller writes KV and calls the runtime on one
+stream; a caller using several streams must make them wait on the current stream after ``commit()``.
 
 Host syncs: ``add_request``, ``append_slots``, ``commit``, ``free_request``, ``resolve`` and
 ``resolve_rows`` never wait for the device on CUDA (table updates travel as one packed,
@@ -59,7 +65,10 @@ from hisparse_triton.scheduler import (
     check_id_list,
 )
 from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.staging import scheduler_host_rows_bound
+from hisparse_triton.step_plan import StepPlan
 from hisparse_triton.worker import BACKENDS, HiSparseWorker, WorkerStats
+from hisparse_triton.worker.prefill import check_prefill_topk
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,9 @@ class HiSparseRuntime:
       refused when the plan does not share the pool): ``tp_rank`` 0 creates the pool, every
       other rank (``< config.tensor_parallel_size``) attaches to it. Only rank 0 writes the
       device->host mirror in ``commit()`` (``mirrors_to_host``); other ranks copy nothing
-      and count no ``d2h_bytes``, but their bookkeeping is identical.
+      and count no ``d2h_bytes``, but their bookkeeping is identical. ``host_pool_secret``:
+      required on the other ranks: rank 0's ``worker.host_pool_secret``;
+      ``host_pool_group``: see ``HiSparseWorker``.
 
     Shared-pool contract (the caller's duty; nothing checks it across processes):
 
@@ -137,17 +148,28 @@ class HiSparseRuntime:
                  backend: str = "auto", offload_threshold_pages: Optional[int] = None,
                  host_ram_fraction: float = 0.9, tp_rank: int = 0,
                  host_pool_name: Optional[str] = None,
-                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK) -> None:
+                 free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
+                 host_pool_secret: Optional[str] = None,
+                 host_pool_group: Optional[str | int] = None) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
-        self.scheduler = HiSparseScheduler(kv_cache_config, config, max_num_seqs=max_num_seqs,
-                                           free_block_watermark=free_block_watermark,
-                                           offload_threshold_pages=offload_threshold_pages)
+        # The worker first: it checks every allocation against RAM and GPU memory before it
+        # builds anything, so a plan too large fails before any bookkeeping exists.
         self.worker = HiSparseWorker(kv_cache_config, config, max_num_seqs=max_num_seqs,
                                      device=device, backend=backend, tp_rank=tp_rank,
                                      host_pool_name=host_pool_name,
-                                     host_ram_fraction=host_ram_fraction)
+                                     host_ram_fraction=host_ram_fraction,
+                                     host_pool_secret=host_pool_secret,
+                                     host_pool_group=host_pool_group)
+        try:
+            self.scheduler = HiSparseScheduler(
+                kv_cache_config, config, max_num_seqs=max_num_seqs,
+                free_block_watermark=free_block_watermark,
+                offload_threshold_pages=offload_threshold_pages)
+        except BaseException:
+            self.worker.close()
+            raise
         self._closed = False
         self._journal = self.scheduler.journal
         self._row_names = self.scheduler.row_layer_names
@@ -188,10 +210,16 @@ class HiSparseRuntime:
 
     def hot_slots(self, leader_layer: str) -> torch.Tensor:
         """``[max_num_seqs, H] int32`` host row held by each hot slot of the index group,
-        by state row (-1 = empty): a live view for inspection (``HiSparseWorker.hot_slots``)."""
+        by state row (-1 = empty): a live view for inspection (``HiSparseWorker.hot_slots``),
+        as of the last plan handed to the worker (a read never makes a plan)."""
         self._check_open()
-        self._flush()
         return self.worker.hot_slots(leader_layer)
+
+    def hot_order(self, leader_layer: str) -> torch.Tensor:
+        """``[max_num_seqs, H] int32`` slot ids of the index group by state row, least
+        recently used first: a live view for inspection (``HiSparseWorker.hot_order``)."""
+        self._check_open()
+        return self.worker.hot_order(leader_layer)
 
     # ------------------------------------------------------------------ request state
     def has_request(self, request_id: Hashable) -> bool:
@@ -228,7 +256,8 @@ class HiSparseRuntime:
 
         ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
         views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
-        Row ``r`` of ``append_slots``/``resolve`` is ``view.view(-1, row_bytes)[r]``.
+        Row ``r`` of ``append_slots``/``resolve`` is ``view[r // B, r % B]`` with ``B =
+        view.shape[1]`` (the view is strided: see ``HiSparseWorker.device_cache``).
         """
         self._check_open()
         return self.worker.device_cache(layer_name)
@@ -253,10 +282,11 @@ class HiSparseRuntime:
 
         Indexer / regular layers: every page; sparse layers: resident pages (0 = the page
         left the GPU); ``.hisparse_hot`` names: the hot region. Index it with
-        ``state_rows(...)``. The tensor is updated in place by the runtime.
+        ``state_rows(...)``. The tensor is updated in place by every plan the worker applies;
+        a read never makes a plan: call ``flush()`` first to see changes made since the last
+        resolve or commit.
         """
         self._check_open()
-        self._flush()
         return self.worker.block_tables(layer_name)
 
     # ------------------------------------------------------------------ lifecycle
@@ -299,44 +329,55 @@ class HiSparseRuntime:
                     for name in names}
 
     def commit(self) -> None:
-        """Mirror rows appended since the last commit to host; release pages that are done.
+        """End the step: mirror its new rows to host; release pages that are done.
 
-        1. One copy per row size moves every new row of every source layer from its resident
-           page to the host pool (write-through).
-        2. Committed pages become durable: under memory pressure (or past the admission
+        1. Table changes not yet handed to the worker go over in one plan (with the mirror
+           rows of tokens appended since the last plan).
+        2. Committed tokens become durable: under memory pressure (or past the admission
            window) a request takes its hot region and unpins its committed pages outside the
            last ``ACTIVE_TAIL_PAGES``: their blocks go back to the pool but stay readable
            until reused (see ``HiSparseScheduler`` for the residency rules). Full prompt
-           pages are published for prefix reuse.
-        3. Sliding-window groups release pages that left every future query's window.
+           pages are published for prefix reuse. Sliding-window groups release pages that
+           left every future query's window. Their table changes wait for the next plan.
+        3. One copy per row size moves every new row of every source layer from its resident
+           page to the host pool (write-through), for every plan of the step.
 
         Call it once per step, after the step's attention has read the rows ``resolve``
         returned: released blocks are handed to other requests from here on.
 
-        With a shared host pool only rank 0 (``mirrors_to_host``) copies in step 1; the
-        other ranks skip the copy (their rows are the same bytes) and do steps 2-3 alike.
+        With a shared host pool only rank 0 (``mirrors_to_host``) copies in step 3; the
+        other ranks skip the copy (their rows are the same bytes) and do steps 1-2 alike.
         The ranks must synchronise before resolving rows this commit mirrored (see the
         class docstring).
         """
         self._check_open()
-        worker = self.worker
         with self._journal.transaction():
-            mirrored = self.scheduler.step(mirror=True, release=False)
-            worker.apply(mirrored)
+            plan = self._hand_over()
             try:
-                worker.mirror(mirrored)
-                released = self.scheduler.step(mirror=False, release=True)
-                worker.apply(released)
+                self.scheduler.commit_mirrors()
+                self.worker.mirror()
             except BaseException:
-                worker._unapply(mirrored)
+                if plan is not None:
+                    self.worker.revert(plan)
                 raise
 
-    def _flush(self) -> None:
-        """Hand pending table changes to the worker (no mirror, no release)."""
-        if not self.scheduler.has_pending_changes:
-            return
+    def flush(self) -> None:
+        """Hand the table changes made since the last plan to the worker now (one plan,
+        with the mirror rows of the tokens appended since: ``commit()`` copies them). The
+        runtime does it before every resolve and at ``commit()``; call it to read current
+        tables (``block_tables``, ``hot_slots``) between those."""
+        self._check_open()
+        self._hand_over()
+
+    def _hand_over(self) -> Optional[StepPlan]:
+        """The pending table changes as one plan applied by the worker (None: none)."""
+        scheduler = self.scheduler
+        if not scheduler.has_pending_changes:
+            return None
         with self._journal.transaction():
-            self.worker.apply(self.scheduler.step(mirror=False, release=False))
+            plan = scheduler.flush()
+            self.worker.apply(plan)
+        return plan
 
     def free_request(self, request_id: Hashable) -> None:
         """Return every host and device block of the request and its state row."""
@@ -368,7 +409,7 @@ class HiSparseRuntime:
         ``ValueError`` for a bad leader or ``topk``; nothing changes on error.
         """
         self._check_open()
-        self.worker._index_group(leader_layer)
+        self.worker.index_group(leader_layer)
         self.worker.check_topk(topk)
         check_id_list(request_ids)
         if topk.shape[0] != len(request_ids):
@@ -376,6 +417,46 @@ class HiSparseRuntime:
                              f"ids were given.")
         state_rows = self.state_rows(request_ids)
         return self.resolve_rows(leader_layer, state_rows, topk)
+
+    def resolve_prefill(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
+                        topk: torch.Tensor) -> torch.Tensor:
+        """Rows of one index group's prefill chunk, host-only rows staged on the device.
+
+        - ``request_ids``: one per query token (a list or tuple; tokens of one request
+          repeat its id; ``None`` = a padding token, all -1).
+        - ``topk``: ``[T, K]`` integer token positions (any ``K``, any integer dtype; -1,
+          negative, ``>= seq_len`` or huge positions are masked).
+        Returns ``[T, K] int32`` rows of ``device_cache(layer)`` for the leader and every
+        follower: rows whose page has a device copy in place, the others copied once from
+        the host pool into the prefill staging region
+        (``HiSparseConfig.prefill_staging_rows``); hot buffers are not touched. Valid until
+        the next ``resolve_prefill`` or ``commit()``; the tensor is overwritten by the next
+        call. Hands pending table changes over first (as ``resolve`` does), then bounds the
+        chunk's host-only rows from the scheduler's tables: when the bound fits the region
+        nothing waits for the device; otherwise the call reads the exact count once.
+        ``PrefillStagingError`` (naming the rows needed and the region's rows) when the
+        chunk does not fit, ``UnknownRequestError``, ``ValueError`` for a bad leader or
+        ``topk``; nothing changes on error.
+        """
+        self._check_open()
+        self.worker.index_group(leader_layer)
+        check_id_list(request_ids)
+        if isinstance(topk, torch.Tensor) and topk.dim() == 2 \
+                and topk.shape[0] != len(request_ids):
+            raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request "
+                             f"ids were given (one per query token).")
+        rows = {rid: self.scheduler.state_row(rid) for rid in dict.fromkeys(request_ids)
+                if rid is not None}
+        state_rows = torch.tensor([rows[rid] if rid is not None else -1
+                                   for rid in request_ids], dtype=torch.int32)
+        check_prefill_topk(topk, state_rows)
+        state_rows = self.worker.to_device(state_rows.numpy(), torch.int32)
+        if self.scheduler.has_pending_changes:
+            self._hand_over()
+        bound = scheduler_host_rows_bound(self.scheduler, leader_layer, request_ids,
+                                          topk.shape[1])
+        return self.worker.resolve_prefill(leader_layer, state_rows, topk,
+                                           host_rows_bound=bound)
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
                      topk: torch.Tensor) -> torch.Tensor:
@@ -386,7 +467,9 @@ class HiSparseRuntime:
         request (all -1). ``topk``: ``[R, K]``, as for ``resolve``. Only shapes are checked.
         """
         self._check_open()
-        self._flush()
+        if self.scheduler.has_pending_changes:   # refuse bad input before handing over
+            self.worker.check_resolve(leader_layer, state_rows, topk)
+            self._hand_over()
         return self.worker.resolve_rows(leader_layer, state_rows, topk)
 
     # ------------------------------------------------------------------ stats / close
@@ -411,8 +494,8 @@ class HiSparseRuntime:
 
     def _debug_snapshot(self) -> dict:
         """Every piece of mutable state, as comparable CPU values (tests: "a failed call
-        changes nothing"). Copies every device table (a device sync on CUDA)."""
-        self._flush()
+        changes nothing"): the scheduler's (pending table changes included) and the
+        worker's. Copies every device table (a device sync on CUDA); makes no plan."""
         scheduler, worker = self.scheduler._debug_snapshot(), self.worker._debug_snapshot()
         next_step, d2h_bytes, plans, mirror_due = worker.pop("misc")
         state = {**{("scheduler", k): v for k, v in scheduler.items() if k != "misc"},
@@ -420,44 +503,6 @@ class HiSparseRuntime:
         # "misc"[2] is the d2h byte counter (the one entry TP ranks do not share).
         state["misc"] = (scheduler["misc"], (next_step, plans, mirror_due), d2h_bytes)
         return state
-
-    # Internal views kept for code written against the single-object runtime.
-    @property
-    def _requests(self) -> dict:
-        return self.scheduler._requests
-
-    @property
-    def _index_groups(self) -> dict:
-        self._flush()
-        return self.worker._index_groups
-
-    @property
-    def _seq_lens(self) -> torch.Tensor:
-        self._flush()
-        return self.worker.seq_lens
-
-    @property
-    def _host_table(self) -> torch.Tensor:
-        self._flush()
-        return self.worker.host_table
-
-    @property
-    def _host_pool(self):
-        return self.worker._host_pool
-
-    @property
-    def _device_pool(self):
-        return self.worker._device_pool
-
-    @property
-    def _groups(self) -> list:
-        self._flush()
-
-        @dataclass(frozen=True)
-        class _GroupTable:
-            table: torch.Tensor
-
-        return [_GroupTable(table) for table in self.worker.tables]
 
     def _check_open(self) -> None:
         if self._closed:

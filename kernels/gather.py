@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_triton.kernels.direct_launch import DirectLaunch
 from hisparse_triton.ops.copy.contract import check_copy_args, table_alignment
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
@@ -297,8 +298,10 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
 class BoundCopy:
     """A copy between two fixed tables whose plans are persistent tensors (a runtime's miss
     plan in its resolve workspace): the checks and launch arguments of a plan are computed
-    once per plan tensors and kept, so a call is a dictionary lookup and the launch.
-    ``bound(src_ids, dst_ids, counts)`` has the semantics of ``launch_copy``."""
+    once per plan tensors and kept, so a call is a dictionary lookup and the launch, made
+    through the compiled kernel's launcher after the first (``DirectLaunch``: no
+    ``JITFunction.run`` per call). ``bound(src_ids, dst_ids, counts)`` has the semantics of
+    ``launch_copy``."""
 
     def __init__(self, dst: RowTable, src: RowTable, *, pages: bool, kernel: str,
                  config: Optional[CopyConfig] = None) -> None:
@@ -312,7 +315,7 @@ class BoundCopy:
         check_copy_args(dst, src, src_ids, dst_ids, counts, pages=self._pages)
         rows, cols = src_ids.shape[-2], src_ids.shape[-1]
         if rows == 0 or cols == 0:
-            return (None, (), {}, src_ids, dst_ids, counts)
+            return (None, (), {}, src_ids, dst_ids, counts, None)
         dst.check_pool()
         src.check_pool()
         prepared = _prepare(dst, src, src_ids.device, rows, cols, pages=self._pages,
@@ -322,7 +325,7 @@ class BoundCopy:
                 *_plan_strides(src_ids), *_plan_strides(dst_ids),
                 counts.stride(0) if has_counts else 0, *prepared.sizes)
         return (prepared.grid, args, dict(HAS_COUNTS=has_counts, **prepared.constexprs),
-                src_ids, dst_ids, counts)
+                src_ids, dst_ids, counts, None)
 
     def __call__(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
                  counts: Optional[torch.Tensor] = None) -> None:
@@ -333,8 +336,13 @@ class BoundCopy:
             call = self._calls[key] = self._prepare(src_ids, dst_ids, counts)
         grid, args, constexprs = call[:3]
         if grid is not None:
+            launch = call[6]
+            if launch is None or launch.kernel is not copy_rows_kernel:
+                # (a launch recorder may have replaced the kernel since: rebind)
+                launch = DirectLaunch(copy_rows_kernel, grid, args, constexprs)
+                self._calls[key] = (*call[:6], launch)
             with _device_guard(src_ids):
-                copy_rows_kernel[grid](*args, **constexprs)
+                launch()
 
 
 _NO_GUARD = nullcontext()

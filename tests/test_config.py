@@ -6,6 +6,7 @@ from hisparse_triton.config import (
     ACTIVE_TAIL_PAGES,
     GIB,
     MAX_DEVICE_BUFFER_SIZE,
+    MAX_HOST_POOL_GIB,
     EngineConfig,
     HiSparseConfig,
 )
@@ -51,10 +52,28 @@ def test_host_pool_gib_required_and_positive():
         HiSparseConfig()
     # inf and 1e300 (inf bytes) used to pass here and fail later in host_pool_bytes with an
     # OverflowError traceback.
-    for bad in (0, -1, True, "64", float("nan"), float("inf"), 1e300):
-        with pytest.raises(ValueError, match="host_pool_gib must be a finite number > 0"):
+    for bad in (0, -1, True, "64", float("nan"), float("inf"), 1e300, 10**12, 2**2000,
+                MAX_HOST_POOL_GIB + 1):
+        with pytest.raises(ValueError, match=r"host_pool_gib must be a finite number in "
+                                             r"\(0, 1048576\] \(GiB\)"):
             HiSparseConfig(host_pool_gib=bad)
-    assert HiSparseConfig(host_pool_gib=10**12).host_pool_bytes == 10**12 * GIB
+    assert HiSparseConfig(host_pool_gib=MAX_HOST_POOL_GIB).host_pool_bytes == 2**50
+
+
+def test_numpy_numbers_are_accepted_wherever_python_ones_are():
+    import numpy as np
+
+    config = EngineConfig(max_model_len=np.int64(64), num_gpu_blocks_override=np.int32(8),
+                          tensor_parallel_size=np.uint8(2),
+                          hisparse=HiSparseConfig(index_topk=np.int16(8),
+                                                  host_pool_gib=np.float32(0.5)))
+    assert config.max_model_len == 64 and type(config.max_model_len) is int
+    assert type(config.tensor_parallel_size) is int and type(config.hisparse.index_topk) is int
+    assert type(config.hisparse.host_pool_gib) is float and config.hisparse.host_pool_bytes
+    with pytest.raises(ValueError, match="must be an int >= 1, got True"):
+        EngineConfig(max_model_len=True)
+    with pytest.raises(ValueError, match="must be an int >= 1, got np.True_|got True"):
+        EngineConfig(max_model_len=np.bool_(True))
 
 
 @pytest.mark.parametrize("field, value", [

@@ -58,7 +58,7 @@ def test_host_pool_bad_size(bad):
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-CUDA path")
 def test_host_pool_pin_without_cuda_raises():
-    with pytest.raises(RuntimeError, match="needs CUDA"):
+    with pytest.raises(RuntimeError, match=r"needs a GPU runtime \(CUDA or ROCm\)"):
         HostPool(4096, pin=True)
     assert not HostPool(4096).pinned  # default: no pinning without CUDA
 

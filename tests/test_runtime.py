@@ -8,7 +8,8 @@ sliding-window regular layer. Torch backend on the CPU (the oracle tests also dr
 import pytest
 import torch
 
-from hisparse_triton import CapacityError, HiSparseError, HiSparseRuntime, UnknownRequestError
+from hisparse_triton import (CapacityError, HiSparseError, HiSparseRuntime, HostMemoryError,
+                             UnknownRequestError)
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
 from hisparse_triton.errors import (
     DuplicateRequestError,
@@ -379,12 +380,12 @@ def test_resolve_bad_input_raises_and_runtime_keeps_working(decoding):
         (ValueError, "request_ids must be a list", lambda: rt.resolve(L0, "a", good[:1])),
         (ValueError, "request_ids must be a list", lambda: rt.state_rows("ab")),
     ]
-    state = [t.clone() for t in (rt._index_groups[L0].lru, rt._index_groups[L0].slot_host_rows)]
+    state = [t.clone() for t in (rt.hot_order(L0), rt.hot_slots(L0))]
     for exc, match, call in bad_calls:
         with pytest.raises(exc, match=match):
             call()
-    assert torch.equal(rt._index_groups[L0].lru, state[0])
-    assert torch.equal(rt._index_groups[L0].slot_host_rows, state[1])
+    assert torch.equal(rt.hot_order(L0), state[0])
+    assert torch.equal(rt.hot_slots(L0), state[1])
     assert rt.stats().hits + rt.stats().misses + rt.stats().masked == 0
     for leader in rt.leaders:
         rows = rt.resolve(leader, ["a", "b"], good)
@@ -411,9 +412,9 @@ def test_invalid_positions_are_masked(decoding):
 def test_padding_rows_touch_no_state(decoding):
     rt, oracle = decoding
     topk = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]] * 3, dtype=torch.int32)
-    before = rt._index_groups[L0].lru.clone()
+    before = rt.hot_order(L0).clone()
     rows = rt.resolve(L0, [None, None, None], topk)
-    assert rows.eq(-1).all() and torch.equal(rt._index_groups[L0].lru, before)
+    assert rows.eq(-1).all() and torch.equal(rt.hot_order(L0), before)
     rows = rt.resolve(L0, [None, "b", None], topk)
     oracle.check_resolve(L0, [None, "b", None], topk, rows)
     assert rt.resolve(L0, [], torch.zeros(0, TOPK, dtype=torch.int32)).shape == (0, TOPK)
@@ -509,7 +510,7 @@ def test_cuda_runtime_pins_the_host_pool():
                              device_buffer_size=BUFFER)
     rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=2, device="cuda")
     assert rt.host_cache(L0).is_pinned() and rt.device_cache(L0).is_cuda
-    pool = rt._host_pool
+    pool = rt.worker.host_pool
     rt.close()
     assert not pool.pinned and pool.closed
 
@@ -609,14 +610,14 @@ def test_views_match_the_kv_cache_config_tensors():
     with make_runtime() as rt:
         kvc = rt.kv_cache_config
         host_end = max(t.offset + t.size for t in kvc.kv_cache_tensors if t.host_resident)
-        assert rt._host_pool.size_bytes == cdiv(host_end, 4096) * 4096
+        assert rt.worker.host_pool.size_bytes == cdiv(host_end, 4096) * 4096
         for tensor in kvc.kv_cache_tensors:
             for name in tensor.layers:
                 if tensor.host_resident:
-                    view, pool = rt.host_cache(name), rt._host_pool.tensor
+                    view, pool = rt.host_cache(name), rt.worker.host_pool.tensor
                     assert view.shape[0] * tensor.block_stride == tensor.size
                 else:
-                    view, pool = rt.device_cache(name), rt._device_pool.tensor
+                    view, pool = rt.device_cache(name), rt.worker.device_pool.tensor
                     assert view.shape[0] == kvc.num_blocks
                 row_bytes = view.shape[2]
                 assert view.data_ptr() - pool.data_ptr() == tensor.offset
@@ -670,3 +671,56 @@ def test_released_pages_are_reused_only_after_the_mirror_read_them(device):
         for layer in layers:
             host = rt.host_cache(layer)[host_blocks[pos // B], pos % B]
             assert torch.equal(host, data[layer].cpu()), layer
+
+
+# ----------------------------------------------------------------------------- protocol
+def test_a_steady_decode_loop_makes_one_plan_per_step():
+    """append -> resolve (every index group) -> commit hands the worker ONE plan per step
+    (the scheduler's flush at the first resolve); reads make none; changes between two
+    resolves of a step travel in one more plan, mirrored in order at commit, exactly."""
+    rt = make_runtime(max_num_seqs=2, threshold=1, free_block_watermark=1.0)
+    with rt:
+        oracle = DenseOracle(rt, seed=5)
+        for rid in ("a", "b"):
+            rt.add_request(rid, 20, 40)
+            oracle.add(rid)
+            write_random(rt, oracle, rid, 20)
+        rt.commit()
+        topk = torch.randint(-1, 30, (2, TOPK), dtype=torch.int32,
+                             generator=torch.Generator().manual_seed(5))
+        for step in range(6):
+            plans = rt.worker.stats().plans
+            for rid in ("a", "b"):
+                write_random(rt, oracle, rid, 1)
+            rt.block_tables(L0), rt.hot_slots(L0)          # reads make no plan
+            assert rt.worker.stats().plans == plans
+            for leader in rt.leaders:
+                oracle.check_resolve(leader, ["a", "b"], topk,
+                                     rt.resolve(leader, ["a", "b"], topk))
+            if step == 3:                                  # a change between two resolves
+                write_random(rt, oracle, "a", 1)
+                oracle.check_resolve(L0, ["a", "b"], topk, rt.resolve(L0, ["a", "b"], topk))
+            rt.commit()
+            assert rt.worker.stats().plans - plans == (2 if step == 3 else 1)
+        assert rt.stats().misses > 0 and rt.stats().d2h_bytes > 0
+        for leader in rt.leaders:                          # every mirrored row reads back
+            oracle.check_resolve(leader, ["a", "b"], topk, rt.resolve(leader, ["a", "b"], topk))
+
+
+def test_a_plan_too_large_for_memory_fails_before_any_bookkeeping(monkeypatch):
+    """The facade builds its worker (which checks every allocation first) before the
+    scheduler's block lists: a plan of 400M device blocks is refused, naming it, and no
+    scheduler is ever built."""
+    import dataclasses
+
+    import hisparse_triton.runtime as runtime_module
+
+    def no_scheduler(*args, **kwargs):
+        raise AssertionError("the scheduler was built before the memory check")
+    monkeypatch.setattr(runtime_module, "HiSparseScheduler", no_scheduler)
+    spec = dict(build_kv_cache_spec("tiny", num_layers=4, block_size=B))
+    plan = plan_for_workload(spec, max_model_len=96, num_requests=2, topk=TOPK,
+                             device_buffer_size=BUFFER)
+    huge = dataclasses.replace(plan.kv_cache_config, num_blocks=4 * 10**8)
+    with pytest.raises(HostMemoryError, match="400000000 blocks"):
+        HiSparseRuntime(huge, plan.config, max_num_seqs=2, device="cpu", backend="torch")

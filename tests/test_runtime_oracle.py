@@ -242,10 +242,11 @@ class Harness:
                 assert sorted(pool._free) == list(range(1, pool.num_blocks))
                 assert not any(pool._ref)
             # Every state row is empty again: no stale table entry or hot slot survives.
-            assert not rt._seq_lens.any() and not rt._host_table.any()
-            assert not any(group.table.any() for group in rt._groups)
-            for index_group in rt._index_groups.values():
-                assert index_group.slot_host_rows.eq(-1).all()
+            rt.flush()
+            assert not rt.worker.seq_lens.any() and not rt.worker.host_table.any()
+            assert not any(table.any() for table in rt.worker.tables)
+            for leader in rt.leaders:
+                assert rt.hot_slots(leader).eq(-1).all()
 
     def free_rid(self, rid):
         self.all("free_request", rid)
@@ -297,9 +298,8 @@ def test_random_interleaving_triton_matches_torch():
     triton_rt, torch_rt = harness.runtimes
     assert triton_rt.stats() == torch_rt.stats()
     for leader in triton_rt.leaders:
-        a, b = triton_rt._index_groups[leader], torch_rt._index_groups[leader]
-        assert torch.equal(a.lru.cpu(), b.lru.cpu())
-        assert torch.equal(a.slot_host_rows.cpu(), b.slot_host_rows.cpu())
+        assert torch.equal(triton_rt.hot_order(leader).cpu(), torch_rt.hot_order(leader).cpu())
+        assert torch.equal(triton_rt.hot_slots(leader).cpu(), torch_rt.hot_slots(leader).cpu())
     assert triton_rt.stats().misses > 0
     harness.finish()
 

@@ -94,7 +94,7 @@ def test_the_resident_manager_unpins_then_loses_pages_on_reuse():
     assert resident.reader_counts() == {b: 1 for b in table[:unpinned]}
     s.add_request("b", 20, 0)
     s.append_slots("b", 20)                    # takes the cached blocks, newest first
-    plan = s.step(mirror=False)
+    plan = s.flush()
     lost = [p for p, b in enumerate(resident.table(req)) if b == 0]
     assert lost and max(lost) == unpinned - 1 and plan.num_lost >= len(lost)
     assert [int(row) for row in plan.lost[:, 0]] == [req.row] * plan.num_lost

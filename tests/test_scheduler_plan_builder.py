@@ -82,5 +82,5 @@ def test_describe_summarises_a_plan():
     assert "on state rows [0]: 1 seq lens, 4 host blocks" in detailed
     assert "9 mirror rows" in text and "no lost page" in text
     assert len(text.splitlines()) <= 8
-    empty = s.step(mirror=False)
+    empty = s.flush()
     assert "(no commit)" in empty.describe() and "nothing to mirror" in empty.describe()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hisparse_triton import HiSparseRuntime, HostMemoryError, cli, memory
-from hisparse_triton.errors import SharedHostPoolError
+from hisparse_triton.errors import ReadOnlyViewError, SharedHostPoolError
 from hisparse_triton.layout import (
     get_hisparse_kv_cache_config,
     get_hisparse_kv_cache_groups,
@@ -36,6 +36,7 @@ from hisparse_triton.workload import plan_for_workload
 B, TOPK, BUFFER = 4, 8, 16
 L0 = "model.layers.0.self_attn.attn"
 PREFIX = f"test-{os.getpid()}-"  # per process: /dev/shm is shared by every test run
+SECRET = "00112233445566778899aabbccddeeff"  # the run secret every rank of these tests uses
 
 
 def unique_name() -> str:
@@ -75,7 +76,7 @@ def make_rank(kvc, config, rank, name, backend="torch", **kwargs):
     return HiSparseRuntime(kvc, config, max_num_seqs=2, device="cpu", backend=backend,
                            offload_threshold_pages=1, free_block_watermark=1.0,
                            tp_rank=rank, host_pool_name=name,
-                           **kwargs)
+                           host_pool_secret=SECRET if name is not None else None, **kwargs)
 
 
 def prefill_and_resolve_on_both(ranks, length, *, seed, device="cpu", barrier=None):
@@ -116,7 +117,7 @@ def test_two_ranks_share_one_pool_and_only_rank0_mirrors():
         assert os.path.exists(shared_host_pool_path(name))
         assert (rank0.mirrors_to_host, rank1.mirrors_to_host) == (True, False)
         # Rank 1 never writes the pool: its view is mapped read-only.
-        assert rank0._host_pool.writable and not rank1._host_pool.writable
+        assert rank0.worker.host_pool.writable and not rank1.worker.host_pool.writable
         host0, host1 = rank0.host_cache(L0), rank1.host_cache(L0)
         assert host0.data_ptr() % 4096 == 0 and host1.data_ptr() % 4096 == 0
         # Same seed, same calls: every rank writes the same KV bytes to its own device pool.
@@ -136,7 +137,7 @@ def test_two_ranks_share_one_pool_and_only_rank0_mirrors():
             oracles[1].check_host(rid, n)
         assert rank1.stats().d2h_bytes == 0 and rank0.stats().d2h_bytes > 0
         for rt in ranks:  # history left the GPU: later misses read the shared pool
-            assert rt._requests["a"].released_pages > 0 and rt._requests["a"].hot is not None
+            assert rt.scheduler.unpinned_pages("a") > 0 and rt.scheduler.is_offloaded("a")
         gen = torch.Generator().manual_seed(5)
         for step in range(4):
             for rt, oracle in zip(ranks, oracles):
@@ -180,7 +181,7 @@ def test_an_attached_rank_gathers_from_its_read_only_view_with_the_triton_kernel
     name = unique_name()
     ranks = [make_rank(kvc, config, rank, name, backend="triton") for rank in (0, 1)]
     try:
-        assert not ranks[1]._host_pool.writable
+        assert not ranks[1].worker.host_pool.writable
         prefill_and_resolve_on_both(ranks, 29, seed=3)
         assert ranks[1].stats().misses > 0
     finally:
@@ -216,7 +217,7 @@ def test_shared_flag_and_name_must_agree():
         make_rank(kvc, config, 0, "../etc/passwd")
     # The private plan still works without a name, on any rank.
     with make_rank(private_kvc, private_config, 0, None) as rt:
-        assert rt.mirrors_to_host and rt._host_pool.path is None
+        assert rt.mirrors_to_host and rt.worker.host_pool.path is None
 
 
 def test_attach_to_a_missing_pool_and_create_an_existing_one():
@@ -241,10 +242,10 @@ def test_two_cuda_ranks_pin_one_shared_pool():
     name = unique_name()
     ranks = [HiSparseRuntime(kvc, config, max_num_seqs=2, device="cuda",
                              offload_threshold_pages=1, free_block_watermark=1.0,
-                             tp_rank=rank, host_pool_name=name)
+                             tp_rank=rank, host_pool_name=name, host_pool_secret=SECRET)
              for rank in (0, 1)]
     try:
-        assert all(rt._host_pool.pinned for rt in ranks)
+        assert all(rt.worker.host_pool.pinned for rt in ranks)
         # The "barrier": rank 0's mirror has landed.
         prefill_and_resolve_on_both(ranks, 33, seed=2, device="cuda",
                                     barrier=torch.cuda.synchronize)
@@ -260,12 +261,12 @@ def test_host_pool_shared_create_attach_close():
     name = unique_name()
     path = shared_host_pool_path(name)
     assert os.path.dirname(path) == pools.shared_host_pool_dir()
-    creator = HostPool(5000, shared_name=name, create=True)
+    creator = HostPool(5000, shared_name=name, create=True, secret=SECRET)
     # The pool's 8192 B follow a 4 KiB header page, so they stay page aligned.
     assert creator.size_bytes == 8192 and os.path.getsize(path) == HEADER_BYTES + 8192
     assert creator.creator and creator.path == path and creator.data_ptr % 4096 == 0
     assert creator.writable
-    with HostPool(5000, shared_name=name, create=False) as other:
+    with HostPool(5000, shared_name=name, create=False, secret=SECRET) as other:
         assert not other.creator and not other.writable   # attached ranks only read
         assert other.data_ptr % 4096 == 0
         creator.tensor[100] = 42
@@ -274,24 +275,24 @@ def test_host_pool_shared_create_attach_close():
     assert other.closed and os.path.exists(path)       # an attacher never unlinks
     with pytest.raises(SharedHostPoolError, match="holds 8192 B but this rank's plan needs "
                                                   "12288 B"):
-        HostPool(12000, shared_name=name, create=False)
+        HostPool(12000, shared_name=name, create=False, secret=SECRET)
     creator.close()
     assert creator.closed and not os.path.exists(path)
     creator.close()                                      # idempotent
     with pytest.raises(SharedHostPoolError, match="does not exist"):
-        HostPool(5000, shared_name=name, create=False)
+        HostPool(5000, shared_name=name, create=False, secret=SECRET)
 
 
 def test_host_pool_shared_ram_check_only_for_the_creator(monkeypatch):
     name = unique_name()
     monkeypatch.setattr(memory, "available_ram_bytes", lambda: 4096)
     with pytest.raises(HostMemoryError, match="available RAM"):
-        HostPool(8192, shared_name=name, create=True)
+        HostPool(8192, shared_name=name, create=True, secret=SECRET)
     assert not os.path.exists(shared_host_pool_path(name))
     monkeypatch.undo()
-    with HostPool(8192, shared_name=name, create=True):
+    with HostPool(8192, shared_name=name, create=True, secret=SECRET):
         monkeypatch.setattr(memory, "available_ram_bytes", lambda: 4096)
-        with HostPool(8192, shared_name=name, create=False) as attached:
+        with HostPool(8192, shared_name=name, create=False, secret=SECRET) as attached:
             assert attached.size_bytes == 8192
 
 
@@ -303,7 +304,7 @@ def test_host_pool_shared_refuses_a_full_shm(monkeypatch):
 
     monkeypatch.setattr(pools.os, "statvfs", lambda folder: Tiny())
     with pytest.raises(HostMemoryError, match="--shm-size"):
-        HostPool(8192, shared_name=name, create=True)
+        HostPool(8192, shared_name=name, create=True, secret=SECRET)
     assert not os.path.exists(shared_host_pool_path(name))
 
 
@@ -313,7 +314,7 @@ def test_host_pool_shared_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
                         lambda p: False if p == "/dev/shm" else real_isdir(p))
     monkeypatch.setattr(pools.tempfile, "gettempdir", lambda: str(tmp_path))
     name = unique_name()
-    with HostPool(4096, shared_name=name, create=True) as pool:
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET) as pool:
         assert pool.path == str(tmp_path / f"hisparse-{name}")
         assert os.path.getsize(pool.path) == HEADER_BYTES + 4096
     assert not os.listdir(tmp_path)
@@ -322,23 +323,23 @@ def test_host_pool_shared_falls_back_to_the_temp_dir(monkeypatch, tmp_path):
 @pytest.mark.parametrize("bad", ["", "a/b", "..", ".hidden", "x" * 300, 7])
 def test_host_pool_shared_bad_names(bad):
     with pytest.raises(ValueError, match="shared host pool name"):
-        HostPool(4096, shared_name=bad, create=True)
+        HostPool(4096, shared_name=bad, create=True, secret=SECRET)
 
 
 def test_host_pool_create_must_be_a_bool():
     with pytest.raises(ValueError, match="create must be True or False"):
-        HostPool(4096, shared_name=unique_name(), create="yes")
+        HostPool(4096, shared_name=unique_name(), create="yes", secret=SECRET)
 
 
 def _child_attach_and_read(name: str, size: int) -> None:
-    with HostPool(size, shared_name=name, create=False, pin=False) as pool:
+    with HostPool(size, shared_name=name, create=False, secret=SECRET, pin=False) as pool:
         assert int(pool.tensor[10]) == 99       # the parent's byte
         assert not pool.writable
 
 
 def test_another_process_attaches():
     name = unique_name()
-    with HostPool(4096, shared_name=name, create=True) as pool:
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET) as pool:
         pool.tensor[10] = 99
         child = multiprocessing.get_context("spawn").Process(
             target=_child_attach_and_read, args=(name, 4096))
@@ -366,12 +367,12 @@ def _in_child(action) -> int:
 
 def test_a_forked_child_never_unlinks_the_creators_pool():
     name = unique_name()
-    with HostPool(4096, shared_name=name, create=True) as pool:
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET) as pool:
         pool.tensor[0] = 5
         assert _in_child(pool.close) == 0         # the child closes its copy of the pool
         assert os.path.exists(pool.path)            # the child did not delete the live pool
         assert int(pool.tensor[0]) == 5 and not pool.closed
-        with HostPool(4096, shared_name=name, create=False) as attached:
+        with HostPool(4096, shared_name=name, create=False, secret=SECRET) as attached:
             assert int(attached.tensor[0]) == 5
     assert not os.path.exists(shared_host_pool_path(name))
 
@@ -391,42 +392,62 @@ def test_a_forked_child_never_unregisters_the_creators_pinned_pool(fake_cuda):
 
 
 def test_an_attached_rank_cannot_write_the_pool():
+    """Its view refuses every write with a clear error (no crash), and the mapping under it
+    is read-only as well."""
     name = unique_name()
-    with HostPool(4096, shared_name=name, create=True, pin=False) as pool:
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET, pin=False) as pool:
         pool.tensor[7] = 42
+        with HostPool(4096, shared_name=name, create=False, secret=SECRET,
+                      pin=False) as other:
+            assert other.read_only and not other.writable and not pool.read_only
+            view = other.view(0, 2, 4, 8, 32)
+            for write in (lambda: other.tensor.__setitem__(7, 1), lambda: view.fill_(0),
+                          lambda: view[1].copy_(torch.ones(4, 8, dtype=torch.uint8)),
+                          lambda: torch.add(view, 1, out=view),
+                          lambda: view.view(-1).__iadd__(1)):
+                with pytest.raises(ReadOnlyViewError, match="read-only view of a shared host"):
+                    write()
+            assert int(other.tensor[7]) == 42 and int(view.reshape(-1)[7]) == 42
+            copy = other.tensor.clone()                 # a copy is an ordinary tensor
+            copy[7] = 1
+            assert not other.tensor.numpy().flags.writeable
+        assert int(pool.tensor[7]) == 42
 
-        def attach_and_write():
-            other = HostPool(4096, shared_name=name, create=False, pin=False)
-            if int(other.tensor[7]) == 42:
+        def attach_and_write_raw():
+            other = HostPool(4096, shared_name=name, create=False, secret=SECRET, pin=False)
+            if int(other.raw[7]) == 42:
                 faulthandler.disable()         # no traceback dump for the expected fault
-                other.tensor[7] = 1            # PROT_READ: the kernel stops this write
+                other.raw[7] = 1               # PROT_READ: the kernel stops this write
 
-        assert _in_child(attach_and_write) in (-signal.SIGSEGV, -signal.SIGBUS)
+        assert _in_child(attach_and_write_raw) in (-signal.SIGSEGV, -signal.SIGBUS)
         assert int(pool.tensor[7]) == 42
 
 
 def test_attach_follows_no_symlink_and_opens_only_regular_files():
     target, link = unique_name(), unique_name()
-    with HostPool(4096, shared_name=target, create=True):
+    with HostPool(4096, shared_name=target, create=True, secret=SECRET):
         os.symlink(shared_host_pool_path(target), shared_host_pool_path(link))
         try:
             with pytest.raises(SharedHostPoolError, match="symbolic link"):
-                HostPool(4096, shared_name=link, create=False)
+                HostPool(4096, shared_name=link, create=False, secret=SECRET)
             with pytest.raises(SharedHostPoolError, match="already exists"):
-                HostPool(4096, shared_name=link, create=True)   # O_EXCL: never through it
+                HostPool(4096, shared_name=link, create=True, secret=SECRET)   # O_EXCL: never through it
         finally:
             os.unlink(shared_host_pool_path(link))
     fifo = unique_name()
     os.mkfifo(shared_host_pool_path(fifo), 0o600)
     try:  # a FIFO would block a plain open(); this one must fail at once
         with pytest.raises(SharedHostPoolError, match="not a regular file"):
-            HostPool(4096, shared_name=fifo, create=False)
+            HostPool(4096, shared_name=fifo, create=False, secret=SECRET)
     finally:
         os.unlink(shared_host_pool_path(fifo))
 
 
-def _write_pool_file(path, header: bytes, data_bytes: int = 4096) -> None:
-    with open(path, "wb") as file:
+def _write_pool_file(path, header: bytes, data_bytes: int = 4096, mode: int = 0o600) -> None:
+    """A pool file as this user could write it (mode 0600 unless told otherwise)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    os.fchmod(fd, mode)
+    with os.fdopen(fd, "wb") as file:
         file.write(header.ljust(HEADER_BYTES, b"\0") + bytes(data_bytes))
 
 
@@ -436,21 +457,22 @@ def test_attach_checks_the_header():
     try:
         _write_pool_file(path, b"")                                  # not ours
         with pytest.raises(SharedHostPoolError, match="not a hisparse-triton shared host pool"):
-            HostPool(4096, shared_name=name, create=False)
-        newer = dataclasses.replace(PoolHeader.for_this_process(4096, None), version=99)
+            HostPool(4096, shared_name=name, create=False, secret=SECRET)
+        ours = bytes.fromhex(SECRET)
+        newer = dataclasses.replace(PoolHeader.for_this_process(4096, None, ours), version=99)
         _write_pool_file(path, newer.pack())
-        with pytest.raises(SharedHostPoolError, match="format version 99.*reads version 1"):
-            HostPool(4096, shared_name=name, create=False)
-        _write_pool_file(path, PoolHeader.for_this_process(8192, None).pack())  # short file
+        with pytest.raises(SharedHostPoolError, match="format version 99.*reads version 2"):
+            HostPool(4096, shared_name=name, create=False, secret=SECRET)
+        _write_pool_file(path, PoolHeader.for_this_process(8192, None, ours).pack())  # short
         with pytest.raises(SharedHostPoolError, match="truncated"):
-            HostPool(8192, shared_name=name, create=False)
+            HostPool(8192, shared_name=name, create=False, secret=SECRET)
     finally:
         os.unlink(path)
 
 
 def test_a_rank_with_another_plan_fingerprint_cannot_attach():
     name = unique_name()
-    with HostPool(4096, shared_name=name, create=True, fingerprint="plan-a") as pool:
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET, fingerprint="plan-a") as pool:
         header_fd = os.open(pool.path, os.O_RDONLY)
         try:
             assert read_header(header_fd, pool.path).fingerprint == "plan-a"
@@ -459,13 +481,13 @@ def test_a_rank_with_another_plan_fingerprint_cannot_attach():
         with pytest.raises(SharedHostPoolError, match="created for plan fingerprint 'plan-a' "
                                                       "but this rank's plan has fingerprint "
                                                       "'plan-b'"):
-            HostPool(4096, shared_name=name, create=False, fingerprint="plan-b")
+            HostPool(4096, shared_name=name, create=False, secret=SECRET, fingerprint="plan-b")
         with pytest.raises(SharedHostPoolError, match="'plan-a'.*fingerprint ''"):
-            HostPool(4096, shared_name=name, create=False)
-        with HostPool(4096, shared_name=name, create=False, fingerprint="plan-a") as other:
+            HostPool(4096, shared_name=name, create=False, secret=SECRET)
+        with HostPool(4096, shared_name=name, create=False, secret=SECRET, fingerprint="plan-a") as other:
             assert other.fingerprint == "plan-a"
     with pytest.raises(ValueError, match="fingerprint must be at most 2048"):
-        HostPool(4096, shared_name=unique_name(), create=True, fingerprint="x" * 2049)
+        HostPool(4096, shared_name=unique_name(), create=True, secret=SECRET, fingerprint="x" * 2049)
 
 
 def test_permission_errors_are_shared_host_pool_errors(monkeypatch):
@@ -480,13 +502,13 @@ def test_permission_errors_are_shared_host_pool_errors(monkeypatch):
 
     monkeypatch.setattr(os, "open", denied)
     with pytest.raises(SharedHostPoolError, match="permission denied creating") as info:
-        HostPool(4096, shared_name=name, create=True)
+        HostPool(4096, shared_name=name, create=True, secret=SECRET)
     assert info.value.path == path
     monkeypatch.undo()
-    with HostPool(4096, shared_name=name, create=True):
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET):
         monkeypatch.setattr(os, "open", denied)
         with pytest.raises(SharedHostPoolError, match=r"permission denied opening .*read-only"):
-            HostPool(4096, shared_name=name, create=False)
+            HostPool(4096, shared_name=name, create=False, secret=SECRET)
 
 
 def test_a_pool_left_by_a_killed_rank0_is_stale_and_shm_clean_removes_it(capsys):
@@ -494,7 +516,7 @@ def test_a_pool_left_by_a_killed_rank0_is_stale_and_shm_clean_removes_it(capsys)
     path = shared_host_pool_path(name)
 
     def create_and_die():  # a killed rank 0: nothing unlinks the file
-        pool = HostPool(4096, shared_name=name, create=True, pin=False, fingerprint="p")
+        pool = HostPool(4096, shared_name=name, create=True, secret=SECRET, pin=False, fingerprint="p")
         os.kill(os.getpid(), signal.SIGKILL)
         pool.close()  # never reached
 
@@ -502,10 +524,10 @@ def test_a_pool_left_by_a_killed_rank0_is_stale_and_shm_clean_removes_it(capsys)
     try:
         with pytest.raises(SharedHostPoolError, match=r"is stale: its creator \(pid \d+\) is "
                                                       r"gone.*shm clean --name"):
-            HostPool(4096, shared_name=name, create=False, fingerprint="p")
+            HostPool(4096, shared_name=name, create=False, secret=SECRET, fingerprint="p")
         with pytest.raises(SharedHostPoolError, match="already exists.*crashed runtime left it "
                                                       "behind.*shm clean --name"):
-            HostPool(4096, shared_name=name, create=True)
+            HostPool(4096, shared_name=name, create=True, secret=SECRET)
         assert cli.main(["shm", "list", "--json", "-"]) == 0
         listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)["pools"]}
         assert listed[name]["state"] == "stale" and listed[name]["pool_bytes"] == 4096
@@ -516,7 +538,7 @@ def test_a_pool_left_by_a_killed_rank0_is_stale_and_shm_clean_removes_it(capsys)
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    with HostPool(4096, shared_name=name, create=True):   # the name is usable again
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET):   # the name is usable again
         pass
 
 
@@ -608,8 +630,8 @@ def fake_cuda(monkeypatch):
 def test_an_attached_rank_registers_its_view_read_only(fake_cuda, caplog, monkeypatch):
     log = fake_cuda
     name = unique_name()
-    with HostPool(4096, shared_name=name, create=True) as pool:
-        with HostPool(4096, shared_name=name, create=False) as other:
+    with HostPool(4096, shared_name=name, create=True, secret=SECRET) as pool:
+        with HostPool(4096, shared_name=name, create=False, secret=SECRET) as other:
             assert other.pinned and not other.writable
         # cudaHostRegisterPortable | Mapped for the creator, | ReadOnly (8) for the attacher
         assert [(c[0], c[3]) for c in log if c[0] == "register"] == [("register", 3),
@@ -619,7 +641,7 @@ def test_an_attached_rank_registers_its_view_read_only(fake_cuda, caplog, monkey
         monkeypatch.setattr(type(cudart), "fail_flags", 8)
         del log[:]
         with caplog.at_level("WARNING", logger="hisparse_triton.worker.pools"):
-            with HostPool(4096, shared_name=name, create=False) as other:
+            with HostPool(4096, shared_name=name, create=False, secret=SECRET) as other:
                 assert other.pinned and other.writable
                 pool.tensor[3] = 9
                 assert int(other.tensor[3]) == 9

@@ -284,7 +284,8 @@ def test_worker_apply_is_atomic_when_torch_raises_part_way(monkeypatch):
             worker.apply(plan)
 
 
-@pytest.mark.parametrize("where", ["append_slots", "flush", "commit-mirror", "commit-apply"])
+@pytest.mark.parametrize("where", ["append_slots", "flush", "commit-mirror", "commit-apply",
+                                   "commit-durable"])
 def test_facade_calls_are_all_or_nothing_when_torch_raises(monkeypatch, where):
     rt = make_runtime(max_num_seqs=2, threshold=1)
     with rt:
@@ -309,20 +310,25 @@ def test_facade_calls_are_all_or_nothing_when_torch_raises(monkeypatch, where):
                 _FailingSetitem(patch, worker._arena)
                 call = lambda: rt.resolve(L0, ["a"], torch.zeros(1, TOPK, dtype=torch.int32))  # noqa: E731
             elif where == "commit-mirror":
-                def fail_mirror(plan):
+                def fail_mirror(plan=None, **kwargs):
                     raise RuntimeError("injected torch failure")
                 patch.setattr(worker, "mirror", fail_mirror)
                 call = rt.commit
-            else:
+            elif where == "commit-apply":
                 calls = []
                 original = worker.apply
 
-                def second_apply_fails(plan):
+                def apply_fails(plan):   # the plan commit hands over (b's admission)
                     calls.append(plan)
-                    if len(calls) == 2:
+                    if len(calls) == 1:
                         raise RuntimeError("injected torch failure")
                     return original(plan)
-                patch.setattr(worker, "apply", second_apply_fails)
+                patch.setattr(worker, "apply", apply_fails)
+                call = rt.commit
+            if where == "commit-durable":       # after the plan was applied: it is reverted
+                def fail_durable():
+                    raise RuntimeError("injected torch failure")
+                patch.setattr(rt.scheduler, "commit_mirrors", fail_durable)
                 call = rt.commit
             if before is None:
                 snapshot = (rt.scheduler._debug_snapshot(), worker._debug_snapshot())

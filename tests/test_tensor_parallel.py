@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hisparse_triton.distributed import broadcast_plan
+from hisparse_triton.distributed import broadcast_host_pool_secret, broadcast_plan
 from hisparse_triton.layout import get_hisparse_kv_cache_config, get_hisparse_kv_cache_groups
 from hisparse_triton.presets import build_kv_cache_spec
 from hisparse_triton.scheduler import HiSparseScheduler
@@ -123,12 +123,15 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         kvc, config = plan(world)
         scheduler = HiSparseScheduler(kvc, config, max_num_seqs=SEQS,
                                       free_block_watermark=1.0) if rank == 0 else None
+        worker = None
+        if rank == 0:  # rank 0 creates the pool first; the others get its secret
+            worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
+                                    backend="torch", tp_rank=0, host_pool_name=pool_name)
+        secret = broadcast_host_pool_secret(worker.host_pool_secret if rank == 0 else None)
         if rank != 0:
-            dist.barrier()  # rank 0 creates the pool first
-        worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
-                                backend="torch", tp_rank=rank, host_pool_name=pool_name)
-        if rank == 0:
-            dist.barrier()
+            worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
+                                    backend="torch", tp_rank=rank, host_pool_name=pool_name,
+                                    host_pool_secret=secret)
         layer_index = {layer: i for i, layer in enumerate(worker.groups.device_layers)}
         rng = random.Random(1234)
         live: dict = {}

@@ -48,7 +48,7 @@ def test_the_copy_is_asked_for_the_planned_rows_of_every_layer():
         mirror = HostMirror.build(worker.groups, worker._layers,
                                   lambda *args, **kwargs: calls.append((args, kwargs)),
                                   backend="auto")
-        mirror.copy(plan, worker._tables.packed(plan))
+        moved = mirror.copy(plan, worker._tables.packed())
         assert len(calls) == len(mirror.sets)
         for (args, kwargs), mset in zip(calls, mirror.sets):
             dst_table, src_table, src, dst = args
@@ -61,7 +61,8 @@ def test_the_copy_is_asked_for_the_planned_rows_of_every_layer():
                 assert src[i, 0].tolist() == device_rows[g].tolist()
                 assert dst[i, 0].tolist() == plan.mirror_host_rows.tolist()
         expected = sum(plan.num_mirror * len(s.layers) * s.row_bytes for s in mirror.sets)
-        assert mirror.d2h_bytes == expected > 0
+        assert moved == expected > 0 and mirror.d2h_bytes == 0   # the caller counts it
+        assert mirror.counted(plan.step, moved) == (expected, (plan.step, expected))
 
 
 def test_mirrored_rows_land_in_the_host_pool():
@@ -69,7 +70,7 @@ def test_mirrored_rows_land_in_the_host_pool():
     with worker:
         mirror = HostMirror.build(worker.groups, worker._layers, hot_cache.copy_rows,
                                   backend="torch")
-        mirror.copy(plan, worker._tables.packed(plan))
+        mirror.copy(plan, worker._tables.packed())
         host_rows = plan.mirror_host_rows.tolist()
         for layer in scheduler.source_layers:
             device = worker.device_cache(layer)
@@ -89,5 +90,5 @@ def test_a_plan_without_mirror_rows_copies_nothing():
         calls = []
         mirror = HostMirror.build(worker.groups, worker._layers,
                                   lambda *args, **kwargs: calls.append(args), backend=None)
-        mirror.copy(empty, worker._tables.packed(empty))
+        mirror.copy(empty, worker._tables.packed())
         assert calls == [] and mirror.d2h_bytes == 0

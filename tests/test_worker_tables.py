@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from hisparse_triton.step_plan import StepPlan, TableLayout
+from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables, StagingRing
 
 S = 3
 LAYOUT = TableLayout(max_num_seqs=S, width=8, host_col=1, host_width=3, group_cols=(4, 6),
                      group_widths=(2, 2))
+LIMITS = PlanLimits(layout=LAYOUT, max_model_len=12, block_size=4, num_device_blocks=10,
+                    num_host_blocks=10, resident=(0,))
 
 
 class RecordingRowState:
@@ -38,14 +40,16 @@ class RecordingRowState:
 
 
 def make_tables(row_state=None) -> PlanTables:
-    return PlanTables(LAYOUT, torch.device("cpu"), row_state or RecordingRowState(),
-                      num_device_blocks=10, num_host_blocks=10, block_size=4, num_resident=1)
+    return PlanTables(LIMITS, torch.device("cpu"), row_state or RecordingRowState())
 
 
-def plan(step: int, *, resets=(), writes=(), mirror=(), layout: int = LAYOUT.fingerprint):
-    """A plan of ``writes`` ``[(row, column, value)]`` and ``mirror`` ``[(host, device)]``."""
+def plan(step: int, *, resets=(), writes=(), mirror=(), layout: int = LAYOUT.fingerprint,
+         commit=None):
+    """A plan of ``writes`` ``[(row, column, value)]`` and ``mirror`` ``[(host, device)]``
+    (a commit plan when it mirrors, unless ``commit`` says otherwise)."""
     index = [r * LAYOUT.width + c for r, c, _ in writes]
-    return StepPlan.build(step=step, layout=layout, commit=bool(mirror), reset_rows=list(resets),
+    commit = bool(mirror) if commit is None else commit
+    return StepPlan.build(step=step, layout=layout, commit=commit, reset_rows=list(resets),
                           write_index=index, write_value=[v for *_, v in writes],
                           mirror_host_rows=[h for h, _ in mirror],
                           mirror_device_rows=np.array([[d for _, d in mirror]]).reshape(1, -1),
@@ -87,7 +91,7 @@ def test_revert_restores_everything_the_last_plan_changed():
     before = state(tables, row_state)
     second = plan(2, resets=[1], writes=[(0, 0, 4), (2, 7, 9)], mirror=[(5, 6)])
     tables.apply(second)
-    assert tables.mirror_due is second
+    assert tables.mirror_due == second and tables.mirror_due is not second  # its own copy
     tables.revert(second)
     assert state(tables, row_state) == before
     with pytest.raises(ValueError, match="StepPlan 2 is not the last plan applied"):
@@ -112,7 +116,7 @@ def test_revert_takes_only_the_last_plan():
     (plan(1, layout=LAYOUT.fingerprint ^ 1), "different plans"),
     (plan(1, resets=[S]), r"reset_rows holds 3, outside \[0, 3\)"),
     (plan(1, writes=[(S, 0, 1)]), r"write_index holds 24, outside \[0, 24\)"),
-    (plan(1, mirror=[(40, 0)]), r"mirror_host_rows holds 40, outside \[0, 40\)"),
+    (plan(1, mirror=[(40, 4)]), r"mirror_host_rows holds 40, outside \[4, 40\)"),
     (b"bytes", "apply takes a StepPlan"),
 ])
 def test_a_refused_plan_changes_nothing(bad, match):
@@ -124,18 +128,42 @@ def test_a_refused_plan_changes_nothing(bad, match):
     assert state(tables, row_state) == before
 
 
-def test_a_plan_after_unmirrored_rows_is_refused_until_mirrored():
+def test_a_commit_plan_after_unmirrored_rows_is_refused_until_mirrored():
     tables = make_tables()
     first = plan(1, mirror=[(4, 8)])
     tables.apply(first)
     with pytest.raises(ValueError, match="StepPlan 1 has mirror rows that were never mirrored"):
-        tables.apply(plan(2))
+        tables.apply(plan(2, commit=True))
     with pytest.raises(ValueError, match=r"takes the last plan applied \(step 1\), got step 2"):
         tables.check_last(plan(2))
-    tables.check_last(first)
-    assert tables.packed(first).tolist() == first.data.tolist()
+    assert tables.check_last(first) == first and tables.check_last() == first
+    assert tables.packed().tolist() == first.data.tolist()
     tables.mark_mirrored()
-    tables.apply(plan(2))
+    tables.apply(plan(2, commit=True))
+
+
+def test_plans_without_commit_may_come_while_mirrors_are_due():
+    """A plan that declares nothing durable (``commit`` False) is applied while an earlier
+    plan's mirror is due; every due plan keeps its own data and is mirrored in plan order;
+    a commit plan waits until all are mirrored; revert drops the reverted plan's mirror."""
+    tables = make_tables()
+    first = plan(1, mirror=[(4, 8)], commit=False)
+    second = plan(2, writes=[(0, 0, 7)], mirror=[(5, 9), (6, 10)], commit=False)
+    tables.apply(first)
+    tables.apply(second)
+    assert tables.due_plans == [first, second] and tables.mirror_due == first
+    assert [tables.packed(d).tolist() for d in tables.due] == [first.data.tolist(),
+                                                               second.data.tolist()]
+    with pytest.raises(ValueError, match="StepPlan 1 has mirror rows that were never mirrored"):
+        tables.apply(plan(3, commit=True))
+    third = plan(3, writes=[(1, 0, 2)])
+    tables.apply(third)                      # no mirror rows: not due
+    tables.revert(third)
+    assert tables.due_plans == [first, second]
+    tables.apply(third)
+    tables.mark_mirrored()
+    assert tables.due_plans == [] and tables.mirror_due is None
+    tables.apply(plan(4, commit=True))
 
 
 def test_a_mirror_with_another_resident_group_count_is_refused():

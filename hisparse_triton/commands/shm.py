@@ -5,7 +5,8 @@ that tp_rank 0 creates and unlinks when it closes. A rank 0 that was killed (``S
 OOM kill, a crashed node agent) cannot unlink it, and the file keeps its RAM until someone
 removes it. This command finds such *stale* pools (their creator process is gone):
 
-- ``shm list``: every pool with its size, creator pid and state (``alive``, ``stale``, or
+- ``shm list``: every pool with its size, owner and mode (a pool is created 0600, or 0640 for
+  a group; attaching ranks refuse any other), creator pid and state (``alive``, ``stale``, or
   ``unknown`` when its header cannot be read or it was created in another pid namespace);
 - ``shm clean``: remove every stale pool (alive and unknown ones are left alone);
 - ``shm clean --name NAME``: remove that pool; a live or unknown one only with ``--force``
@@ -34,7 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="List the shared host pools of this node and remove stale ones (left "
                     "behind by a creating rank that was killed).")
     actions = parser.add_subparsers(dest="shm_action", metavar="ACTION", required=True)
-    listing = actions.add_parser("list", help="list pools: size, creator pid, alive or stale")
+    listing = actions.add_parser("list", help="list pools: size, owner and mode, creator pid, "
+                                              "alive or stale")
     clean = actions.add_parser("clean", help="remove stale pools, or one pool with --name")
     clean.add_argument("--name", default=None,
                        help="remove only this pool (the host_pool_name it was created with)")
@@ -66,7 +68,9 @@ def _size(nbytes: int) -> str:
 def _record(info: Any) -> dict[str, Any]:
     header = info.header
     return {"name": info.name, "path": info.path, "state": info.state,
-            "file_bytes": info.file_bytes,
+            "file_bytes": info.file_bytes, "owner": info.owner,
+            "owner_uid": info.owner_uid if info.owner_uid >= 0 else None,
+            "group": info.group, "mode": f"{info.mode:04o}",
             "pool_bytes": header.data_bytes if header else None,
             "creator_pid": header.creator_pid if header else None,
             "created_unix": header.created_ns / 1e9 if header else None,
@@ -76,10 +80,12 @@ def _record(info: Any) -> dict[str, Any]:
 
 def _table(pools: list[Any]) -> list[str]:
     now = time.time_ns()
-    rows = [("NAME", "POOL SIZE", "CREATOR PID", "STATE", "AGE", "FINGERPRINT")]
+    rows = [("NAME", "POOL SIZE", "OWNER", "MODE", "CREATOR PID", "STATE", "AGE",
+             "FINGERPRINT")]
     for info in pools:
         header = info.header
         rows.append((info.name, _size(header.data_bytes if header else info.file_bytes),
+                     f"{info.owner}:{info.group}", f"{info.mode:04o}",
                      str(header.creator_pid) if header else "-", info.state,
                      _age(header.created_ns, now) if header else "-",
                      (header.fingerprint or "-") if header else info.error))

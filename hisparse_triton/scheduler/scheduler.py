@@ -52,6 +52,7 @@ from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_l
 from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
 from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.staging import PrefillStaging
 from hisparse_triton.step_plan import StepPlan, TableLayout
 
 #: Default ``free_block_watermark``: offload once 10% or less of the device pool is free.
@@ -107,7 +108,10 @@ class HiSparseScheduler:
             raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
                              f"page), the plan has {self.num_host_blocks}.")
         self.journal = j = Journal()
-        self.device_block_pool = BlockPool(self.num_device_blocks, "device", j)
+        # The last blocks of the device pool hold resolve_prefill's staging rows: never
+        # allocated (``hisparse_triton.staging``; the worker derives the same region).
+        self.prefill_staging = PrefillStaging.from_plan(kv_cache_config, config)
+        self.device_block_pool = BlockPool(self.prefill_staging.first_block, "device", j)
         self.host_block_pool = BlockPool(self.num_host_blocks, "host", j)
         self.free_block_watermark = free_block_watermark
         self.policy = ResidencyPolicy.from_settings(
@@ -370,24 +374,59 @@ class HiSparseScheduler:
             return self._prefix.clear()
 
     # ------------------------------------------------------------------ steps
-    def step(self, *, mirror: bool = True, release: bool = True) -> StepPlan:
+    def step(self) -> StepPlan:
         """Close a step: emit the plan every worker applies (see the module docstring).
 
-        1. Tokens of earlier plans' mirrors become durable (and their full prompt pages are
-           published for prefix reuse). With ``release=True``: requests that should offload
-           take their hot regions and unpin durable pages outside the active tail;
-           sliding-window pages out of every future window are released. Their table
-           changes join this plan.
-        2. With ``mirror=True``, every token appended since the last mirrored plan is in this
-           plan's mirror rows (a worker must ``mirror(plan)`` after the forward);
-           ``mirror=False`` only flushes table changes (its tokens go into a later plan).
-        A serving loop calls ``step()`` once per model step with the defaults. (The
-        in-process ``HiSparseRuntime`` also flushes table changes mid-step with
-        ``mirror=False, release=False``.)
+        1. Tokens of earlier plans' mirrors become durable (``commit_mirrors``): their full
+           pages are published for prefix reuse, requests that should offload take their hot
+           regions and unpin durable pages outside the active tail, sliding-window pages out
+           of every future window are released. Their table changes join this plan.
+        2. Every token appended since the last plan that mirrored is in this plan's mirror
+           rows: a worker must ``mirror`` the plan after the forward wrote their KV.
+        A serving loop calls it once per model step, after the step's appends. The plan has
+        ``commit`` set: a worker applies it only after every earlier plan's mirror.
         """
         self._check_open()
-        j, values = self.journal, self.counters.values
+        values = self.counters.values
         released_before = values["unpinned_pages"] + values["window_released_pages"]
+        self._make_durable()
+        return self._build(commit=True, released_pages=(
+            values["unpinned_pages"] + values["window_released_pages"] - released_before))
+
+    def flush(self) -> StepPlan:
+        """A plan of the table changes made since the last plan, with the mirror rows of the
+        tokens appended since, but nothing made durable or released (``commit`` False).
+
+        A worker may apply it while earlier plans' mirrors are due; its ``mirror`` copies
+        them all, in plan order. For a caller that changes the tables between two resolves of
+        one forward, or that drives the protocol in one process and declares durability
+        itself with ``commit_mirrors`` (the facade ``HiSparseRuntime`` does both). A serving
+        loop that makes all of a step's changes before ``step()`` never needs it.
+        """
+        self._check_open()
+        return self._build(commit=False, released_pages=0)
+
+    def _build(self, *, commit: bool, released_pages: int) -> StepPlan:
+        spans = self._requests.schedule_mirror()
+        host_rows, device_rows = mirror_rows(
+            spans, [m.blocks for m in self.devices.resident], self.block_size)
+        return self.plan_builder.build(commit=commit, mirror_host_rows=host_rows,
+                                       mirror_device_rows=device_rows,
+                                       released_pages=released_pages)
+
+    def commit_mirrors(self) -> None:
+        """Every plan emitted so far has been mirrored (every worker enqueued its
+        ``mirror``): its tokens are durable from now on instead of from the next ``step()``.
+        Newly durable full pages are published; the residency rules release what they let
+        go (their table changes wait for the next plan). Optional: ``step()`` does the same
+        first. A loop calls it after the forward to hand released blocks to the next step's
+        appends one step earlier."""
+        self._check_open()
+        self._make_durable()
+
+    def _make_durable(self) -> None:
+        """Mark the mirrored tokens durable; publish and release what that allows."""
+        j = self.journal
         pressure = self.policy.under_pressure(self.truly_free_device_blocks)
         for req in list(self._requests.values()):
             if req.scheduled_len > req.committed_len:
@@ -396,16 +435,8 @@ class HiSparseScheduler:
                     self._prefix.publish_durable(
                         req, lambda page: self.devices.page_blocks(req, page),
                         self._prefix_required, self.block_size)
-            if release:
-                self._release_resident(req, pressure)
-                self.devices.release_windows(req)
-        spans = self._requests.schedule_mirror() if mirror else []
-        host_rows, device_rows = mirror_rows(
-            spans, [m.blocks for m in self.devices.resident], self.block_size)
-        return self.plan_builder.build(
-            commit=mirror, mirror_host_rows=host_rows, mirror_device_rows=device_rows,
-            released_pages=(values["unpinned_pages"] + values["window_released_pages"]
-                            - released_before))
+            self._release_resident(req, pressure)
+            self.devices.release_windows(req)
 
     def _release_resident(self, req: Request, pressure: bool) -> None:
         """Unpin the durable pages the policy lets go (offloading the request first)."""

@@ -8,7 +8,11 @@
 - ``layers``: where each layer's rows lie in the two pools;
 - ``stats``: ``WorkerStats`` and reading the device counters;
 - ``options``, ``placement``: constructor checks; small inputs onto the device;
-- ``pools``, ``shared_pool``: the host and device byte pools and a shared pool's file.
+- ``pools``, ``shared_pool``: the host and device byte pools and a shared pool's file (who
+  may create and attach it);
+- ``adopted``: tensors a serving stack allocated, checked and used as the pools;
+- ``host_register``: page-locking host memory on CUDA and ROCm builds of torch;
+- ``read_only``: ``ReadOnlyTensor``, the views an attached rank hands out.
 
 Names are imported on first use, so ``import hisparse_triton.worker.shared_pool`` (the
 ``shm`` command) loads neither torch nor Triton.

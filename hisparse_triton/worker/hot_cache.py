@@ -108,6 +108,12 @@ def check_topk(topk: object, *, device_buffer_size: int, max_decode_query_len: i
                          f"{device_buffer_size}].")
 
 
+@torch.inference_mode(False)
+def _new_rows(R: int, K: int, device: torch.device) -> torch.Tensor:
+    """A persistent ``[R, K] int32`` output (an ordinary tensor whatever the caller's mode)."""
+    return torch.empty(R, K, dtype=torch.int32, device=device)
+
+
 class HotState:
     """The hot state of every index group, stacked: ``slot_host_rows [G, S, H] int32`` (-1 =
     empty), ``lru [G, S, H] int32`` (every row starts in slot order) and ``counters [G, 3]
@@ -143,6 +149,29 @@ class HotState:
         self.slot_host_rows[:, rows] = slots
         self.lru[:, rows] = lru
 
+    def invalidate(self, rows: torch.Tensor, entry_row: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor) -> None:
+        """Empty the hot slots that hold dropped host rows (a plan's ``invalidate``).
+
+        ``rows [u]``: distinct state rows; entry ``e`` empties, in every group, each slot of
+        state row ``rows[entry_row[e]]`` holding a host row in ``[lo[e], hi[e])``
+        (``entry_row``, ``lo``, ``hi``: ``[n]`` integer tensors). Each touched row's LRU
+        order then lists its empty slots first, then its held ones, both in their previous
+        order (a stable partition: still a permutation; empty slots are reused first). A
+        few whole-tensor ops on the device: no host sync, no loop per entry."""
+        entry_row = entry_row.long()
+        slots = self.slot_host_rows[:, rows]                       # [G, u, H]
+        held = slots[:, entry_row]                                 # [G, n, H]
+        dropped = (held >= lo.view(1, -1, 1)) & (held < hi.view(1, -1, 1))
+        hits = torch.zeros(slots.shape, dtype=torch.int32, device=slots.device)
+        hits.index_add_(1, entry_row, dropped.to(torch.int32))
+        slots = torch.where(hits > 0, torch.full_like(slots, -1), slots)
+        lru = self.lru[:, rows]                                    # [G, u, H] slot ids
+        held_at = slots.gather(2, lru.long()) >= 0                 # by LRU position
+        key = held_at.to(torch.int32) * lru.shape[2] + self.lru_identity
+        self.lru[:, rows] = lru.gather(2, key.argsort(dim=2))
+        self.slot_host_rows[:, rows] = slots
+
 
 class HotCache:
     """One index group's hot cache (see the module docstring).
@@ -170,6 +199,7 @@ class HotCache:
         self.lru = state.lru[group.number]
         self.counters = state.counters[group.number]
         self.workspace, self.kernel = workspace, kernel
+        self._reference = kernel == "torch"   # the reference ops: rows saved before a call
         self.sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
                           num_host_blocks=num_host_blocks)
         self.device = seq_lens.device
@@ -224,45 +254,67 @@ class HotCache:
         if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
             topk = topk.reshape(shape[0], shape[1] * shape[2])
         R, K = topk.shape
-        if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
-                or tuple(state_rows.shape) != (R,)):
-            raise ValueError(f"state_rows must be an int32 tensor [{R}], got "
-                             f"{getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
-                             f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
+        check_state_rows(state_rows, R)
         if R == 0:
             return torch.empty(shape, dtype=torch.int32, device=self.device)
         # No grad-mode context here: only the kernels (or the reference's int ops) touch
         # the cache's tensors, which works inside and outside inference mode alike.
         state_rows = on_device(state_rows, self.device, "state_rows")
         topk = on_device(topk, self.device, "topk")   # any integer dtype: converted in-kernel
-        out = self.rows_out
+        out, view = self.rows_out, self.rows_view
         if out is None or out.shape != (R, K):
-            with torch.inference_mode(False):
-                out = self.rows_out = torch.empty(R, K, dtype=torch.int32,
-                                                  device=self.device)
-            self.rows_view = out.view(shape) if len(shape) == 3 else out
-        elif self.rows_view.shape != shape:
-            self.rows_view = out.view(shape) if len(shape) == 3 else out
+            out, view = _new_rows(R, K, self.device), None
+        if view is None or view.shape != shape:
+            view = out.view(shape) if len(shape) == 3 else out
+        self.rows_out, self.rows_view = out, view
         ops = self._ops
-        # The workspace keeps the pre-call hot state of the rows it resolves, so a failed
-        # gather can undo it.
-        if self.bound is not None and ops.is_eager((topk, state_rows)):
-            result = self.bound(topk, state_rows, out)
-        else:
-            result = ops.resolve(
-                topk, state_rows, self.seq_lens, self.resident_table, self.host_blocks,
-                self.hot_table, self.slot_host_rows, self.lru, **self.sizes,
-                counters=self.counters, out=out, workspace=self.workspace,
-                backend=self.kernel)
+        # The reference resolve writes the hot state with several ops: its rows are saved
+        # first. The Triton resolve is one launch and keeps the pre-call state in the
+        # workspace, which undoes it when the gather raises.
+        saved = self._save_rows(state_rows) if self._reference else None
+        result = None
         try:
+            if self.bound is not None and ops.is_eager((topk, state_rows)):
+                result = self.bound(topk, state_rows, out)
+            else:
+                result = ops.resolve(
+                    topk, state_rows, self.seq_lens, self.resident_table, self.host_blocks,
+                    self.hot_table, self.slot_host_rows, self.lru, **self.sizes,
+                    counters=self.counters, out=out, workspace=self.workspace,
+                    backend=self.kernel)
             if self.bound_gather is not None and ops.is_eager((result.miss_src,)):
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
             else:
                 ops.copy_rows(self.device_table, self.host_table, result.miss_src,
                               result.miss_dst, result.miss_count, backend=self.kernel)
+            return self.rows_view
         except BaseException:  # undo the resolve: hot state and counters
-            ops.restore_resolve_state(self.workspace, state_rows, self.slot_host_rows,
-                                      self.lru)
-            self.counters -= result.stats.sum(dim=0)
+            self._undo(state_rows, result, saved)
             raise
-        return self.rows_view
+
+    def _save_rows(self, state_rows: torch.Tensor) -> tuple:
+        """The hot state of ``state_rows`` (padding clamped to a real row) and the
+        counters, before a resolve."""
+        rows = state_rows.long().clamp(0, self.slot_host_rows.shape[0] - 1)
+        return rows, self.slot_host_rows[rows], self.lru[rows], self.counters.clone()
+
+    def _undo(self, state_rows: torch.Tensor, result: object, saved: Optional[tuple]) -> None:
+        """Put the hot state and counters back after a resolve whose call raised."""
+        if saved is not None:
+            rows, slots, lru, counters = saved
+            self.slot_host_rows[rows] = slots
+            self.lru[rows] = lru
+            self.counters.copy_(counters)
+        elif result is not None:
+            self._ops.restore_resolve_state(self.workspace, state_rows, self.slot_host_rows,
+                                            self.lru)
+            self.counters -= result.stats.sum(dim=0)
+
+
+def check_state_rows(state_rows: object, rows: int) -> None:
+    """``ValueError`` unless ``state_rows`` is an ``int32 [rows]`` tensor."""
+    if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
+            or tuple(state_rows.shape) != (rows,)):
+        raise ValueError(f"state_rows must be an int32 tensor [{rows}], got "
+                         f"{getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
+                         f"shape {tuple(getattr(state_rows, 'shape', ()))}.")

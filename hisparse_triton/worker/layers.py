@@ -72,7 +72,7 @@ class PoolLayers:
             row_bytes=row_bytes, block_size=B, block_stride=self.bytes_per_block,
             num_rows=self.num_device_blocks * B, device=self.device)
         host_table = RowTable.build(
-            self.host_pool.tensor, [groups.host_tensors[layer].offset for layer in layers],
+            self.host_pool.raw, [groups.host_tensors[layer].offset for layer in layers],
             row_bytes=row_bytes, block_size=B, block_stride=B * row_bytes,
             num_rows=self.num_host_blocks * B, device=self.device)
         return device_table, host_table, row_bytes

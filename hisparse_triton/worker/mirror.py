@@ -5,6 +5,12 @@ into the host pool (write-through): every source layer's row ``mirror_device_row
 its resident group ``g`` goes to host row ``mirror_host_rows[j]``. Source layers are grouped
 by row size (``MirrorSet``); each set is ONE copy launch for all of its layers, whatever the
 number of rows. The copy itself is handed in (``copy``), so this module runs no kernel.
+
+Draft layers (a speculative drafter's own attention layers, e.g. DeepSeek's MTP block) write
+their KV for a step after the main forward, when the drafter runs. Declared as such
+(``draft_layers``), they form their own sets, copied by their own call (``copy(...,
+draft=True)``), so each layer is mirrored only once its KV is there: a plan's mirror is a
+main part and, with draft layers, a draft part.
 """
 
 from __future__ import annotations
@@ -31,64 +37,110 @@ class MirrorSet:
 
     ``resident_of_layer [L] int64``: for each layer, its resident group's row of
     ``plan.mirror_device_rows``; ``device_table`` / ``host_table``: the layers' rows in the
-    two pools."""
+    two pools; ``draft``: whether they are draft layers (copied by the draft part)."""
 
     layers: tuple[str, ...]
     row_bytes: int
     resident_of_layer: torch.Tensor
     device_table: RowTable
     host_table: RowTable
+    draft: bool = False
 
 
 class HostMirror:
     """Copies plans' new rows device -> host (see the module docstring); counts the bytes
-    it moved in ``d2h_bytes``. ``backend`` is passed to ``copy`` as is."""
+    moved in ``d2h_bytes`` (only once every copy of a plan was enqueued: a copy that raises
+    counts nothing) and remembers the last plan's ``(step, bytes)`` in ``last``, so a
+    reverted plan takes its bytes back (``uncount``). ``backend`` is passed to ``copy`` as
+    is."""
 
     def __init__(self, sets: Sequence[MirrorSet], copy: CopyRows, *,
                  backend: Optional[str]) -> None:
         self.sets = tuple(sets)
         self._copy, self.backend = copy, backend
         self.d2h_bytes = 0
+        self.last: tuple[int, int] = (0, 0)
+
+    def uncount(self, step: int) -> None:
+        """Take the bytes of plan ``step``'s copy back out of ``d2h_bytes`` (the plan was
+        reverted); nothing when the last copy was of another plan."""
+        if self.last[0] == step:
+            self.d2h_bytes, self.last = self.d2h_bytes - self.last[1], (0, 0)
+
+    def zero(self) -> None:
+        """Zero the byte counter."""
+        self.d2h_bytes, self.last = 0, (0, 0)
 
     @classmethod
     def build(cls, groups: PlanGroups, layers: PoolLayers, copy: CopyRows, *,
-              backend: Optional[str]) -> "HostMirror":
-        """One ``MirrorSet`` per row size of ``groups.source_layers`` (in model order)."""
-        by_size: dict[int, list[str]] = {}
+              backend: Optional[str],
+              draft_layers: frozenset[str] = frozenset()) -> "HostMirror":
+        """One ``MirrorSet`` per row size of ``groups.source_layers`` (in model order), the
+        ``draft_layers`` (source layer names) in sets of their own."""
+        by_kind: dict[tuple[bool, int], list[str]] = {}
         for layer in groups.source_layers:
-            by_size.setdefault(layers.row_bytes(layer, host=True), []).append(layer)
+            key = (layer in draft_layers, layers.row_bytes(layer, host=True))
+            by_kind.setdefault(key, []).append(layer)
         resident_pos = {g.position: i for i, g in enumerate(groups.resident)}
         sets = []
-        for names in by_size.values():
+        for (draft, _), names in by_kind.items():
             device_table, host_table, row_bytes = layers.row_tables(names)
             sets.append(MirrorSet(
                 layers=tuple(names), row_bytes=row_bytes,
                 resident_of_layer=torch.tensor(
                     [resident_pos[groups.resident_of_layer[layer]] for layer in names],
                     dtype=torch.int64, device=layers.device),
-                device_table=device_table, host_table=host_table))
+                device_table=device_table, host_table=host_table, draft=draft))
         return cls(sets, copy, backend=backend)
+
+    @property
+    def parts(self) -> frozenset[bool]:
+        """The parts a plan's mirror has: ``{False}`` (main), ``{False, True}`` with draft
+        layers."""
+        return frozenset({False} | {s.draft for s in self.sets})
 
     @property
     def tables(self) -> list[RowTable]:
         """Every table the copies use (to validate them up front)."""
         return [t for s in self.sets for t in (s.device_table, s.host_table)]
 
-    def copy(self, plan: StepPlan, packed: torch.Tensor) -> None:
-        """Enqueue the copies of ``plan``'s mirror rows. ``packed``: the plan's int32 data
-        where the copies run (its mirror sections are read there: no host -> device copy)."""
+    def copy(self, plan: StepPlan, packed: torch.Tensor, *, draft: bool = False) -> int:
+        """Enqueue the copies of ``plan``'s mirror rows of the main layers (of the draft
+        layers with ``draft``); returns the bytes they move, which the caller counts
+        (``counted``) once every copy was enqueued. ``packed``: the plan's int32 data where
+        the copies run (its mirror sections are read there: no host -> device copy)."""
         n = plan.num_mirror
         if not n:
-            return
+            return 0
+        moved = 0
         with torch.inference_mode(False), torch.no_grad():
             start = plan.num_resets + 2 * plan.num_writes
             host = packed[start:start + n]
             device = packed[start + n:start + n * (1 + plan.num_resident)].view(
                 plan.num_resident, n)
             for mset in self.sets:
+                if mset.draft != draft:
+                    continue
                 layers = len(mset.layers)
                 src = device.index_select(0, mset.resident_of_layer).unsqueeze(1)
                 dst = host.view(1, 1, n).expand(layers, 1, n)
                 self._copy(mset.host_table, mset.device_table, src, dst,
                            backend=self.backend)
-                self.d2h_bytes += n * layers * mset.row_bytes
+                moved += n * layers * mset.row_bytes
+        return moved
+
+    def counted(self, step: int, moved: int) -> tuple[int, tuple[int, int]]:
+        """``(d2h_bytes, last)`` once plan ``step``'s ``moved`` bytes are counted (the caller
+        assigns both in one statement, together with its own bookkeeping); the parts of one
+        plan add up in ``last``."""
+        return count_bytes((self.d2h_bytes, self.last), step, moved)
+
+
+def count_bytes(counts: tuple[int, tuple[int, int]], step: int,
+                moved: int) -> tuple[int, tuple[int, int]]:
+    """``(d2h_bytes, last)`` after adding plan ``step``'s ``moved`` bytes to ``counts`` (the
+    same pair): ``last`` holds the bytes of the last plan copied, which a revert of that
+    plan takes back."""
+    d2h_bytes, (last_step, last_bytes) = counts
+    before = last_bytes if last_step == step else 0
+    return d2h_bytes + moved, (step, before + moved)

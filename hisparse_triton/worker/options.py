@@ -8,12 +8,16 @@ the ranks sharing one host pool can check they planned alike.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from typing import Optional
 
+import numpy as np
 import torch
 
 from hisparse_triton.config import EngineConfig
+from hisparse_triton.memory import check_fraction
 from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.worker import shared_pool
 
 __all__ = ["BACKENDS", "check_options", "parse_device", "plan_fingerprint"]
 
@@ -39,6 +43,11 @@ def parse_device(device: object) -> torch.device:
             raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
     if parsed.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: the runtime runs on a cpu or cuda device.")
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        raise ValueError(f"device {device!r}: there is one CPU device; use 'cpu' (or "
+                         f"'cpu:0').")
+    if parsed.type == "cpu":
+        parsed = torch.device("cpu")
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available on this machine.")
@@ -52,15 +61,18 @@ def parse_device(device: object) -> torch.device:
 
 def check_options(kv_cache_config: KVCacheConfig, config: EngineConfig, max_num_seqs: int,
                    backend: str, tp_rank: int, host_pool_name: Optional[str],
-                   host_ram_fraction: float) -> None:
-    """``ValueError`` naming the first bad constructor argument."""
+                   host_ram_fraction: float, host_pool_secret: object = None,
+                   host_pool_group: object = None) -> tuple[int, int]:
+    """``ValueError`` naming the first bad constructor argument; returns ``(max_num_seqs,
+    tp_rank)`` as ints (numpy integers are accepted wherever an int is)."""
     if not isinstance(config, EngineConfig) or config.hisparse is None:
         raise ValueError("HiSparseWorker needs an EngineConfig with hisparse set.")
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+    if not _is_int(max_num_seqs) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}.")
     shared = bool(kv_cache_config.hisparse_shared_host_pool)
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
+    if not _is_int(tp_rank) or tp_rank < 0:
         raise ValueError(f"tp_rank must be an int >= 0, got {tp_rank!r}.")
+    max_num_seqs, tp_rank = int(max_num_seqs), int(tp_rank)
     if tp_rank >= config.tensor_parallel_size:
         raise ValueError(f"tp_rank {tp_rank} must be < tensor_parallel_size="
                          f"{config.tensor_parallel_size}.")
@@ -68,13 +80,30 @@ def check_options(kv_cache_config: KVCacheConfig, config: EngineConfig, max_num_
         raise ValueError("kv_cache_config.hisparse_shared_host_pool is True (one host pool "
                          "shared by the TP ranks of the node): pass host_pool_name (the "
                          "same on every rank; tp_rank 0 creates the pool).")
-    if not shared and host_pool_name is not None:
-        raise ValueError(f"host_pool_name={host_pool_name!r} was given but "
-                         f"kv_cache_config.hisparse_shared_host_pool is False (each rank "
-                         f"owns a private host pool); plan with shared_host_pool=True or "
-                         f"drop host_pool_name.")
+    if not shared:
+        for name, value in (("host_pool_name", host_pool_name),
+                            ("host_pool_secret", host_pool_secret),
+                            ("host_pool_group", host_pool_group)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} was given but "
+                                 f"kv_cache_config.hisparse_shared_host_pool is False (each "
+                                 f"rank owns a private host pool); plan with "
+                                 f"shared_host_pool=True or drop {name}.")
+    else:
+        if tp_rank > 0 and host_pool_secret is None:
+            raise ValueError(f"tp_rank {tp_rank} attaches to the shared host pool "
+                             f"{host_pool_name!r}: pass host_pool_secret, the creating rank's "
+                             f"(tp_rank 0's worker.host_pool_secret; e.g. "
+                             f"hisparse_triton.distributed.broadcast_host_pool_secret).")
+        if host_pool_secret is not None:
+            shared_pool.check_secret(host_pool_secret)
+        shared_pool.group_id(host_pool_group)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-    if (isinstance(host_ram_fraction, bool) or not isinstance(host_ram_fraction, (int, float))
-            or not 0 < host_ram_fraction <= 1):
-        raise ValueError(f"host_ram_fraction must be in (0, 1], got {host_ram_fraction!r}.")
+    check_fraction(host_ram_fraction, "host_ram_fraction")
+    return max_num_seqs, tp_rank
+
+
+def _is_int(value: object) -> bool:
+    """An int or a numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))

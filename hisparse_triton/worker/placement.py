@@ -9,7 +9,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["array_on_device", "on_device"]
+__all__ = ["array_on_device", "check_readable", "on_device"]
+
+
+def check_readable(tensor: torch.Tensor, device: torch.device, name: str = "tensor") -> None:
+    """``ValueError`` naming the device unless ``tensor`` is on ``device`` or the CPU (what
+    ``on_device`` can place without a host sync)."""
+    if tensor.device != device and tensor.device.type != "cpu":
+        raise ValueError(f"{name} is on {tensor.device}; this worker runs on {device} (pass "
+                         f"it there, or on the CPU).")
 
 
 def on_device(tensor: torch.Tensor, device: torch.device, name: str = "tensor") -> torch.Tensor:
@@ -18,9 +26,7 @@ def on_device(tensor: torch.Tensor, device: torch.device, name: str = "tensor") 
     CUDA device)."""
     if tensor.device == device:
         return tensor
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} is on {tensor.device}; this worker runs on {device} (pass "
-                         f"it there, or on the CPU).")
+    check_readable(tensor, device, name)
     if device.type == "cuda":
         staged = tensor if tensor.is_pinned() else tensor.pin_memory()
         return staged.to(device, non_blocking=True)

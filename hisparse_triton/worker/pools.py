@@ -25,23 +25,28 @@ tensor-parallel ranks of one node hold ONE copy of the (identical) MLA KV histor
   unlinks it: a process forked from it (a data-loader, a ``multiprocessing`` worker) that
   closes or garbage-collects its copy of the pool neither unlinks the file nor unregisters
   the creator's pinned memory;
-- the other ranks attach: the file is opened without following symbolic links, its header
-  must carry the same size and fingerprint, and its creator must still run (a pool left by a
-  killed rank 0 is refused as stale: ``hisparse-triton shm clean`` removes it). They map it
-  READ-ONLY (``PROT_READ``): they never write the pool, and a write through their view is a
-  bug that kills the process with ``SIGSEGV`` instead of corrupting the other ranks' KV. On
-  CUDA the read-only mapping is registered with ``cudaHostRegisterReadOnly`` (the GPU only
-  reads it too); where the device does not support that flag
-  (``cudaDevAttrHostRegisterReadOnlySupported`` = 0) the rank logs a warning and maps the
-  file read-write instead (``HostPool.writable`` says which).
+- the other ranks attach: the file is opened without following symbolic links; it must be
+  owned by this user with no access for anyone else (mode 0600; or, with a ``group``, owned
+  by that group with mode 0640, so ranks running as other users of the group can read it);
+  its header must carry the run's ``secret`` (random, made by the creator, ``HostPool.secret``;
+  every other rank gets it from rank 0, e.g. with the plan broadcast), the same size and
+  fingerprint, and its creator must still run (a pool left by a killed rank 0 is refused as
+  stale: ``hisparse-triton shm clean`` removes it). They never write the pool: the tensor
+  they get (``tensor``, every ``view`` of it) is a ``ReadOnlyTensor`` whose writes raise
+  ``ReadOnlyViewError``, and the mapping itself is read-only (``PROT_READ``) where the GPU
+  runtime can register it so (CUDA's ``cudaHostRegisterReadOnly``); elsewhere (a device
+  without that flag, ROCm) the rank maps the file read-write, which its read-only tensor
+  still never writes (``HostPool.writable`` says which mapping it has).
+
+Pinning goes through ``host_register`` (CUDA or HIP, as the installed torch was built).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
+import numbers
 import os
 import tempfile  # noqa: F401 - shared_pool.pool_dir() falls back to tempfile.gettempdir()
 import warnings
@@ -49,7 +54,9 @@ from typing import Optional
 
 import torch
 
-from hisparse_triton.worker import shared_pool
+from hisparse_triton.worker import host_register, shared_pool
+from hisparse_triton.worker.adopted import caller_bytes
+from hisparse_triton.worker.read_only import read_only
 from hisparse_triton.compat import check_versions
 from hisparse_triton.errors import HostMemoryError, RuntimeClosedError, SharedHostPoolError
 from hisparse_triton.memory import (  # noqa: F401 - re-exported: the pools' RAM helpers
@@ -67,14 +74,6 @@ logger = logging.getLogger(__name__)
 #: Alignment of the host pool's first byte (one page; what DMA engines like).
 HOST_ALIGNMENT = 4096
 
-#: ``cudaHostRegisterPortable | cudaHostRegisterMapped``: pinned for every CUDA context and
-#: mapped into the device address space, so the transfer kernels can dereference it (Triton's
-#: launcher translates the host pointer with ``cuPointerGetAttribute``; with unified
-#: addressing both are equal).
-_REGISTER_FLAGS = 1 | 2
-#: ``cudaHostRegisterReadOnly``: the device only reads the memory (needed to register a
-#: ``PROT_READ`` mapping).
-_REGISTER_READ_ONLY = 8
 _CPU = torch.device("cpu")
 
 
@@ -102,18 +101,11 @@ def _map_fd(fd: int, nbytes: int, *, writable: bool) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def _clear_cuda_last_error() -> None:
-    """Best effort: reset the CUDA runtime's per-thread "last error" after a failed
-    ``cudaHostRegister``; otherwise torch's next kernel-launch check (``cudaGetLastError``)
-    would report that stale error against an unrelated kernel. ``torch.cuda.cudart()`` does
-    not bind ``cudaGetLastError``, so this calls the ``libcudart`` torch already loaded."""
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except Exception:  # noqa: BLE001 - only a nicer error later; never fail here
-        pass
+def _count(what: str, value: object) -> int:
+    """``value`` as an int > 0 (numpy integers too); ``ValueError`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {value!r}.")
+    return int(value)
 
 
 class _Buffer:
@@ -137,33 +129,43 @@ class _Buffer:
 class HostPool(_Buffer):
     """One host allocation of ``size_bytes`` (rounded up to 4 KiB), 4 KiB aligned.
 
-    - ``pin``: register the buffer with CUDA (default: when CUDA is available):
-      ``cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped)``
-      through ``torch.cuda.cudart()``, which returns the ``cudaError_t`` (0 = success).
+    - ``pin``: register the buffer with the GPU runtime (default: when CUDA or ROCm is
+      available): ``cudaHostRegister`` / ``hipHostRegister`` (portable | mapped) through
+      ``torch.cuda.cudart()`` (``host_register``); a torch build without those bindings is a
+      ``HostMemoryError``, never an unpinned pool.
     - ``max_ram_fraction``: in ``(0, 1]``; refuse (``HostMemoryError``) if the pool needs
       more than this fraction of the currently available RAM (``check_memory``).
-    - ``device``: the CUDA device whose work ``close()`` waits for before unpinning
-      (default: the current device).
+    - ``device``: the GPU whose work ``close()`` waits for before unpinning (default: the
+      current device).
     - ``shared_name``: ``None`` (default: private memory of this process) or the name of a
       pool shared by the processes of one node (the TP ranks), backed by the file
       ``shared_host_pool_path(shared_name)`` and mapped ``MAP_SHARED`` (see the module
       docstring).
       ``create=True``: make that file exclusively (``SharedHostPoolError`` if it exists),
-      at exactly the rounded size plus a 4 KiB header (``posix_fallocate``: a too-small
-      ``/dev/shm`` fails here with ``HostMemoryError``, not with ``SIGBUS`` later); only the
-      creator checks the RAM. ``create=False``: attach read-only to the existing file
-      (``SharedHostPoolError`` if it is missing, not a regular file, a symbolic link, not
-      accessible, of another size or fingerprint, or stale). ``close()`` of the creating
+      mode 0600 (0640 with ``group``), at exactly the rounded size plus a 4 KiB header
+      (``posix_fallocate``: a too-small ``/dev/shm`` fails here with ``HostMemoryError``, not
+      with ``SIGBUS`` later); only the creator checks the RAM. ``create=False``: attach to
+      the existing file (``SharedHostPoolError`` naming it if it is missing, not a regular
+      file, a symbolic link, not accessible, owned by another user or group or open to
+      others, of another secret, size or fingerprint, or stale). ``close()`` of the creating
       process unlinks the file; ranks still attached keep their mapping (the memory lives
       until the last mapping goes).
+    - ``secret``: the run's secret, ``2 * SECRET_BYTES`` hex digits. The creator records it
+      (a new random one when ``None``: ``HostPool.secret``); an attaching rank must pass the
+      creator's (required), so a file anyone else made is refused. Ignored for a private
+      pool.
+    - ``group``: a group name or gid, or ``None``: the creator gives the file that group
+      (it must belong to it) and mode 0640; an attaching rank passes the same group and
+      then accepts a file of that group owned by another user. ``None``: owner-only files.
     - ``fingerprint``: a string identifying the plan (any text up to 2048 UTF-8 bytes, e.g.
       a hash of the KV-cache config); the creator records it and an attaching rank must pass
       the same one (``None`` counts as the empty string). Ignored for a private pool.
 
-    ``tensor`` is the ``[size_bytes] uint8`` buffer (its contents start undefined);
-    ``writable`` is ``False`` for an attached rank's read-only view. ``close()`` waits for
-    the device, unregisters the buffer and only then drops it; it is idempotent, and
-    ``with HostPool(...)`` closes.
+    ``tensor`` is the ``[size_bytes] uint8`` buffer (its contents start undefined); on an
+    attached rank (``read_only``) it and every view of it are ``ReadOnlyTensor``s whose writes
+    raise ``ReadOnlyViewError``. ``writable`` says whether the mapping itself is writable.
+    ``close()`` waits for the device, unregisters the buffer and only then drops it; it is
+    idempotent, and ``with HostPool(...)`` closes.
     """
 
     _kind = "host pool"
@@ -172,24 +174,27 @@ class HostPool(_Buffer):
                  max_ram_fraction: float = 0.9,
                  device: Optional[torch.device | str | int] = None,
                  shared_name: Optional[str] = None, create: bool = True,
-                 fingerprint: Optional[str] = None) -> None:
-        self._owner_pid = os.getpid()
-        self._tensor: Optional[torch.Tensor] = None
-        self._base: Optional[torch.Tensor] = None
-        self._unlink_path: Optional[str] = None
-        self.pinned = False
-        self.writable = True
-        self.shared_name = shared_name
-        self.path: Optional[str] = None       # the backing file (shared mode)
-        self.creator = shared_name is None or bool(create)
-        if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0:
-            raise ValueError(f"HostPool size must be a positive number of bytes, "
-                             f"got {size_bytes!r}.")
+                 fingerprint: Optional[str] = None, secret: Optional[str | bytes] = None,
+                 group: Optional[str | int] = None) -> None:
+        self._init_state(shared_name=shared_name, create=create)
+        size_bytes = _count("HostPool size", size_bytes)
         check_fraction(max_ram_fraction)
         if not isinstance(create, bool):
             raise ValueError(f"HostPool.create must be True or False, got {create!r}.")
         self.fingerprint = shared_pool.check_fingerprint(fingerprint)
         path = None if shared_name is None else shared_host_pool_path(shared_name)
+        gid = shared_pool.group_id(group)
+        raw_secret = b""
+        if path is not None:
+            if secret is None and not self.creator:
+                raise ValueError(
+                    f"attaching to the shared host pool {shared_name!r} needs the run's "
+                    f"secret: pass the creating rank's host_pool_secret (rank 0 makes it; "
+                    f"send it to the other ranks, e.g. with "
+                    f"hisparse_triton.distributed.broadcast_host_pool_secret).")
+            raw_secret = shared_pool.check_secret(
+                shared_pool.new_secret() if secret is None else secret)
+            self.secret = raw_secret.hex()
         size = -(-size_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
         if self.creator:
             check_memory(self.memory_requests(size, shared=path is not None),
@@ -197,8 +202,9 @@ class HostPool(_Buffer):
         if pin is None:
             pin = torch.cuda.is_available()
         if pin and not torch.cuda.is_available():
-            raise RuntimeError("HostPool(pin=True) needs CUDA; this machine has none.")
-        self.device: Optional[torch.device] = None
+            raise RuntimeError("HostPool(pin=True) needs a GPU runtime (CUDA or ROCm); this "
+                               "machine has none.")
+        cudart = host_register.require_registration(self._runtime) if pin else None
         if pin and device is not None:
             self.device = (torch.device("cuda", device) if isinstance(device, int)
                            else torch.device(device))
@@ -208,17 +214,104 @@ class HostPool(_Buffer):
             shift = (-base.data_ptr()) % HOST_ALIGNMENT
             tensor = base[shift:shift + size]
         elif create:
-            base, tensor = self._create_shared(path, size)
+            base, tensor = self._create_shared(path, size, raw_secret, gid)
         else:
-            base, tensor = self._attach_shared(path, size, writable=False)
+            # A rank that pins where read-only registration does not exist maps read-write.
+            mapped_writable = bool(pin) and not self._runtime.registers_read_only
+            base, tensor = self._attach_shared(path, size, raw_secret, gid,
+                                               writable=mapped_writable)
         self.size_bytes = size
         if pin:
             try:
-                base, tensor = self._pin(base, tensor)
+                base, tensor = self._pin(cudart, base, tensor, raw_secret, gid)
             except BaseException:
                 self._unlink()
                 raise
         self._base, self._tensor = base, tensor
+
+    @classmethod
+    def adopt(cls, tensor: torch.Tensor, size_bytes: int, *, register: bool = True,
+              device: Optional[torch.device | str | int] = None) -> "HostPool":
+        """A host pool over the first ``size_bytes`` bytes of a CPU tensor the caller
+        allocated (``adopted.caller_bytes`` checks it). On a GPU machine the memory must be
+        page-locked: a pinned tensor (``tensor.is_pinned()``, e.g. ``pin_memory()`` or memory
+        registered by the caller) is used as is; otherwise, with ``register``, the pool
+        registers the pages holding it (portable | mapped) and ``close()`` unregisters them;
+        without, ``HostMemoryError``. ``close()`` never frees the caller's memory."""
+        size = _count("HostPool.adopt size", size_bytes)
+        data = caller_bytes(tensor, what="the host pool tensor", nbytes=size, device=_CPU)
+        pool = cls.__new__(cls)
+        pool._init_state(shared_name=None, create=True)
+        pool.owns_memory = False
+        pool.size_bytes = size
+        if torch.cuda.is_available():
+            pool.device = None if device is None else (
+                torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+            if tensor.is_pinned():
+                pool.pinned = True
+            elif not register:
+                raise HostMemoryError(
+                    "the host pool tensor is not pinned (tensor.is_pinned() is False) and "
+                    "register=False: pin it (pin_memory(), or register it with the GPU "
+                    "runtime), or let the worker register it.", resource="pinned host bytes",
+                    needed=size)
+            else:
+                cudart = host_register.require_registration(pool._runtime)
+                pool._register_pages(cudart, data)
+        pool._base, pool._tensor = tensor, data
+        return pool
+
+    def _init_state(self, *, shared_name: Optional[str], create: bool) -> None:
+        self._owner_pid = os.getpid()
+        self._tensor: Optional[torch.Tensor] = None
+        self._base: Optional[torch.Tensor] = None
+        self._unlink_path: Optional[str] = None
+        self._registered_ptr: Optional[int] = None   # what close() unregisters
+        self.owns_memory = True
+        self.pinned = False
+        self.writable = True
+        self.shared_name = shared_name
+        self.path: Optional[str] = None       # the backing file (shared mode)
+        self.creator = shared_name is None or bool(create)
+        self.secret: Optional[str] = None
+        self.fingerprint: Optional[str] = None
+        self.device: Optional[torch.device] = None
+        self._runtime = host_register.current_runtime()
+
+    def _register_pages(self, cudart: object, data: torch.Tensor) -> None:
+        """Register the whole pages holding ``data`` (a caller's memory need not start on a
+        page); ``HostMemoryError`` when the runtime refuses."""
+        start = data.data_ptr() - data.data_ptr() % HOST_ALIGNMENT
+        end = data.data_ptr() + data.numel()
+        length = -(-(end - start) // HOST_ALIGNMENT) * HOST_ALIGNMENT
+        err = int(cudart.cudaHostRegister(start, length, self._runtime.register_flags))
+        if err != 0:
+            host_register.clear_last_error(self._runtime)
+            raise HostMemoryError(
+                f"{self._runtime.call('cudaHostRegister')} of the caller's {length} B host "
+                f"pool tensor failed with {self._runtime.name.lower()}Error {err}; pin it "
+                f"yourself or raise the locked-memory limit (ulimit -l).",
+                resource="pinned host bytes", needed=length)
+        self.pinned, self._registered_ptr = True, start
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this process only reads the pool (an attached rank): ``tensor`` and its
+        views then refuse writes."""
+        return not self.creator
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The ``[size] uint8`` buffer (a ``ReadOnlyTensor`` on an attached rank);
+        ``RuntimeClosedError`` after ``close()``."""
+        raw = self.raw
+        return read_only(raw) if self.read_only else raw
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The buffer as a plain tensor, for the runtime's own kernels (which only read an
+        attached rank's pool); ``RuntimeClosedError`` after ``close()``."""
+        return super().tensor
 
     @staticmethod
     def memory_requests(size_bytes: int, *, shared: bool = False,
@@ -233,41 +326,44 @@ class HostPool(_Buffer):
         extra = shared_pool.HEADER_BYTES if shared else 0
         return [MemoryRequest(what, size + extra, _CPU, hint="host_pool_gib")]
 
-    def _pin(self, base: torch.Tensor, tensor: torch.Tensor) -> tuple[torch.Tensor,
-                                                                     torch.Tensor]:
-        """Register ``tensor`` with CUDA; returns the (possibly remapped) buffer."""
-        cudart = torch.cuda.cudart()
-        size = self.size_bytes
-        flags = _REGISTER_FLAGS | (0 if self.writable else _REGISTER_READ_ONLY)
+    def _pin(self, cudart: object, base: torch.Tensor, tensor: torch.Tensor,
+             secret: bytes, gid: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Register ``tensor`` with the GPU runtime; returns the (possibly remapped) buffer."""
+        runtime, size = self._runtime, self.size_bytes
+        register = runtime.call("cudaHostRegister")
+        read_only_mapping = not self.writable
+        flags = runtime.register_flags | (runtime.read_only_flag if read_only_mapping else 0)
         result = cudart.cudaHostRegister(tensor.data_ptr(), size, flags)
-        if int(result) != 0 and not self.writable:
-            _clear_cuda_last_error()
+        if int(result) != 0 and read_only_mapping:
+            host_register.clear_last_error(runtime)
             logger.warning(
-                "cudaHostRegister with cudaHostRegisterReadOnly failed for the shared host "
-                "pool %s (cudaError %d; the device may lack "
-                "cudaDevAttrHostRegisterReadOnlySupported): this rank maps it read-write "
-                "instead. It still never writes it.", self.path, int(result))
+                "%s with cudaHostRegisterReadOnly failed for the shared host pool %s (error "
+                "%d; the device may lack cudaDevAttrHostRegisterReadOnlySupported): this "
+                "rank maps it read-write instead. Its tensors still refuse writes.",
+                register, self.path, int(result))
             base = tensor = None  # drop the read-only mapping before mapping it again
-            base, tensor = self._attach_shared(self.path, size, writable=True)
-            result = cudart.cudaHostRegister(tensor.data_ptr(), size, _REGISTER_FLAGS)
+            base, tensor = self._attach_shared(self.path, size, secret, gid, writable=True)
+            result = cudart.cudaHostRegister(tensor.data_ptr(), size, runtime.register_flags)
         err = int(result)
         if err != 0:
-            _clear_cuda_last_error()
+            host_register.clear_last_error(runtime)
             try:
                 reason = f" ({cudart.cudaGetErrorString(result)})"
             except Exception:  # noqa: BLE001 - the number alone still says it
                 reason = ""
             available = available_ram_bytes()
             raise HostMemoryError(
-                f"cudaHostRegister of the {size} B ({size / (1 << 30):.2f} GiB) host pool "
-                f"failed with cudaError {err}{reason}; the OS may limit locked memory "
+                f"{register} of the {size} B ({size / (1 << 30):.2f} GiB) host pool "
+                f"failed with {runtime.name.lower()}Error {err}{reason}; the OS may limit "
+                f"locked memory "
                 f"(ulimit -l) or the machine has too little RAM to pin it: lower "
                 f"host_pool_gib.", resource="pinned host bytes", needed=size,
                 available=available)
-        self.pinned = True
+        self.pinned, self._registered_ptr = True, tensor.data_ptr()
         return base, tensor
 
-    def _create_shared(self, path: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _create_shared(self, path: str, size: int, secret: bytes,
+                       gid: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
         folder = os.path.dirname(path)
         total = shared_pool.HEADER_BYTES + size
         try:
@@ -303,7 +399,15 @@ class HostPool(_Buffer):
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, total)   # a file system without fallocate
-            header = shared_pool.PoolHeader.for_this_process(size, self.fingerprint)
+            if gid is not None:
+                try:
+                    os.fchown(fd, -1, gid)
+                except PermissionError:
+                    raise SharedHostPoolError(
+                        f"cannot give the shared host pool {path} the group {gid}: this user "
+                        f"is not a member of it.", path) from None
+            os.fchmod(fd, shared_pool.creation_mode(gid))   # whatever the umask
+            header = shared_pool.PoolHeader.for_this_process(size, self.fingerprint, secret)
             os.pwrite(fd, header.pack(), 0)
             base = _map_fd(fd, total, writable=True)
         except BaseException:
@@ -328,14 +432,21 @@ class HostPool(_Buffer):
                    "`hisparse-triton shm list`, or pick another host_pool_name")
         return f"shared host pool {self.shared_name!r} already exists ({path}): {why}."
 
-    def _attach_shared(self, path: str, size: int, *,
+    def _attach_shared(self, path: str, size: int, secret: bytes, gid: Optional[int], *,
                        writable: bool) -> tuple[torch.Tensor, torch.Tensor]:
         fd = shared_pool.open_pool_file(
             path, writable=writable,
             missing=f": construct the creating runtime (tp_rank 0) first, with the same "
                     f"host_pool_name ({self.shared_name!r})")
         try:
+            shared_pool.check_access(fd, path, gid=gid)
             header = shared_pool.read_header(fd, path)
+            if not shared_pool.same_secret(header, secret):
+                raise SharedHostPoolError(
+                    f"shared host pool {self.shared_name!r} ({path}) was not created by this "
+                    f"run's rank 0: its secret differs from the host_pool_secret this rank "
+                    f"was given (a file left by another run or planted by someone else; "
+                    f"`hisparse-triton shm list` shows it).", path)
             wanted = self.fingerprint or ""
             if header.fingerprint != wanted:
                 raise SharedHostPoolError(
@@ -376,13 +487,15 @@ class HostPool(_Buffer):
 
     @property
     def data_ptr(self) -> int:
-        return self.tensor.data_ptr()
+        return self.raw.data_ptr()
 
     def view(self, offset: int, num_blocks: int, block_size: int, row_bytes: int,
              block_stride: int) -> torch.Tensor:
-        """``[num_blocks, block_size, row_bytes] uint8`` view of one layer at byte ``offset``."""
-        return _strided_view(self.tensor, offset, num_blocks, block_size, row_bytes,
+        """``[num_blocks, block_size, row_bytes] uint8`` view of one layer at byte ``offset``
+        (read-only on an attached rank, like ``tensor``)."""
+        view = _strided_view(self.raw, offset, num_blocks, block_size, row_bytes,
                              block_stride)
+        return read_only(view) if self.read_only else view
 
     def close(self) -> None:
         """Unpin (after the device finished using the buffer) and release; idempotent.
@@ -394,7 +507,7 @@ class HostPool(_Buffer):
         """
         if getattr(self, "_owner_pid", None) != os.getpid():
             self._tensor = self._base = None
-            self._unlink_path = None
+            self._unlink_path = self._registered_ptr = None
             self.pinned = False
             return
         if getattr(self, "_tensor", None) is None:
@@ -407,15 +520,16 @@ class HostPool(_Buffer):
             self._unlink()
 
     def _release(self) -> None:
-        if self.pinned:
+        self.pinned = False
+        ptr, self._registered_ptr = self._registered_ptr, None
+        if ptr is not None:
             torch.cuda.synchronize(self.device)
-            err = int(torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr()))
-            self.pinned = False
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
             if err != 0:  # pragma: no cover - driver failure
-                _clear_cuda_last_error()
+                host_register.clear_last_error(self._runtime)
                 self._tensor = self._base = None
-                raise RuntimeError(f"cudaHostUnregister of the host pool failed with "
-                                   f"cudaError {err}.")
+                raise RuntimeError(f"{self._runtime.call('cudaHostUnregister')} of the host "
+                                   f"pool failed with error {err}.")
         self._tensor = self._base = None
 
     def __enter__(self) -> "HostPool":
@@ -454,8 +568,25 @@ class DevicePool(_Buffer):
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.device = device
+        self.owns_memory = True
         self._tensor: Optional[torch.Tensor] = torch.zeros(num_blocks * bytes_per_block,
                                                            dtype=torch.uint8, device=device)
+
+    @classmethod
+    def adopt(cls, tensor: torch.Tensor, num_blocks: int, bytes_per_block: int,
+              device: torch.device | str) -> "DevicePool":
+        """A device pool over a tensor the caller allocated on ``device`` (its first
+        ``num_blocks * bytes_per_block`` bytes; ``adopted.caller_bytes`` checks it). Its
+        contents are left as they are; ``close()`` never frees it."""
+        for name, value in (("num_blocks", num_blocks), ("bytes_per_block", bytes_per_block)):
+            _count(f"DevicePool.{name}", value)
+        device = torch.device(device)
+        pool = cls.__new__(cls)
+        pool.num_blocks, pool.bytes_per_block, pool.device = num_blocks, bytes_per_block, device
+        pool.owns_memory = False
+        pool._tensor = caller_bytes(tensor, what="the device pool tensor",
+                                    nbytes=num_blocks * bytes_per_block, device=device)
+        return pool
 
     @staticmethod
     def memory_requests(num_blocks: int, bytes_per_block: int,

@@ -15,12 +15,18 @@ offset     type    field
 32         u64     creator start time (clock ticks after boot, ``/proc/PID/stat``; 0 unknown)
 40         u64     creation time (ns since the epoch)
 48         u64     the creator's pid namespace (inode of ``/proc/self/ns/pid``; 0 unknown)
-56         u32     fingerprint length ``n`` (<= ``MAX_FINGERPRINT_BYTES``)
-60         n B     fingerprint (UTF-8): the plan the creator was built for
+56         16 B    the run's secret (random unless the creator was given one)
+72         u32     fingerprint length ``n`` (<= ``MAX_FINGERPRINT_BYTES``)
+76         n B     fingerprint (UTF-8): the plan the creator was built for
 =========  ======  ===========================================================
 
-The creator writes the header once, right after sizing the file; attaching ranks check the
-magic, the version, the size and the fingerprint before mapping anything. A pool is *stale*
+The creator makes the file exclusively with mode 0600 (or 0640 and the group it is given),
+writes the header once, right after sizing the file; attaching ranks check, before mapping
+anything, that the file is owned by their own user with no access for anyone else
+(``check_access``; with a group: that group, no write access for it and none for others),
+then the magic, the version, the run's secret (which every rank gets from rank 0, e.g. with
+the plan broadcast: a file created by anyone else is refused even when it carries the right
+plan), the size and the fingerprint. A pool is *stale*
 when its creator process is gone (its pid is free, belongs to a zombie, or was reused by a
 process that started later): rank 0 was killed and could not unlink it. ``list_pools`` and
 ``remove_pool`` (the ``hisparse-triton shm`` command) find and remove such pools. Liveness can
@@ -31,30 +37,37 @@ it is unknown.
 from __future__ import annotations
 
 import errno
+import grp
+import hmac
 import os
+import pwd
 import re
+import secrets
 import stat
 import struct
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from hisparse_triton.errors import SharedHostPoolError
 
 __all__ = ["FILE_PREFIX", "FORMAT_VERSION", "HEADER_BYTES", "MAGIC", "MAX_FINGERPRINT_BYTES",
-           "check_fingerprint", "check_name",
+           "SECRET_BYTES", "check_access", "check_fingerprint", "check_name", "check_secret",
+           "creation_mode", "group_id", "new_secret", "same_secret",
            "PoolHeader", "PoolInfo", "creator_alive", "inspect_pool", "list_pools", "open_pool_file",
            "pid_namespace", "pool_dir", "pool_path", "process_start_ticks", "read_header",
            "remove_pool"]
 
 MAGIC = b"HISPARSE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Bytes before the pool's data: one page, so the data stays 4 KiB aligned.
 HEADER_BYTES = 4096
 MAX_FINGERPRINT_BYTES = 2048
+#: Bytes of a run's secret (given as 2 * SECRET_BYTES hex digits).
+SECRET_BYTES = 16
 FILE_PREFIX = "hisparse-"
-_FIXED = struct.Struct("<8sIIQqQQQI")
+_FIXED = struct.Struct("<8sIIQqQQQ16sI")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -117,22 +130,24 @@ class PoolHeader:
     fingerprint: str
     pid_namespace: int = 0
     version: int = FORMAT_VERSION
+    secret: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def for_this_process(cls, data_bytes: int, fingerprint: Optional[str]) -> "PoolHeader":
+    def for_this_process(cls, data_bytes: int, fingerprint: Optional[str],
+                         secret: bytes = b"") -> "PoolHeader":
         """The header a pool created now by this process carries."""
         pid = os.getpid()
         return cls(data_bytes=data_bytes, creator_pid=pid,
                    creator_start_ticks=process_start_ticks(pid) or 0,
                    created_ns=time.time_ns(), fingerprint=fingerprint or "",
-                   pid_namespace=pid_namespace())
+                   pid_namespace=pid_namespace(), secret=secret)
 
     def pack(self) -> bytes:
         """The ``HEADER_BYTES`` bytes to write at offset 0."""
         text = self.fingerprint.encode("utf-8")
         fixed = _FIXED.pack(MAGIC, self.version, HEADER_BYTES, self.data_bytes,
                             self.creator_pid, self.creator_start_ticks, self.created_ns,
-                            self.pid_namespace, len(text))
+                            self.pid_namespace, self.secret, len(text))
         return (fixed + text).ljust(HEADER_BYTES, b"\0")
 
 
@@ -150,6 +165,100 @@ def check_fingerprint(fingerprint: object) -> Optional[str]:
     return fingerprint
 
 
+def new_secret() -> str:
+    """A fresh random secret for one run: ``2 * SECRET_BYTES`` hex digits."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def check_secret(secret: object) -> bytes:
+    """The ``SECRET_BYTES`` bytes of ``secret`` (``2 * SECRET_BYTES`` hex digits, or that
+    many raw bytes); ``ValueError`` otherwise."""
+    if isinstance(secret, (bytes, bytearray)) and len(secret) == SECRET_BYTES:
+        return bytes(secret)
+    if isinstance(secret, str) and len(secret) == 2 * SECRET_BYTES:
+        try:
+            return bytes.fromhex(secret)
+        except ValueError:
+            pass
+    raise ValueError(f"a shared host pool secret is {2 * SECRET_BYTES} hex digits (the "
+                     f"creating rank's host_pool_secret), got "
+                     f"{type(secret).__name__} {secret!r:.60}.")
+
+
+def same_secret(header: PoolHeader, secret: bytes) -> bool:
+    """Whether the pool's header carries ``secret`` (compared in constant time)."""
+    return hmac.compare_digest(header.secret, secret)
+
+
+def group_id(group: object) -> Optional[int]:
+    """The gid of ``group`` (a group name or a gid; ``None`` stays ``None``);
+    ``ValueError`` for an unknown name or a bad value."""
+    if group is None:
+        return None
+    if isinstance(group, int) and not isinstance(group, bool) and group >= 0:
+        return group
+    if isinstance(group, str) and group:
+        try:
+            return grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ValueError(f"shared host pool group {group!r} is not a group of this "
+                             f"machine.") from None
+    raise ValueError(f"a shared host pool group is a group name or a gid >= 0, got "
+                     f"{group!r}.")
+
+
+def creation_mode(gid: Optional[int]) -> int:
+    """The permission bits a new pool file gets: 0600, or 0640 with a group (its members
+    may attach: they only read the pool)."""
+    return 0o600 if gid is None else 0o640
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def check_access(fd: int, path: str, *, gid: Optional[int] = None) -> None:
+    """``SharedHostPoolError`` naming ``path`` unless the open pool file ``fd`` was made by
+    a rank of this run's user: owned by this process's effective user and readable by nobody
+    else (no group or other permission bits); with ``gid``: owned by group ``gid``, with no
+    write permission for the group and none at all for others (its owner may then be another
+    user of the group)."""
+    info = os.fstat(fd)
+    mode, uid = stat.S_IMODE(info.st_mode), os.geteuid()
+    owner = f"owner {_owner_name(info.st_uid)} (uid {info.st_uid}), mode {mode:04o}"
+    if gid is None:
+        if info.st_uid != uid:
+            raise SharedHostPoolError(
+                f"refusing the shared host pool {path}: its {owner} is not this process's "
+                f"user {_owner_name(uid)} (uid {uid}); a pool is attached only when the "
+                f"creating rank runs as the same user (or pass the group it was created "
+                f"for).", path)
+        if mode & 0o077:
+            raise SharedHostPoolError(
+                f"refusing the shared host pool {path}: {owner} lets other users read or "
+                f"write it (a pool is created 0600); remove it (`hisparse-triton shm clean "
+                f"--force`) and start again.", path)
+        return
+    if info.st_gid != gid:
+        raise SharedHostPoolError(
+            f"refusing the shared host pool {path}: its group is {_group_name(info.st_gid)} "
+            f"(gid {info.st_gid}), not {_group_name(gid)} (gid {gid}).", path)
+    if mode & 0o027:
+        raise SharedHostPoolError(
+            f"refusing the shared host pool {path}: {owner} gives the group write access or "
+            f"others any access (a group pool is created 0640).", path)
+
+
 def read_header(fd: int, path: str) -> PoolHeader:
     """The header of the open pool file ``fd``; ``SharedHostPoolError`` naming ``path`` if
     the file is too short, has no hisparse magic or another format version."""
@@ -160,7 +269,7 @@ def read_header(fd: int, path: str) -> PoolHeader:
             f"program's file, a pool of an older hisparse-triton, or a creator that died "
             f"while creating it); `hisparse-triton shm list` shows it, `hisparse-triton shm "
             f"clean --name NAME --force` removes it.", path)
-    (_, version, header_bytes, data_bytes, pid, ticks, created, pid_ns,
+    (_, version, header_bytes, data_bytes, pid, ticks, created, pid_ns, secret,
      n) = _FIXED.unpack_from(raw)
     if version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
         raise SharedHostPoolError(
@@ -172,7 +281,7 @@ def read_header(fd: int, path: str) -> PoolHeader:
     text = raw[_FIXED.size:_FIXED.size + n].decode("utf-8", errors="replace")
     return PoolHeader(data_bytes=data_bytes, creator_pid=pid, creator_start_ticks=ticks,
                       created_ns=created, fingerprint=text, pid_namespace=pid_ns,
-                      version=version)
+                      version=version, secret=secret)
 
 
 def open_pool_file(path: str, *, writable: bool, missing: str = "") -> int:
@@ -243,6 +352,19 @@ class PoolInfo:
     header: Optional[PoolHeader] = None
     error: str = ""
     file_id: tuple[int, int] = (0, 0)   # (st_dev, st_ino): the very file inspected
+    owner_uid: int = -1                 # the file's owner and group ids, -1 unknown
+    group_gid: int = -1
+    mode: int = 0                       # its permission bits
+
+    @property
+    def owner(self) -> str:
+        """The owner's user name (its uid when it has none; ``"?"`` unknown)."""
+        return "?" if self.owner_uid < 0 else _owner_name(self.owner_uid)
+
+    @property
+    def group(self) -> str:
+        """The file's group name (its gid when it has none; ``"?"`` unknown)."""
+        return "?" if self.group_gid < 0 else _group_name(self.group_gid)
 
 
 def inspect_pool(name: str, folder: Optional[str] = None) -> Optional[PoolInfo]:
@@ -255,26 +377,32 @@ def inspect_pool(name: str, folder: Optional[str] = None) -> Optional[PoolInfo]:
     except FileNotFoundError:
         return None
     file_id = (info.st_dev, info.st_ino)
+    ids = dict(owner_uid=info.st_uid, group_gid=info.st_gid, mode=stat.S_IMODE(info.st_mode))
     if not stat.S_ISREG(info.st_mode):
-        return PoolInfo(name, path, 0, "unknown", error="not a regular file", file_id=file_id)
+        return PoolInfo(name, path, 0, "unknown", error="not a regular file", file_id=file_id,
+                        **ids)
     try:
         fd = open_pool_file(path, writable=False)
     except SharedHostPoolError as exc:
-        return PoolInfo(name, path, info.st_size, "unknown", error=str(exc), file_id=file_id)
+        return PoolInfo(name, path, info.st_size, "unknown", error=str(exc), file_id=file_id,
+                        **ids)
     try:
         opened = os.fstat(fd)
         file_id = (opened.st_dev, opened.st_ino)
+        ids = dict(owner_uid=opened.st_uid, group_gid=opened.st_gid,
+                   mode=stat.S_IMODE(opened.st_mode))
         header = read_header(fd, path)
     except SharedHostPoolError as exc:
-        return PoolInfo(name, path, info.st_size, "unknown", error=str(exc), file_id=file_id)
+        return PoolInfo(name, path, info.st_size, "unknown", error=str(exc), file_id=file_id,
+                        **ids)
     finally:
         os.close(fd)
     alive = creator_alive(header)
     if alive is None:
         return PoolInfo(name, path, info.st_size, "unknown", header,
-                        error="created in another pid namespace", file_id=file_id)
+                        error="created in another pid namespace", file_id=file_id, **ids)
     return PoolInfo(name, path, info.st_size, "alive" if alive else "stale", header,
-                    file_id=file_id)
+                    file_id=file_id, **ids)
 
 
 def list_pools(folder: Optional[str] = None) -> list[PoolInfo]:

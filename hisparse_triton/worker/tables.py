@@ -4,30 +4,36 @@ Tables (``TableLayout``): one int32 arena ``[max_num_seqs, width]``; ``seq_lens`
 block table and every device group's block table are column views of it (row stride
 ``width``), so a plan is applied with one host -> device copy and one scatter:
 
-1. ``check(plan)``: the one place a plan is validated (type, order, a mirror still due, every
-   entry inside the layout and the pools); a refused plan changes nothing;
+1. ``check(plan)``: the one place a received plan is validated: the worker takes its own
+   copy (``StepPlan.received``: types, counts, the data's dtype and size, also for an
+   unpickled plan that skipped the constructor), then checks the order, a mirror still due,
+   and every value of every section against its own tables and pools (``StepPlan.check``
+   with the worker's ``PlanLimits``); a refused plan changes nothing;
 2. the plan's int32 data goes to the device through a ring of ``STAGING_SLOTS`` pinned
    buffers (``StagingRing``: the CPU may run that many plans ahead; a slot is reused only
    after its earlier copy ran);
 3. resets (every table of those state rows emptied, and the hot state of the rows reset
-   through a ``RowState``), then the writes (``arena.view(-1)[index] = value``).
+   through a ``RowState``), then the writes (``arena.view(-1)[index] = value``) and the
+   invalidations (hot slots holding dropped host rows emptied, through the ``RowState``).
 
 What the last plan overwrote is kept, so ``revert(plan)`` restores the tables exactly (a
 caller whose later work in the same call failed); a failure part-way through an apply
-restores the touched entries before the error propagates.
+restores the touched entries before the error propagates. The copy of the last plan applied
+is kept too: its mirror rows are the ones ``mirror`` copies, whatever the caller's plan
+object holds afterwards.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
 
-from hisparse_triton.step_plan import StepPlan, TableLayout
+from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 
-__all__ = ["STAGING_SLOTS", "PlanTables", "RowState", "StagingRing"]
+__all__ = ["STAGING_SLOTS", "DueMirror", "PlanTables", "RowState", "StagingRing"]
 
 #: Pinned staging buffers for plans in flight (the CPU may run this many plans ahead).
 STAGING_SLOTS = 4
@@ -45,6 +51,11 @@ class RowState(Protocol):
 
     def restore_rows(self, rows: torch.Tensor, saved: tuple) -> None:
         """Put back what ``save_rows(rows)`` copied."""
+
+    def invalidate(self, rows: torch.Tensor, entry_row: torch.Tensor, lo: torch.Tensor,
+                   hi: torch.Tensor) -> None:
+        """Empty what state rows ``rows[entry_row[e]]`` hold in ``[lo[e], hi[e])`` (a
+        plan's ``invalidate`` section; ``rows`` distinct)."""
 
 
 class StagingRing:
@@ -91,6 +102,12 @@ class StagingRing:
         return self._device_buffer[:values.size]
 
 
+def _ordinary_tensors(method: Callable) -> Callable:
+    """``method`` run outside inference mode and without autograd (the tables are ordinary
+    tensors whatever the caller's mode); as a decorator, so no context exit runs in it."""
+    return torch.inference_mode(False)(torch.no_grad()(method))
+
+
 @dataclass(frozen=True)
 class _Undo:
     """What one applied plan overwrote."""
@@ -101,25 +118,39 @@ class _Undo:
     row_state: tuple                    # RowState.save_rows(resets)
     index: torch.Tensor                 # [w] flat arena indices written
     old_values: Optional[torch.Tensor]  # [w] their values before (None: no writes)
+    invalidated: Optional[torch.Tensor] = None  # [u] state rows invalidated (None: none)
+    invalidated_state: tuple = ()       # RowState.save_rows(invalidated), before the plan
+
+
+class DueMirror(NamedTuple):
+    """An applied plan whose mirror rows are still to be copied: its device data once a
+    later upload would overwrite it (None: still the last upload) and the parts left."""
+
+    plan: StepPlan
+    packed: Optional[torch.Tensor]
+    parts: frozenset[bool]
 
 
 class PlanTables:
     """The per-request table arena of one worker and the plans applied to it.
 
-    - ``layout``: the arena's columns (``TableLayout``); ``row_state``: the per-row state a
-      reset also empties; ``num_device_blocks``, ``num_host_blocks``, ``block_size``,
-      ``num_resident``: what a plan's entries are checked against.
+    - ``limits``: what every received plan is checked against (``PlanLimits``: the arena's
+      columns, ``max_model_len``, the pools' block counts, the resident groups);
+      ``row_state``: the per-row state a reset also empties.
     - Views (``[max_num_seqs, ...] int32``, updated in place): ``seq_lens``, ``host_blocks``
       (host block of every page), ``group_tables[i]`` (device group ``i``'s block table).
+    - ``last_applied``: the worker's own copy of the last plan applied (``None`` before the
+      first and after a revert); ``due``: every applied plan whose mirror rows are still to
+      be copied (oldest first, each with the mirror parts left: ``False`` the main layers,
+      ``True`` the draft layers). Several are due only when plans without ``commit`` came
+      in between (a ``commit`` plan is refused while any mirror is due).
     """
 
-    def __init__(self, layout: TableLayout, device: torch.device, row_state: RowState, *,
-                 num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 num_resident: int) -> None:
-        self.layout, self.device, self._row_state = layout, device, row_state
-        self._limits = (num_device_blocks, num_host_blocks, block_size)
-        self._num_resident = num_resident
-        L = layout
+    def __init__(self, limits: PlanLimits, device: torch.device, row_state: RowState, *,
+                 mirror_parts: frozenset[bool] = frozenset({False})) -> None:
+        self.limits, self.layout = limits, limits.layout
+        self.device, self._row_state = device, row_state
+        L = self.layout
         self.arena = torch.zeros(L.max_num_seqs, L.width, dtype=torch.int32, device=device)
         self.flat = self.arena.view(-1)
         self.seq_lens = self.arena[:, L.SEQ_LEN_COL]
@@ -127,8 +158,11 @@ class PlanTables:
         self.group_tables = [self.arena[:, col:col + width]
                              for col, width in zip(L.group_cols, L.group_widths)]
         self.next_step = 1
-        #: The last plan applied while its mirror rows are still to be copied, else None.
-        self.mirror_due: Optional[StepPlan] = None
+        self.last_applied: Optional[StepPlan] = None
+        #: The mirror parts (False: main layers, True: draft layers) a plan with mirror rows
+        #: needs.
+        self.mirror_parts = mirror_parts
+        self.due: tuple[DueMirror, ...] = ()
         self._ring = StagingRing(device)
         self._last: Optional[_Undo] = None
 
@@ -142,44 +176,77 @@ class PlanTables:
         """Plans applied (and not reverted)."""
         return self.next_step - 1
 
-    # ------------------------------------------------------------------ checks
-    def check(self, plan: object) -> None:
-        """``ValueError`` unless ``plan`` is the next ``StepPlan`` of this layout, the last
-        one's mirror rows were mirrored, and every entry fits the layout and the pools."""
-        if not isinstance(plan, StepPlan):
-            raise ValueError(f"apply takes a StepPlan, got {type(plan).__name__}.")
-        if plan.step != self.next_step:
-            what = "repeated" if plan.step < self.next_step else "skipped ahead"
-            raise ValueError(f"StepPlan {plan.step} is out of order ({what}): this worker "
-                             f"expects step {self.next_step}.")
-        if self.mirror_due is not None:
-            raise ValueError(f"StepPlan {self.mirror_due.step} has mirror rows that were "
-                             f"never mirrored: call mirror(plan) after the forward, before "
-                             f"applying step {plan.step}.")
-        plan.check(self.layout, *self._limits)
-        if plan.num_mirror and plan.num_resident != self._num_resident:
-            raise ValueError(f"StepPlan {plan.step} mirrors {plan.num_resident} resident "
-                             f"groups; this plan has {self._num_resident}.")
+    @property
+    def mirror_due(self) -> Optional[StepPlan]:
+        """The oldest applied plan whose mirror rows are still to be copied, else None."""
+        return self.due[0].plan if self.due else None
 
-    def check_last(self, plan: object) -> None:
-        """``ValueError`` unless ``plan`` is the last plan applied."""
+    @property
+    def parts_due(self) -> frozenset[bool]:
+        """The mirror parts still to be copied for some due plan."""
+        return frozenset().union(*(d.parts for d in self.due))
+
+    @property
+    def due_plans(self) -> list[StepPlan]:
+        """Every applied plan whose mirror rows are still to be copied, oldest first."""
+        return [d.plan for d in self.due]
+
+    # ------------------------------------------------------------------ checks
+    def check(self, plan: object) -> StepPlan:
+        """The worker's own checked copy of ``plan`` (``StepPlan.received``): ``ValueError``
+        unless it is a well-formed ``StepPlan``, the next one in order, for a ``commit`` plan
+        every earlier plan's mirror rows were mirrored (a commit plan declares them durable:
+        their blocks may be reused from then on; a plan without ``commit`` may come while
+        mirrors are due), and every value of every section fits this worker's tables and
+        pools (``StepPlan.check``)."""
+        received = StepPlan.received(plan, what="apply")
+        if received.step != self.next_step:
+            what = "repeated" if received.step < self.next_step else "skipped ahead"
+            raise ValueError(f"StepPlan {received.step} is out of order ({what}): this worker "
+                             f"expects step {self.next_step}.")
+        if self.due and received.commit:
+            which = ("draft-layer mirror rows that were never mirrored: call "
+                     "mirror(draft=True) once the drafter wrote their KV"
+                     if self.parts_due == {True} else
+                     "mirror rows that were never mirrored: call mirror(plan) after the "
+                     "forward")
+            raise ValueError(f"StepPlan {self.mirror_due.step} has {which}, before applying "
+                             f"step {received.step}.")
+        received.check(self.limits)
+        return received
+
+    def check_last(self, plan: object = None) -> Optional[StepPlan]:
+        """The worker's copy of the last plan applied; ``ValueError`` unless ``plan`` is
+        ``None`` or that very plan (same step, same content: a plan whose sections differ
+        from what was applied is refused, so a mirror copies exactly the rows applied)."""
+        last, expected = self.last_applied, self.next_step - 1
+        if plan is None:
+            return last
         step = getattr(plan, "step", None)
-        if not isinstance(plan, StepPlan) or step != self.next_step - 1:
-            raise ValueError(f"mirror(plan) takes the last plan applied (step "
-                             f"{self.next_step - 1}), got step {step!r}.")
+        if not isinstance(plan, StepPlan) or step != expected or last is None:
+            raise ValueError(f"mirror(plan) takes the last plan applied (step {expected}), "
+                             f"got step {step!r}.")
+        if plan is not last and not _same_plan(plan, last):
+            raise ValueError(f"mirror(plan): this StepPlan {step} is not the plan applied as "
+                             f"step {step} (its header or sections differ); call mirror() "
+                             f"with no argument to mirror what was applied.")
+        return last
 
     # ------------------------------------------------------------------ apply / revert
-    def apply(self, plan: StepPlan) -> None:
-        """Check ``plan`` (``check``), then write its resets and writes (one packed host ->
-        device copy, then on-device scatters; no host sync). All or nothing."""
-        self.check(plan)
-        with torch.inference_mode(False), torch.no_grad():
-            data = self._ring.upload(plan.data)
-            self._last = self._write(plan, data)
-        self.next_step += 1
-        self.mirror_due = plan if plan.num_mirror else None
+    def apply(self, plan: object) -> None:
+        """Check ``plan`` (``check``), then write its resets, writes and invalidations (one
+        packed host -> device copy, then on-device scatters; no host sync). All or nothing:
+        whatever raises part-way, the tables, the row state and the step count are as
+        before."""
+        received = self.check(plan)
+        packed = received.data
+        if received.num_invalidate:  # the distinct rows travel with the plan: one copy
+            rows, entry_row = np.unique(received.invalidate[:, 0], return_inverse=True)
+            packed = np.concatenate([packed, rows.astype(np.int32),
+                                     entry_row.reshape(-1).astype(np.int32)])
+        self._apply(received, packed)
 
-    def revert(self, plan: StepPlan) -> None:
+    def revert(self, plan: object) -> None:
         """Undo ``apply(plan)``: every table entry and hot-state row it changed is restored
         and the next plan expected is ``plan.step`` again. ``plan`` must be the last plan
         applied and not reverted yet (``ValueError`` otherwise). Rows it mirrored stay in the
@@ -188,42 +255,97 @@ class PlanTables:
         if last is None or not isinstance(plan, StepPlan) or last.step != plan.step:
             raise ValueError(f"StepPlan {getattr(plan, 'step', plan)!r} is not the last plan "
                              f"applied.")
-        with torch.inference_mode(False), torch.no_grad():
-            self._restore(last)
-        self._last = None
-        self.next_step -= 1
-        self.mirror_due = None
+        self._revert(last)
 
-    def packed(self, plan: StepPlan) -> torch.Tensor:
-        """The last applied plan's int32 data on the device (its mirror sections are read
-        from there)."""
-        return self._ring.last(plan.data)
-
-    def mark_mirrored(self) -> None:
-        """The last plan's mirror rows were copied (or need no copy on this rank)."""
-        self.mirror_due = None
-
-    def _write(self, plan: StepPlan, data: torch.Tensor) -> _Undo:
-        r, w = plan.num_resets, plan.num_writes
-        resets, index, value = data[:r], data[r:r + w], data[r + w:r + 2 * w]
-        undo = _Undo(step=plan.step, resets=resets if r else None,
-                     arena_rows=self.arena[resets].clone() if r else None,
-                     row_state=self._row_state.save_rows(resets) if r else (),
-                     index=index, old_values=self.flat[index] if w else None)
+    # The two methods below end with ONE statement that records the new step (after every
+    # tensor write): whatever raises before it leaves the step count untouched, and the
+    # tensor writes are undone first.
+    @_ordinary_tensors
+    def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
+        due = self.due
+        if due and due[-1].packed is None:  # its device data survives the next upload
+            due = (*due[:-1], due[-1]._replace(
+                packed=self._ring.last(due[-1].plan.data).clone()))
+        data = self._ring.upload(packed)
+        undo = self._save(plan, data)
+        kept = (self._last, self.next_step, self.last_applied, self.due)
         try:
+            r, w = plan.num_resets, plan.num_writes
             if r:
-                self.arena[resets] = 0
-                self._row_state.reset_rows(resets)
+                self.arena[undo.resets] = 0
+                self._row_state.reset_rows(undo.resets)
             if w:
-                self.flat[index] = value
+                self.flat[undo.index] = data[r + w:r + 2 * w]
+            if plan.num_invalidate:  # data: the plan's, then the distinct rows, entry rows
+                v, end = plan.num_invalidate, plan.data.size
+                entries = data[end - 3 * v:end].view(v, 3)
+                entry_row = data[end + undo.invalidated.numel():]
+                self._row_state.invalidate(undo.invalidated, entry_row, entries[:, 1],
+                                           entries[:, 2])
+            if plan.num_mirror:
+                due = (*due, DueMirror(plan, None, self.mirror_parts))
+            self._last, self.next_step, self.last_applied, self.due = (
+                undo, plan.step + 1, plan, due)
         except BaseException:
             self._restore(undo)
+            self._last, self.next_step, self.last_applied, self.due = kept
             raise
-        return undo
+
+    @_ordinary_tensors
+    def _revert(self, undo: "_Undo") -> None:
+        self._restore(undo)
+        self._last, self.next_step, self.last_applied, self.due = (
+            None, undo.step, None, tuple(d for d in self.due if d.plan.step != undo.step))
+
+    def _save(self, plan: StepPlan, data: torch.Tensor) -> "_Undo":
+        """What applying ``plan`` (its device ``data``) will overwrite; reads only. The
+        invalidated rows' state is saved before the resets too: restoring both gives the
+        state before the plan whatever the order."""
+        r, w = plan.num_resets, plan.num_writes
+        resets, index = data[:r], data[r:r + w]
+        invalidated = None
+        if plan.num_invalidate:
+            end, v = plan.data.size, plan.num_invalidate
+            invalidated = data[end:data.numel() - v]
+        return _Undo(step=plan.step, resets=resets if r else None,
+                     arena_rows=self.arena[resets].clone() if r else None,
+                     row_state=self._row_state.save_rows(resets) if r else (),
+                     index=index, old_values=self.flat[index] if w else None,
+                     invalidated=invalidated,
+                     invalidated_state=(self._row_state.save_rows(invalidated)
+                                        if invalidated is not None else ()))
+
+    def packed(self, due: Optional["DueMirror"] = None) -> torch.Tensor:
+        """A due plan's int32 data on the device (its mirror sections are read from there),
+        by default the last applied plan's (on the CPU, the worker's own copy)."""
+        if due is not None and due.packed is not None:
+            return due.packed
+        return self._ring.last((due.plan if due is not None else self.last_applied).data)
+
+    def mirrored(self, draft: bool) -> tuple["DueMirror", ...]:
+        """The due list once part ``draft`` of every due plan's mirror is done (the caller
+        assigns it in one statement, with its byte count)."""
+        left = (d._replace(parts=d.parts - {draft}) for d in self.due)
+        return tuple(d for d in left if d.parts)
+
+    def mark_mirrored(self) -> None:
+        """Every part of every due plan's mirror was copied (or needs no copy here)."""
+        self.due = ()
 
     def _restore(self, undo: _Undo) -> None:
+        if undo.invalidated is not None:
+            self._row_state.restore_rows(undo.invalidated, undo.invalidated_state)
         if undo.old_values is not None:
             self.flat[undo.index] = undo.old_values
         if undo.resets is not None:
             self.arena[undo.resets] = undo.arena_rows
             self._row_state.restore_rows(undo.resets, undo.row_state)
+
+
+def _same_plan(a: StepPlan, b: StepPlan) -> bool:
+    """Whether two plans have the same header and sections."""
+    return (a.step, a.layout, a.commit, a.num_resets, a.num_writes, a.num_mirror,
+            a.num_resident, a.num_lost, a.released_pages, a.num_invalidate) == (
+        b.step, b.layout, b.commit, b.num_resets, b.num_writes, b.num_mirror,
+        b.num_resident, b.num_lost, b.released_pages, b.num_invalidate) and \
+        isinstance(a.data, np.ndarray) and np.array_equal(a.data, b.data)

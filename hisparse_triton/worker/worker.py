@@ -27,7 +27,7 @@ rank whose ``mirror`` copies; every rank applies the same plans, so their tables
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,18 +38,21 @@ from hisparse_triton.groups import PlanGroups
 from hisparse_triton.layout import underlying_layer_name
 from hisparse_triton.memory import MemoryRequest, check_memory
 from hisparse_triton.specs import KVCacheConfig
-from hisparse_triton.step_plan import StepPlan, TableLayout
+from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
-from hisparse_triton.worker.hot_cache import HotCache, HotState
+from hisparse_triton.worker.hot_cache import HotCache, HotState, check_state_rows
+from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
-from hisparse_triton.worker.mirror import HostMirror
+from hisparse_triton.worker.mirror import HostMirror, count_bytes
 from hisparse_triton.worker.options import BACKENDS, check_options, parse_device, plan_fingerprint
-from hisparse_triton.worker.placement import array_on_device
+from hisparse_triton.worker.placement import array_on_device, check_readable
 from hisparse_triton.worker.pools import DevicePool, HostPool
 from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerStats
 from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables
 
 logger = logging.getLogger(__name__)
+
+_INT32_MAX = 2**31 - 1
 
 __all__ = ["BACKENDS", "STAGING_SLOTS", "HiSparseWorker", "StatsSnapshot", "WorkerStats",
            "parse_device", "plan_fingerprint"]
@@ -66,57 +69,99 @@ class HiSparseWorker:
     - ``tp_rank``, ``host_pool_name``: for a plan with ``hisparse_shared_host_pool``:
       ``host_pool_name`` is required; rank 0 creates the pool, every other rank attaches;
       only rank 0's ``mirror`` copies (``mirrors_to_host``).
+    - ``host_pool_secret``: the run's secret of a shared pool: rank 0 makes a random one
+      (or uses the one given) and exposes it as ``host_pool_secret``; every other rank must
+      pass it (``distributed.broadcast_host_pool_secret``), so it never attaches to a file
+      someone else created. ``host_pool_group``: a group whose members may attach (the file
+      is then mode 0640 and of that group; default: owner only, mode 0600).
     - ``host_ram_fraction``: the host pool may use at most this fraction of available RAM.
+    - ``draft_layers``: sparse layers a speculative drafter writes after the main forward
+      (e.g. the MTP block's attention): their rows are mirrored by ``mirror(draft=True)``,
+      once the drafter ran, instead of by ``mirror()`` (see ``mirror``).
+    - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
+      the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
+      pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
+      any dtype, contiguous (see ``worker.adopted``). On a GPU machine the host tensor must
+      be page-locked: a pinned tensor is used as is, another one is registered by the worker
+      (``register_host_pool=True``, undone by ``close()``) or refused. The worker never frees
+      adopted memory; ``close()`` only drops its references.
+
+    Before building anything, everything the worker will allocate (``memory_requests``) is
+    checked against the available RAM and GPU memory.
     """
+
+    #: ``pool_bytes(kv_cache_config) -> (device_bytes, host_bytes)``: what tensors a caller
+    #: hands in must hold at least.
+    pool_bytes = staticmethod(pool_bytes)
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
                  max_num_seqs: int, device: torch.device | str | None = None,
                  backend: str = "auto", tp_rank: int = 0,
                  host_pool_name: Optional[str] = None,
-                 host_ram_fraction: float = 0.9) -> None:
-        check_options(kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
-                      host_ram_fraction)
+                 host_ram_fraction: float = 0.9,
+                 host_pool_secret: Optional[str] = None,
+                 host_pool_group: Optional[str | int] = None,
+                 device_pool_tensor: Optional[torch.Tensor] = None,
+                 host_pool_tensor: Optional[torch.Tensor] = None,
+                 register_host_pool: bool = True,
+                 draft_layers: Sequence[str] = ()) -> None:
+        max_num_seqs, tp_rank = check_options(
+            kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
+            host_ram_fraction, host_pool_secret, host_pool_group)
         self.shared_host_pool = bool(kv_cache_config.hisparse_shared_host_pool)
+        if host_pool_tensor is not None and self.shared_host_pool:
+            raise ValueError("host_pool_tensor cannot be used with a shared host pool (the "
+                             "ranks of a node share a file the worker maps); plan with "
+                             "shared_host_pool=False to hand in a host tensor.")
+        self.device = parse_device(device)
+        # Everything this worker will allocate, checked together before anything is built.
+        check_memory(self.memory_requests(
+            kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
+            tp_rank=tp_rank, device_pool_given=device_pool_tensor is not None,
+            host_pool_given=host_pool_tensor is not None), max_ram_fraction=host_ram_fraction)
         self.tp_rank, self.host_pool_name = tp_rank, host_pool_name
         #: Whether ``mirror`` writes the host pool (rank 0 of a shared pool, or a private one).
         self.mirrors_to_host = not self.shared_host_pool or tp_rank == 0
-        self.device = parse_device(device)
         self._kernel_backend = hot_cache.kernel_backend(backend, self.device)
         self.backend, self.config, self.kv_cache_config = backend, config, kv_cache_config
         self.max_num_seqs, self.max_model_len = max_num_seqs, config.max_model_len
         self.device_buffer_size = int(config.hisparse.device_buffer_size)
         self.groups = PlanGroups.from_config(kv_cache_config, config)
+        self.draft_layers = self._check_draft_layers(draft_layers)
         self.block_size = self.groups.block_size
         self.layout = TableLayout.build(self.groups, max_num_seqs)
         self.num_device_blocks = kv_cache_config.num_blocks
         self.num_host_blocks = kv_cache_config.hisparse_host_num_blocks
-        if self.num_host_blocks < 2:
-            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
-                             f"page), the plan has {self.num_host_blocks}.")
+        #: What every received plan is checked against: this worker's tables and pools.
+        self.plan_limits = PlanLimits(
+            layout=self.layout, max_model_len=self.max_model_len, block_size=self.block_size,
+            num_device_blocks=self.num_device_blocks, num_host_blocks=self.num_host_blocks,
+            resident=tuple(g.position for g in self.groups.resident))
         self.bytes_per_block = kv_cache_config.bytes_per_block
         self._closed = False
         self._host_pool: Optional[HostPool] = None
         self._device_pool: Optional[DevicePool] = None
-        host_bytes = max(t.offset + t.size for t in self.groups.host_tensors.values())
-        # Everything this worker will allocate, checked together before anything is.
-        check_memory([
-            *HostPool.memory_requests(host_bytes, shared=self.shared_host_pool,
-                                      create=tp_rank == 0),
-            *DevicePool.memory_requests(self.num_device_blocks, self.bytes_per_block,
-                                        self.device),
-            MemoryRequest("per-request tables and hot state", self.table_bytes, self.device,
-                          hint="max_num_seqs or device_buffer_size")],
-            max_ram_fraction=host_ram_fraction)
+        host_bytes = host_pool_bytes(kv_cache_config)
         # The runtime's tensors are ordinary tensors whatever the caller's mode: built
         # outside inference mode and without autograd, so in-place updates work from both.
         with torch.inference_mode(False), torch.no_grad():
-            self._host_pool = HostPool(host_bytes, pin=self.device.type == "cuda",
-                                       max_ram_fraction=host_ram_fraction, device=self.device,
-                                       shared_name=host_pool_name, create=tp_rank == 0,
-                                       fingerprint=plan_fingerprint(kv_cache_config))
+            if host_pool_tensor is not None:
+                self._host_pool = HostPool.adopt(host_pool_tensor, host_bytes,
+                                                 register=register_host_pool,
+                                                 device=self.device)
+            else:
+                self._host_pool = HostPool(
+                    host_bytes, pin=self.device.type == "cuda",
+                    max_ram_fraction=host_ram_fraction, device=self.device,
+                    shared_name=host_pool_name, create=tp_rank == 0,
+                    fingerprint=plan_fingerprint(kv_cache_config), secret=host_pool_secret,
+                    group=host_pool_group)
             try:  # a failure below must not leave the (pinned) host pool to the GC
-                self._device_pool = DevicePool(self.num_device_blocks, self.bytes_per_block,
-                                               self.device)
+                self._device_pool = (
+                    DevicePool.adopt(device_pool_tensor, self.num_device_blocks,
+                                     self.bytes_per_block, self.device)
+                    if device_pool_tensor is not None else
+                    DevicePool(self.num_device_blocks, self.bytes_per_block, self.device))
                 self._build_parts()
             except BaseException:
                 self.close()
@@ -128,11 +173,69 @@ class HiSparseWorker:
                     len(self.groups.index_groups), backend, self._kernel_backend,
                     hot_cache.launch_config_source(self._kernel_backend, self.device))
 
+    def _check_draft_layers(self, names: Sequence[str]) -> frozenset[str]:
+        """``names`` (model or group-layer names) as source layer names; ``ValueError`` for
+        one that is not a sparse (source) layer of the plan."""
+        if isinstance(names, str):
+            raise ValueError(f"draft_layers must be a sequence of layer names, got the "
+                             f"string {names!r}.")
+        found = set()
+        for name in names:
+            layer = underlying_layer_name(name)
+            if layer not in self.groups.source_layers:
+                raise ValueError(f"draft layer {name!r} is not a sparse (source) layer of this "
+                                 f"plan: only layers whose KV the host pool holds are "
+                                 f"mirrored.")
+            found.add(layer)
+        return frozenset(found)
+
     @property
     def table_bytes(self) -> int:
         """Device bytes of the per-request tables, hot state and counters."""
-        return PlanTables.nbytes(self.layout) + HotState.nbytes(
-            len(self.groups.index_groups), self.max_num_seqs, self.device_buffer_size)
+        return self.bookkeeping_bytes(self.layout, len(self.groups.index_groups),
+                                      self.max_num_seqs, self.device_buffer_size)
+
+    @staticmethod
+    def bookkeeping_bytes(layout: TableLayout, num_index_groups: int, max_num_seqs: int,
+                          slots: int) -> int:
+        """Device bytes of the table arena, the hot state and the counters: all the
+        worker's bookkeeping (none of it grows with the pools' block counts)."""
+        return PlanTables.nbytes(layout) + HotState.nbytes(num_index_groups, max_num_seqs,
+                                                           slots)
+
+    @classmethod
+    def memory_requests(cls, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
+                        max_num_seqs: int, device: torch.device | str | None = None,
+                        tp_rank: int = 0, device_pool_given: bool = False,
+                        host_pool_given: bool = False) -> list[MemoryRequest]:
+        """Everything a worker for this plan allocates, for ``memory.check_memory``: the host
+        pool (nothing on an attaching rank or for a caller's tensor), the device pool
+        (nothing for a caller's tensor), and the tables and hot state. Builds nothing that
+        grows with the pools, so a caller (the in-process runtime, before its scheduler's
+        block lists) can check a plan before anything is allocated. ``ValueError`` when a
+        pool has more rows than int32 row ids address."""
+        device = parse_device(device)
+        groups = PlanGroups.from_config(kv_cache_config, config)
+        B = groups.block_size
+        for what, blocks in (("device", kv_cache_config.num_blocks),
+                             ("host", kv_cache_config.hisparse_host_num_blocks)):
+            if blocks * B > _INT32_MAX:
+                raise ValueError(f"the {what} pool's {blocks} blocks x {B} rows exceed the "
+                                 f"{_INT32_MAX} row ids int32 tables address; plan fewer "
+                                 f"blocks.")
+        if kv_cache_config.hisparse_host_num_blocks < 2:
+            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
+                             f"page), the plan has {kv_cache_config.hisparse_host_num_blocks}.")
+        layout = TableLayout.build(groups, max_num_seqs)
+        shared = bool(kv_cache_config.hisparse_shared_host_pool)
+        host = [] if host_pool_given else HostPool.memory_requests(
+            host_pool_bytes(kv_cache_config), shared=shared, create=tp_rank == 0)
+        dev = [] if device_pool_given else DevicePool.memory_requests(
+            kv_cache_config.num_blocks, kv_cache_config.bytes_per_block, device)
+        tables = cls.bookkeeping_bytes(layout, len(groups.index_groups), max_num_seqs,
+                                       int(config.hisparse.device_buffer_size))
+        return [*host, *dev, MemoryRequest("per-request tables and hot state", tables, device,
+                                           hint="max_num_seqs or device_buffer_size")]
 
     def _build_parts(self) -> None:
         dev, groups = self.device, self.groups
@@ -140,17 +243,15 @@ class HiSparseWorker:
                                   self._device_pool, dev)
         self._hot = HotState(len(groups.index_groups), self.max_num_seqs,
                              self.device_buffer_size, dev)
-        self._tables = tables = PlanTables(
-            self.layout, dev, self._hot, num_device_blocks=self.num_device_blocks,
-            num_host_blocks=self.num_host_blocks, block_size=self.block_size,
-            num_resident=len(groups.resident))
+        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
+                                        backend=self.backend, draft_layers=self.draft_layers)
+        self._tables = tables = PlanTables(self.plan_limits, dev, self._hot,
+                                           mirror_parts=self._mirror.parts)
         workspace = hot_cache.new_workspace(dev)
         self._index_groups: dict[str, HotCache] = {
             ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
                                           self._kernel_backend)
             for ig in groups.index_groups}
-        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
-                                        backend=self.backend)
         hot_cache.validate_tables([*(t for c in self._index_groups.values() for t in c.tables),
                                    *self._mirror.tables], dev)
         self._stats = CounterReader(
@@ -159,36 +260,61 @@ class HiSparseWorker:
 
     # ------------------------------------------------------------------ plans
     def apply(self, plan: StepPlan) -> None:
-        """Write one plan's table changes: resets first, then the writes (one packed
-        host -> device copy, then on-device scatters; no host sync).
+        """Write one plan's table changes: resets first, then the writes and invalidations
+        (one packed host -> device copy, then on-device scatters; no host sync).
 
-        Plans must come in order (``plan.step`` = the previous plan's + 1) and a plan with
-        mirror rows must be ``mirror``-ed before the next one is applied; an out-of-order or
-        foreign plan is refused (``ValueError``) and changes nothing.
+        The plan is untrusted input (it may have crossed a process boundary): the worker
+        takes its own copy and checks its structure and every value of every section
+        against its own tables and pools (``PlanTables.check``). Plans must come in order
+        (``plan.step`` = the previous plan's + 1) and a plan with mirror rows must be
+        ``mirror``-ed before the next one is applied. A refused plan raises ``ValueError``
+        naming the field and changes nothing.
         """
         self._check_open()
         self._tables.apply(plan)
 
     def revert(self, plan: StepPlan) -> None:
-        """Undo ``apply(plan)`` when later work of the same call failed: the tables and hot
-        state are as before it and ``plan.step`` is expected next. ``plan`` must be the last
-        plan applied (``ValueError`` otherwise); bytes it already mirrored stay counted."""
+        """Undo ``apply(plan)`` when later work of the same call failed: the tables, the hot
+        state and the counters (``plans``, and ``d2h_bytes`` of its mirror) are as before it
+        and ``plan.step`` is expected next. ``plan`` must be the last plan applied
+        (``ValueError`` otherwise); the host rows it mirrored keep their bytes."""
         self._check_open()
         self._tables.revert(plan)
+        self._mirror.uncount(plan.step)
 
-    def mirror(self, plan: StepPlan) -> None:
-        """Copy the plan's new rows of every source layer device -> host (one launch per row
-        size), after the forward wrote them. On a rank that does not write a shared host
-        pool this only records that the step is done; a plan without mirror rows (or one
-        already mirrored) needs nothing. ``ValueError`` for a plan other than the last one
-        applied."""
+    def mirror(self, plan: Optional[StepPlan] = None, *, draft: bool = False) -> None:
+        """Copy the new rows of every applied plan whose mirror is due device -> host, in
+        plan order (one launch per row size and plan), after the forward wrote them.
+
+        The rows copied are those of the worker's own copies of the applied plans (several
+        are due only when plans without ``commit`` came after one with mirror rows):
+        ``mirror()`` mirrors them; ``mirror(plan)`` first checks that ``plan`` is the last
+        plan applied (same step and content) and refuses any other with ``ValueError``. On
+        a rank that does not write a shared host pool this only records that they are done;
+        a plan without mirror rows (or one already mirrored) needs nothing. A copy that
+        raises counts no bytes and leaves every mirror due.
+
+        Every source layer's KV of the plan's tokens must be written before the call that
+        copies it, and both before the next ``apply``. With ``draft_layers`` (written by the
+        drafter after the main forward) ``mirror()`` copies the other layers and
+        ``mirror(draft=True)``, once the drafter ran, the draft layers; the next plan is
+        refused until both were called."""
         self._check_open()
-        self._tables.check_last(plan)
-        if self._tables.mirror_due is None:  # nothing to copy, or already mirrored
+        tables, mirror = self._tables, self._mirror
+        if draft and True not in tables.mirror_parts:
+            raise ValueError("mirror(draft=True): this worker has no draft layers (pass "
+                             "draft_layers when building it).")
+        tables.check_last(plan)
+        due = [d for d in tables.due if draft in d.parts]
+        if not due:  # nothing to copy, or already mirrored
             return
-        if self.mirrors_to_host:
-            self._mirror.copy(plan, self._tables.packed(plan))
-        self._tables.mark_mirrored()
+        counts = (mirror.d2h_bytes, mirror.last)
+        for entry in due:  # in plan order; a copy that raises counts nothing
+            moved = (mirror.copy(entry.plan, tables.packed(entry), draft=draft)
+                     if self.mirrors_to_host else 0)
+            counts = count_bytes(counts, entry.plan.step, moved)
+        # One statement: the bytes are counted and the parts marked mirrored together.
+        (mirror.d2h_bytes, mirror.last), tables.due = counts, tables.mirrored(draft)
 
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
@@ -249,6 +375,62 @@ class HiSparseWorker:
         self.check_topk(topk)
         return cache.resolve(state_rows, topk)
 
+    def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
+        """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,
+        ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``) and that both are on this
+        worker's device or the CPU. ``ValueError`` naming what is wrong; changes nothing
+        (a caller that must do other work first, e.g. hand a plan over, checks first)."""
+        self._check_open()
+        self._index_group(leader_layer)
+        self.check_topk(topk)
+        check_state_rows(state_rows, topk.shape[0])
+        check_readable(topk, self.device, "topk")
+        check_readable(state_rows, self.device, "state_rows")
+
+    def resolve_prefill(self, leader_layer: str, state_rows: torch.Tensor,
+                        topk: torch.Tensor, *, host_rows_bound: Optional[int] = None,
+                        check: bool = True) -> torch.Tensor:
+        """Rows of one index group's prefill chunk, host-only rows staged on the device.
+
+        ``topk``: ``[T, K]`` integer token positions of the chunk's ``T`` query tokens (any
+        integer dtype, any ``K``; -1, negative, ``>= seq_len`` or huge positions are
+        masked); ``state_rows``: ``[T] int32``, the state row of each token's request (-1 =
+        padding). Returns ``[T, K] int32`` rows of ``device_cache(layer)`` valid for the
+        leader and every follower (-1 = masked): a row whose page has a device block in
+        place, any other row copied once from the host pool into the prefill staging
+        region (``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
+        out), for all of the group's layers in one gather launch. Hot buffers and LRU
+        state are not touched; nothing is allocated after the first call (a workspace of
+        ``4`` bytes per host-pool row, shared by the index groups). The rows are valid
+        until the next ``resolve_prefill`` (any index group) or the next plan that
+        releases pages; the tensor is overwritten by the next call.
+
+        Overflow (more distinct host-only rows than the region holds): those columns are
+        -1 and ``PrefillStagingError`` names both numbers. It is found without a host
+        sync when ``host_rows_bound`` (an upper bound the caller knows, e.g.
+        ``hisparse_triton.staging.host_rows_bound``) fits the region; otherwise the call
+        reads the device count once. ``check=False`` never reads it (``prefill_counts``
+        holds it). ``ValueError`` for a bad leader, ``topk`` or ``state_rows``.
+        """
+        self._check_open()
+        cache = self._index_group(leader_layer)
+        stager = self.__dict__.get("_prefill")
+        if stager is None:
+            from hisparse_triton.worker.prefill import PrefillStager
+
+            stager = PrefillStager.for_plan(self.kv_cache_config, self.config,
+                                            device=self.device, kernel=self._kernel_backend)
+            self._prefill = stager
+        return stager.stage(cache, state_rows, topk, host_rows_bound=host_rows_bound,
+                            check=check)
+
+    @property
+    def prefill_counts(self) -> Optional[torch.Tensor]:
+        """``[2] int32`` on the device: rows the last ``resolve_prefill`` staged and the
+        distinct host-only rows it needed (None before the first call). A live view."""
+        stager = self.__dict__.get("_prefill")
+        return None if stager is None else stager.counts
+
     def to_device(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """A small CPU array on the worker's device without a host sync (pinned staging)."""
         return array_on_device(values, dtype, self.device)
@@ -259,8 +441,9 @@ class HiSparseWorker:
 
         ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
         views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
-        Row ``r`` of ``append_slots``/``resolve_rows`` is ``view.view(-1, row_bytes)[r]``.
-        """
+        Row ``r`` of ``append_slots``/``resolve_rows`` is ``view[r // B, r % B]`` with
+        ``B = view.shape[1]`` (the view is strided: blocks lie ``bytes_per_block`` apart, so
+        it cannot be flattened; ``device_rows`` is a flat view for a row-aligned plan)."""
         self._check_open()
         return self._layers.device_cache(layer_name)
 
@@ -301,6 +484,12 @@ class HiSparseWorker:
         return self._tables.group_tables
 
     @property
+    def host_pool_secret(self) -> Optional[str]:
+        """The shared host pool's run secret (hex; what every other rank must pass as
+        ``host_pool_secret``), ``None`` for a private pool."""
+        return None if self._host_pool is None else self._host_pool.secret
+
+    @property
     def host_pool(self) -> HostPool:
         """The host pool (source layers' rows)."""
         return self._host_pool
@@ -333,17 +522,16 @@ class HiSparseWorker:
         """Zero the transfer counters."""
         self._check_open()
         self._stats.zero()
-        self._mirror.d2h_bytes = 0
+        self._mirror.zero()
 
     def _debug_snapshot(self) -> dict:
         """Every device table and counter as CPU lists (a device sync on CUDA)."""
-        tables, due = self._tables, self._tables.mirror_due
+        tables = self._tables
         return {"arena": tables.arena.cpu().tolist(), **self._hot.snapshot(),
                 "misc": (tables.next_step, self._mirror.d2h_bytes, tables.applied,
-                         None if due is None else due.step)}
+                         tuple((d.plan.step, sorted(d.parts)) for d in tables.due) or None)}
 
-    # Names the in-process facade and older tests still read.
-    _unapply = revert
+    # Internals the fault-injection tests reach for.
     _arena = property(lambda self: self._tables.arena)
     _lru = property(lambda self: self._hot.lru)
     _slot_host_rows = property(lambda self: self._hot.slot_host_rows)

@@ -1,0 +1,202 @@
+"""A stand-in CUDA driver for Triton: real compiles and Triton's real Python launch path,
+without a GPU (host-cost measurements and launch tests on CPU).
+
+``standin_cuda_driver(arch=90)`` makes Triton believe an NVIDIA GPU of that architecture is
+the active device: ``kernel[grid](...)`` binds and specialises its arguments, builds the cache
+key, compiles the kernel for ``sm_<arch>`` with the ``ptxas`` Triton ships (once; Triton's
+disk cache keeps it), loads it through the stand-in's ``load_binary`` and calls the launcher.
+The launcher is Triton's own Python launcher class of the installed version where it can be
+built without the CUDA toolkit's compiled helpers (their C ``launch`` replaced by
+``StandInLaunch``), else a Python launcher with the same call signature; either way
+``StandInLaunch`` reads every pointer argument's address (as the C launcher does) and records
+the call instead of launching anything.
+Tensors are CPU tensors standing in for CUDA ones. Everything is restored on exit.
+
+What it measures: Triton's Python cost per launch (binding, specialisation, cache lookup,
+the launcher's Python wrapper) and the arguments a launch passes. What it does not: the C
+launch (``cuLaunchKernel`` and its argument packing, a few microseconds on a real driver) and
+anything on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+__all__ = ["LaunchCall", "StandInLaunch", "standin_cuda_driver"]
+
+#: Device properties the stand-in reports (an H200 SXM: 132 SMs, 227 KB of shared memory
+#: per block).
+_PROPERTIES = {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536,
+               "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 2619000,
+               "mem_bus_width": 6144}
+
+
+class LaunchCall(NamedTuple):
+    """One launch the stand-in received: its grid and the kernel arguments (values as the
+    launcher got them: tensors, ints, constexpr values)."""
+
+    grid: tuple[int, int, int]
+    args: tuple
+
+
+class StandInLaunch:
+    """Replaces the driver's C ``launch``: reads each tensor argument's address and records
+    the call (``calls``; ``record=False`` only counts, the cheapest for timing)."""
+
+    def __init__(self, record: bool = True) -> None:
+        self.record = record
+        self.calls: list[LaunchCall] = []
+        self.count = 0
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                arg.data_ptr()
+        self.count += 1
+        if self.record:
+            self.calls.append(LaunchCall(grid, args))
+
+
+class _Utils:
+    def __init__(self, launch: StandInLaunch) -> None:
+        self._launch = launch
+
+    def load_binary(self, name, kernel, shared, device):
+        # (module, function, n_regs, n_spills, n_max_threads)
+        return 1, 1, 0, 0, 1024
+
+    def get_device_properties(self, device):
+        return dict(_PROPERTIES)
+
+    def launch(self, gridX, gridY, gridZ, stream, function, *rest):
+        # Triton's Python launcher passes the kernel arguments last (one tuple).
+        self._launch((gridX, gridY, gridZ), tuple(rest[-1]))
+
+
+def _python_launcher(launch: StandInLaunch):
+    """A launcher class for Triton versions whose own cannot be built here: the call
+    signature of ``CompiledKernel.run``."""
+
+    class _Launcher:
+        def __init__(self, src, metadata) -> None:
+            pass
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata,
+                     launch_metadata, enter_hook, exit_hook, *args):
+            launch((gridX, gridY, gridZ), args)
+
+    return _Launcher
+
+
+def _make_driver(arch: int, launch: StandInLaunch):
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    utils = _Utils(launch)
+    fallback = _python_launcher(launch)
+    state = {"own": None}
+
+    def launcher_cls(src, metadata):
+        # Triton's own Python launcher (its C launch replaced by ours) where it can be built
+        # without the CUDA toolkit's C helpers; otherwise a launcher with its call signature.
+        if state["own"] is not False:
+            try:
+                from triton.backends.nvidia import driver as nvidia_driver
+
+                launcher = nvidia_driver.CudaLauncher(src, metadata)
+                state["own"] = True
+                return launcher
+            except Exception:
+                state["own"] = False
+        return fallback(src, metadata)
+
+    class StandInCudaDriver(DriverBase):
+        def __init__(self) -> None:
+            self.utils = utils
+            self.launcher_cls = launcher_cls
+            self.target = GPUTarget("cuda", arch, 32)
+
+        @staticmethod
+        def is_active() -> bool:
+            return False
+
+        def get_current_target(self):
+            return self.target
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def set_current_device(self, device: int) -> None:
+            pass
+
+        def get_current_stream(self, device: int = 0) -> int:
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def get_device_capability(self, device: int = 0):
+            return divmod(arch, 10)
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            from triton.backends.nvidia.driver import ty_to_cpp
+
+            return ty_to_cpp(ty)
+
+        def get_benchmarker(self):
+            raise RuntimeError("the stand-in driver cannot time kernels")
+
+        def get_empty_cache_for_benchmark(self):
+            raise RuntimeError("the stand-in driver cannot time kernels")
+
+        def clear_cache(self, cache) -> None:
+            pass
+
+        def assemble_tensormap_to_arg(self, tensormaps_info, args):
+            return args
+
+    return StandInCudaDriver()
+
+
+@contextlib.contextmanager
+def standin_cuda_driver(arch: int = 90, *, record: bool = True) -> Iterator[StandInLaunch]:
+    """Within the block Triton's active driver is a stand-in NVIDIA ``sm_<arch>`` GPU (see
+    the module docstring); yields the ``StandInLaunch`` that receives every launch.
+
+    Must run without ``TRITON_INTERPRET=1`` (the interpreter bypasses drivers). Kernels
+    compiled inside the block are cached per device by Triton; they are dropped on exit so
+    that a later real or interpreted run never sees them.
+    """
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("the stand-in driver needs compiled kernels: unset "
+                           "TRITON_INTERPRET (e.g. run it in a subprocess).")
+    from triton.runtime.driver import driver
+
+    launch = StandInLaunch(record=record)
+    standin = _make_driver(arch, launch)
+    previous = driver._active
+    driver.set_active(standin)
+    try:
+        yield launch
+    finally:
+        driver._active = previous
+        _drop_device_caches()
+
+
+def _drop_device_caches() -> None:
+    """Forget every kernel compiled for the stand-in (Triton keys its caches by device)."""
+    from hisparse_triton.kernels.launches import kernel_modules
+    from triton.runtime.jit import JITFunction
+
+    for module in kernel_modules():
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                value.device_caches.clear()

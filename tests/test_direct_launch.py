@@ -1,0 +1,137 @@
+"""Direct launches (``kernels.direct_launch``): the compiled launcher is called with exactly the
+arguments Triton's normal launch path passes, and every reason not to call it falls back.
+
+The direct path needs compiled kernels, so its checks run in a subprocess without
+``TRITON_INTERPRET`` under the stand-in CUDA driver (``kernels.standin_driver``: real sm_90
+compiles with Triton's ptxas, launches recorded instead of run). Under the interpreter a
+``DirectLaunch`` always takes the normal path: checked here in-process, with real results.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hisparse_triton.kernels import gather
+from hisparse_triton.kernels.direct_launch import DirectLaunch, direct_launch_enabled
+from test_copy_reference import make_table, random_plan, run_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+#: Run in a fresh interpreter without TRITON_INTERPRET: copies through ``BoundCopy`` (direct
+#: launches) and through ``launch_copy`` (Triton's normal path) must hand the launcher the
+#: same grid and arguments; the fallbacks must take the normal path.
+_STANDIN_CHECK = textwrap.dedent('''
+    import json, sys, torch
+    from triton import knobs
+    from hisparse_triton.kernels import gather
+    from hisparse_triton.kernels.direct_launch import DirectLaunch
+    from hisparse_triton.kernels.standin_driver import standin_cuda_driver
+    sys.path.insert(0, sys.argv[1])
+    from test_copy_reference import make_table, random_plan
+
+    src = make_table(3, 656, 6, layout="host", seed=1, device="cpu")
+    dst = make_table(3, 656, 4, layout="device", seed=2, device="cpu")
+    s, d, c = random_plan(3, 2, 5, src.num_rows, dst.num_rows, mode="per_layer", seed=3,
+                          device="cpu")
+    out = {}
+
+    def same(a, b):
+        return a.grid == b.grid and len(a.args) == len(b.args) and all(
+            (x is y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a.args, b.args))
+
+    with standin_cuda_driver() as launch:
+        gather.launch_copy(dst, src, s, d, c, pages=False, kernel="gather")  # normal path
+        normal = launch.calls[-1]
+        bound = gather.BoundCopy(dst, src, pages=False, kernel="gather")
+        for _ in range(3):
+            bound(s, d, c)
+        direct = bound._calls[(id(s), id(d), id(c))][6]
+        out["bound_paths"] = [direct.fallback_calls, direct.direct_calls]
+        out["bound_same_args"] = all(same(call, normal) for call in launch.calls[-3:])
+
+        # A DirectLaunch with a dynamic tensor: same arguments as the normal path, a new
+        # address of the same alignment stays direct, a misaligned one falls back.
+        args = list(normal.args)
+        kernel = gather.copy_rows_kernel
+        names = [p.name for p in kernel.params]
+        positional = [a for a, p in zip(args, kernel.params) if not p.is_constexpr]
+        constexprs = {p.name: a for a, p in zip(args, kernel.params) if p.is_constexpr}
+        constexprs["num_warps"], constexprs["num_stages"] = 4, 2
+        at = names.index("src_ids_ptr") if "src_ids_ptr" in names else 4
+        one = DirectLaunch(kernel, normal.grid[:2], positional, constexprs, dynamic=(at,))
+        one(s); one(s.clone())
+        out["dynamic_paths"] = [one.fallback_calls, one.direct_calls]
+        first, second = launch.calls[-2], launch.calls[-1]
+        out["dynamic_same_args"] = (same(first, normal) and second.args[at] is not s
+                                    and second.args[:at] == first.args[:at])
+        shifted = torch.zeros(s.numel() + 1, dtype=s.dtype)[1:].view(s.shape)
+        one(shifted)
+        out["misaligned_paths"] = [one.fallback_calls, one.direct_calls]
+
+        hook = lambda metadata: None
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            bound(s, d, c)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        out["hooked_paths"] = [direct.fallback_calls, direct.direct_calls]
+    print(json.dumps(out))
+''')
+
+
+def _run_standin_check(extra_env: dict[str, str] | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra_env or {})
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _STANDIN_CHECK, tests_dir], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
+def test_direct_launches_pass_the_normal_paths_arguments():
+    out = _run_standin_check()
+    assert out["bound_paths"] == [1, 2]            # bound once by the normal path, then direct
+    assert out["bound_same_args"]
+    assert out["dynamic_paths"] == [1, 1]
+    assert out["dynamic_same_args"]
+    assert out["misaligned_paths"] == [2, 1]       # an alignment change takes the normal path
+    assert out["hooked_paths"] == [2, 2]           # a launch hook takes the normal path
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
+def test_direct_launches_can_be_turned_off():
+    out = _run_standin_check({"HISPARSE_TRITON_DIRECT_LAUNCH": "0"})
+    assert out["bound_paths"] == [3, 0]
+    assert out["dynamic_paths"] == [2, 0]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="checks the interpreter's path")
+def test_interpreted_launches_take_the_normal_path_and_copy_exactly():
+    assert not direct_launch_enabled()
+    src = make_table(2, 132, 5, layout="host", seed=4, device="cpu")
+    dst = make_table(2, 132, 4, layout="device", seed=5, device="cpu")
+    s, d, c = random_plan(2, 3, 4, src.num_rows, dst.num_rows, mode="per_layer", seed=6,
+                          device="cpu")
+    expected = run_reference(dst, src, s, d, c, pages=False)
+    bound = gather.BoundCopy(dst, src, pages=False, kernel="gather")
+    bound(s, d, c)
+    assert torch.equal(dst.pool, expected)
+    direct = bound._calls[(id(s), id(d), id(c))][6]
+    assert direct.direct_calls == 0 and direct.fallback_calls == 1
+
+
+def test_direct_launch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="grid"):
+        DirectLaunch(gather.copy_rows_kernel, (), (), {})
+    with pytest.raises(ValueError, match="dynamic argument 0"):
+        DirectLaunch(gather.copy_rows_kernel, (1,), (3,), {}, dynamic=(0,))
