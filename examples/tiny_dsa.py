@@ -37,23 +37,27 @@ tell apart:
   reuse, ``append_slots``, ``free_request``), then ``plan = scheduler.step()``,
   ``worker.apply(plan)``, the forward (KV written at the rows ``append_slots`` returned, the
   indexer keys read through the worker's block table, the latent rows of a selection read
-  ONLY at the rows ``resolve_rows`` returns), ``worker.mirror(plan)``. With ``--tp 2`` two
-  processes (gloo) run it: rank 0 schedules and broadcasts each plan (``broadcast_plan``)
-  and the step's rows; both ranks hold the model (same seed) and a worker over one shared
-  host pool in ``/dev/shm``, and compute the same tokens;
+  ONLY at the rows ``resolve_rows`` / ``resolve_prefill`` return), ``worker.mirror(plan)``.
+  With ``--tp 2`` two processes (gloo) run it: rank 0 schedules and broadcasts each plan
+  (``broadcast_plan``) and the step's rows; both ranks hold the model (same seed) and a
+  worker over one shared host pool in ``/dev/shm``, and compute the same tokens;
 - ``HiSparseStore``: the same over the in-process ``HiSparseRuntime`` facade.
 
 Decoding: greedy, continuous batching of requests with different prompt lengths, prefill in
-chunks (``max_num_batched_tokens`` makes the runtime refuse a larger uncommitted chunk), a
-shared prompt prefix reused from the prefix cache, and speculative decoding with ``Q``
-query tokens per decode step (the last accepted token and ``Q - 1`` draft tokens from a
-perfect drafter, the dense greedy continuation): their top-k selections resolve as ONE
-``[R, Q, K]`` union per index group and every draft is accepted.
+chunks (``max_num_batched_tokens`` makes the runtime refuse a larger uncommitted chunk) whose
+selections go through the runtime's prefill staging (``resolve_prefill``: rows with a device
+copy in place, host-only rows staged into a region the scheduler keeps free, hot buffers
+untouched), a shared prompt prefix reused from the prefix cache, and speculative decoding
+with ``Q`` query tokens per decode step (the last accepted token and ``Q - 1`` draft tokens
+from a perfect drafter, the dense greedy continuation): their top-k selections resolve as
+ONE ``[R, Q, K]`` union per index group and every draft is accepted.
 
 Run it::
 
     python examples/tiny_dsa.py --requests 4 --check
     python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 --check
+    python examples/tiny_dsa.py --requests 1 --prompt-len 2048 2048 --max-model-len 2052 \
+        --chunk-size 128 --max-num-batched-tokens 128 --device-blocks 180 --check
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ from hisparse_triton.presets import (
 )
 from hisparse_triton.scheduler import HiSparseScheduler
 from hisparse_triton.specs import cdiv
+from hisparse_triton.staging import scheduler_host_rows_bound
 from hisparse_triton.step_plan import StepPlan
 from hisparse_triton.worker import HiSparseWorker
 from hisparse_triton.workload import WorkloadPlan, plan_for_workload
@@ -514,27 +519,15 @@ def _read_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 class _PoolSelection:
-    """Row ids from a resolve (``rows [R, Q, K] int64``, -1 = masked).
+    """Row ids of one index group's selection (``rows [R, Q, K] int64``, -1 = masked),
+    read at ``gather`` time: they stay valid for every layer of the group until its next
+    selection (and a layer's own rows of this step are read after it wrote them)."""
 
-    After one resolve (``snapshot`` None) every layer is read by id at ``gather`` time: the
-    ids stay valid for the whole index group until its next resolve. When a step needed
-    several resolves, each may evict the previous one's hot rows, so every layer's rows were
-    copied out right after each resolve (``snapshot``); positions written in this step
-    (``fresh``: resident rows, stable until the step ends) are read again at ``gather``
-    time, once the layer has written them."""
-
-    def __init__(self, store: "_PoolStore", rows: torch.Tensor, fresh: Optional[torch.Tensor],
-                 snapshot: Optional[dict[str, torch.Tensor]]) -> None:
-        self._store, self._rows, self._fresh, self._snapshot = store, rows, fresh, snapshot
+    def __init__(self, store: "_PoolStore", rows: torch.Tensor) -> None:
+        self._store, self._rows = store, rows
 
     def gather(self, layer: str) -> torch.Tensor:
-        cache = self._store.cache(layer)
-        if self._snapshot is None:
-            data = _read_rows(cache, self._rows)
-        else:
-            data = self._snapshot[layer].clone()
-            data[self._fresh] = _read_rows(cache, self._rows[self._fresh])
-        return data.view(torch.float32)
+        return _read_rows(self._store.cache(layer), self._rows).view(torch.float32)
 
 
 class _PoolStore(abc.ABC):
@@ -548,10 +541,11 @@ class _PoolStore(abc.ABC):
     max_query_len: int
 
     def __init__(self) -> None:
-        self._committed: dict[Hashable, int] = {}
         self._len: dict[Hashable, int] = {}
         #: Resolve calls as (leader, topk shape) (what a step asked of the runtime).
         self.resolve_shapes: list[tuple[str, tuple[int, ...]]] = []
+        #: Prefill staging calls as (leader, [tokens, K]).
+        self.prefill_shapes: list[tuple[str, tuple[int, ...]]] = []
 
     # Subclass hooks ------------------------------------------------------------------
     @abc.abstractmethod
@@ -559,9 +553,6 @@ class _PoolStore(abc.ABC):
         """``[blocks, B, row_bytes] uint8`` device cache of a layer."""
 
     @abc.abstractmethod
-    def _index_group(self, leader: str) -> tuple[str, ...]:
-        """The sparse layers (leader first) whose rows a resolve of ``leader`` serves."""
-
     @abc.abstractmethod
     def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
         """``[n] int64`` device rows of the request's tokens appended in this step."""
@@ -573,11 +564,17 @@ class _PoolStore(abc.ABC):
     @abc.abstractmethod
     def _resolve(self, leader: str, requests: Sequence[Optional[Hashable]],
                  topk: torch.Tensor) -> torch.Tensor:
-        """Resolve ``topk`` (``[R, n]`` or ``[R, Q, K]`` int32) into device rows."""
+        """Resolve a decode step's ``topk`` (``[R, Q, K]`` int32) into device rows."""
+
+    @abc.abstractmethod
+    def _resolve_prefill(self, leader: str, tokens: Sequence[Hashable],
+                         topk: torch.Tensor) -> torch.Tensor:
+        """Rows of a prefill chunk's ``topk`` (``[T, K]`` int32, request ``tokens[t]`` per
+        query token) through prefill staging."""
 
     # Shared ---------------------------------------------------------------------------
     def _admitted(self, request: Hashable, cached: int) -> int:
-        self._committed[request] = self._len[request] = cached
+        self._len[request] = cached
         return cached
 
     def write(self, layer: str, request: Hashable, rows: torch.Tensor) -> None:
@@ -601,72 +598,32 @@ class _PoolStore(abc.ABC):
 
     def select(self, leader: str, requests: Sequence[Optional[Hashable]],
                topk: torch.Tensor) -> Selection:
-        """A decode step (``Q <= max_decode_query_len``) resolves ``[R, Q, K]`` at once: each
-        request's Q selections are ONE union in the hot buffer. A prefill chunk's selections
-        (more queries) are resolved per request as the union of their positions (a chunk's
-        queries overlap heavily), in rounds of at most ``buffer_size`` positions (one round
-        unless the union is wider), and mapped back to ``[R, Q, K]`` in top-k column order."""
+        """Requests that decode this step (at most ``max_decode_query_len`` query tokens)
+        resolve their ``[Q, K]`` selections as ONE union in their hot buffers; requests
+        that prefill a chunk (more query tokens) go through prefill staging: every query
+        token's selections become rows read in place or staged from the host, without
+        touching the hot buffers. Both kinds may share a step."""
         topk = topk.cpu()
         R, Q, K = topk.shape
-        if Q <= self.max_query_len and Q * K <= self.buffer_size:
-            rows = self._resolve(leader, requests, topk.to(torch.int32))
-            self.resolve_shapes.append((leader, tuple(topk.shape)))
-            return _PoolSelection(self, rows.to(torch.int64), None, None)
-        return self._select_in_rounds(leader, requests, topk)
-
-    def _select_in_rounds(self, leader: str, requests: Sequence[Optional[Hashable]],
-                          topk: torch.Tensor) -> Selection:
-        R, Q, K = topk.shape
-        layers = self._index_group(leader)
-        width = self.buffer_size
-        empty = torch.empty(0, dtype=torch.int64)
-        unions = [torch.unique(topk[r][topk[r] >= 0]) if request is not None else empty
-                  for r, request in enumerate(requests)]
-        rounds = max(-(-u.numel() // width) for u in unions) if unions else 0
-        union_rows = [torch.full((u.numel(),), -1, dtype=torch.int64) for u in unions]
-        row_bytes = self.cache(leader).shape[2]
-        device = self.cache(leader).device
-        union_bytes = ({layer: [torch.zeros(u.numel(), row_bytes, dtype=torch.uint8,
-                                            device=device) for u in unions]
-                        for layer in layers} if rounds > 1 else None)
-        for j in range(rounds):
-            pieces = [u[j * width:(j + 1) * width] for u in unions]
-            batch = torch.full((R, max(p.numel() for p in pieces)), -1, dtype=torch.int32)
-            for r, piece in enumerate(pieces):
-                batch[r, :piece.numel()] = piece
-            ids = [request if piece.numel() else None for request, piece in zip(requests, pieces)]
-            got = self._resolve(leader, ids, batch).to("cpu", torch.int64)
-            self.resolve_shapes.append((leader, tuple(batch.shape)))
-            for r, piece in enumerate(pieces):
-                span = slice(j * width, j * width + piece.numel())
-                union_rows[r][span] = got[r, :piece.numel()]
-                if union_bytes is not None:          # the next round may evict these rows
-                    for layer in layers:
-                        union_bytes[layer][r][span] = _read_rows(self.cache(layer),
-                                                                 got[r, :piece.numel()])
+        q = min(Q, self.max_query_len)
+        prefilling = [r for r, request in enumerate(requests)
+                      if request is not None and bool((topk[r, q:] >= 0).any())]
         rows = torch.full((R, Q, K), -1, dtype=torch.int64)
-        snapshot = ({layer: torch.zeros(R, Q, K, row_bytes, dtype=torch.uint8, device=device)
-                     for layer in layers} if union_bytes is not None else None)
-        for r, union in enumerate(unions):
-            valid = topk[r] >= 0
-            if not union.numel() or not bool(valid.any()):
-                continue
-            at = torch.searchsorted(union, topk[r][valid])
-            rows[r][valid] = union_rows[r][at]
-            if snapshot is not None:
-                for layer in layers:
-                    snapshot[layer][r][valid.to(device)] = union_bytes[layer][r][at.to(device)]
-        committed = torch.tensor([self._committed[r] if r is not None else 0
-                                  for r in requests], dtype=torch.int64)
-        fresh = (topk >= committed.view(R, 1, 1)) & (rows >= 0)
-        return _PoolSelection(self, rows.to(device), fresh.to(device), snapshot)
-
-    def _step_done(self) -> None:
-        self._committed.update(self._len)
+        decoding = [None if r in prefilling else request for r, request in enumerate(requests)]
+        if any(request is not None for request in decoding):
+            got = self._resolve(leader, decoding, topk[:, :q].to(torch.int32))
+            self.resolve_shapes.append((leader, (R, q, K)))
+            rows[:, :q] = got.to("cpu", torch.int64)
+        if prefilling:
+            tokens = [requests[r] for r in prefilling for _ in range(Q)]
+            got = self._resolve_prefill(leader, tokens,
+                                        topk[prefilling].reshape(-1, K).to(torch.int32))
+            self.prefill_shapes.append((leader, (len(tokens), K)))
+            rows[prefilling] = got.to("cpu", torch.int64).view(len(prefilling), Q, K)
+        return _PoolSelection(self, rows.to(self.cache(leader).device))
 
     def _forget(self, request: Hashable) -> None:
-        for table in (self._committed, self._len):
-            table.pop(request, None)
+        self._len.pop(request, None)
 
 
 class RuntimeLike(Protocol):
@@ -675,7 +632,6 @@ class RuntimeLike(Protocol):
     device_buffer_size: int
     config: Any
 
-    def index_group(self, leader_layer: str) -> tuple[str, ...]: ...
     def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
                     token_ids: Optional[Sequence[int]] = None) -> int: ...
     def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]: ...
@@ -684,6 +640,8 @@ class RuntimeLike(Protocol):
     def seq_len(self, request_id: Hashable) -> int: ...
     def resolve(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
                 topk: torch.Tensor) -> torch.Tensor: ...
+    def resolve_prefill(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
+                        topk: torch.Tensor) -> torch.Tensor: ...
     def commit(self) -> None: ...
     def free_request(self, request_id: Hashable) -> None: ...
 
@@ -718,9 +676,6 @@ class HiSparseStore(_PoolStore):
     def cache(self, layer: str) -> torch.Tensor:
         return self.runtime.device_cache(layer)
 
-    def _index_group(self, leader: str) -> tuple[str, ...]:
-        return self.runtime.index_group(leader)
-
     def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
         return self._slot_rows[request][layer]
 
@@ -732,10 +687,13 @@ class HiSparseStore(_PoolStore):
                  topk: torch.Tensor) -> torch.Tensor:
         return self.runtime.resolve(leader, requests, topk)
 
+    def _resolve_prefill(self, leader: str, tokens: Sequence[Hashable],
+                         topk: torch.Tensor) -> torch.Tensor:
+        return self.runtime.resolve_prefill(leader, tokens, topk)
+
     def commit(self) -> None:
         self.runtime.commit()
         self._slot_rows.clear()
-        self._step_done()
 
     def free(self, request: Hashable) -> None:
         self.runtime.free_request(request)
@@ -897,14 +855,10 @@ class SplitStore(_PoolStore):
                 torch.cuda.synchronize(self.worker.device)   # the mirror has run
             self.link.barrier()    # rank 0's mirror is in the shared pool before any read
         self._plan = None
-        self._step_done()
 
     # ------------------------------------------------------------------ worker side
     def cache(self, layer: str) -> torch.Tensor:
         return self.worker.device_cache(layer)
-
-    def _index_group(self, leader: str) -> tuple[str, ...]:
-        return self.worker.index_group(leader)
 
     def _slots(self, request: Hashable, layer: str) -> torch.Tensor:
         return torch.from_numpy(self._step_rows["slots"][request][layer])
@@ -920,6 +874,17 @@ class SplitStore(_PoolStore):
         state_rows = torch.tensor([rows[r] if r is not None else -1 for r in requests],
                                   dtype=torch.int32)
         return self.worker.resolve_rows(leader, state_rows, topk)
+
+    def _resolve_prefill(self, leader: str, tokens: Sequence[Hashable],
+                         topk: torch.Tensor) -> torch.Tensor:
+        """The worker's prefill staging; rank 0 bounds the chunk's host-only rows from its
+        scheduler (no device read when the region holds them), the other ranks let the
+        worker read its count."""
+        rows = self._step_rows["rows"]
+        state_rows = torch.tensor([rows[r] for r in tokens], dtype=torch.int32)
+        bound = (scheduler_host_rows_bound(self.scheduler, leader, tokens, topk.shape[1])
+                 if self.leads else None)
+        return self.worker.resolve_prefill(leader, state_rows, topk, host_rows_bound=bound)
 
 
 def dense_store_for(config: TinyDSAConfig, device: torch.device | str = "cpu") -> DenseStore:
@@ -1110,6 +1075,9 @@ class RunSpec:
     uncommitted tokens per request; at least ``chunk_size`` and ``spec_tokens``).
     ``spec_tokens``: query tokens per decode step (the hot buffer holds ``spec_tokens + 1``
     top-k selections). ``free_block_watermark`` None: the runtime's default.
+    ``max_model_len``: the model's context (default: the preset's 1024 tokens).
+    ``device_blocks``: the blocks requests may use (default: sized for the workload); the
+    prefill staging region comes on top of them.
     """
 
     num_requests: int = 4
@@ -1127,9 +1095,25 @@ class RunSpec:
     backend: str = "torch"
     device: str = "cpu"
     seed: int = 0
+    max_model_len: Optional[int] = None
+
+    @property
+    def context(self) -> int:
+        """Tokens a request may hold: ``max_model_len``, or the preset's context."""
+        return self.max_model_len or get_preset(PRESET).max_model_len
 
     def model_config(self) -> TinyDSAConfig:
-        return TinyDSAConfig.for_preset(PRESET, num_layers=self.num_layers)
+        return TinyDSAConfig.for_preset(PRESET, num_layers=self.num_layers,
+                                        max_positions=self.context)
+
+    def prefill_staging_rows(self) -> int:
+        """Staging rows for prefill chunks: every host-only row one step can select, i.e.
+        the running requests' whole histories, at most ``tokens x top-k`` of the step (so
+        no chunk can overflow the region)."""
+        workload = self.workload()
+        longest = sorted(workload.prompt_lens, reverse=True)[:self.running]
+        history = sum(length + workload.max_new_tokens for length in longest)
+        return min(history, self.running * self.chunk_size * self.model_config().topk)
 
     def workload(self) -> Workload:
         return Workload.random(self.num_requests, self.prompt_len_range,
@@ -1162,21 +1146,34 @@ def plan_for_spec(spec: RunSpec, *, tensor_parallel_size: int = 1) -> WorkloadPl
     GPU (``all_gpu_blocks`` is what keeping them would take)."""
     config = spec.model_config()
     workload = spec.workload()
-    context = get_preset(PRESET).max_model_len
+    context = spec.context
     if workload.max_len > context:
         raise ValueError(f"a {max(workload.prompt_lens)}-token prompt + {workload.max_new_tokens}"
-                         f" new tokens exceeds the {PRESET!r} preset's max_model_len {context}.")
+                         f" new tokens exceeds max_model_len {context} (the {PRESET!r} "
+                         f"preset's unless --max-model-len is given).")
     limit = spec.max_num_batched_tokens
     if limit is not None and limit < max(spec.chunk_size, spec.spec_tokens):
         raise ValueError(f"max_num_batched_tokens {limit} is below the prefill chunk "
                          f"({spec.chunk_size}) or the speculative tokens per step "
                          f"({spec.spec_tokens}): the runtime would refuse those appends.")
     kv_spec = build_kv_cache_spec(PRESET, num_layers=config.num_layers)
-    return plan_for_workload(kv_spec, max_model_len=workload.max_len, num_requests=spec.running,
-                             topk=config.topk, prompt_len=spec.chunk_size * spec.running,
-                             device_blocks=spec.device_blocks, max_num_batched_tokens=limit,
-                             max_decode_query_len=spec.spec_tokens,
-                             tensor_parallel_size=tensor_parallel_size)
+
+    def plan(device_blocks: Optional[int]) -> WorkloadPlan:
+        return plan_for_workload(kv_spec, max_model_len=workload.max_len,
+                                 num_requests=spec.running, topk=config.topk,
+                                 prompt_len=spec.chunk_size * spec.running,
+                                 device_blocks=device_blocks, max_num_batched_tokens=limit,
+                                 max_decode_query_len=spec.spec_tokens,
+                                 tensor_parallel_size=tensor_parallel_size)
+
+    # The prefill staging region: the last blocks of the device pool, on top of the blocks
+    # the requests may use (the scheduler never hands them out).
+    sized = plan(spec.device_blocks)
+    rows = spec.prefill_staging_rows()
+    staged = plan(sized.kv_cache_config.num_blocks + cdiv(rows, sized.block_size))
+    hisparse = dataclasses.replace(staged.config.hisparse, prefill_staging_rows=rows)
+    return dataclasses.replace(staged, config=dataclasses.replace(staged.config,
+                                                                  hisparse=hisparse))
 
 
 def build_runtime(spec: RunSpec) -> HiSparseRuntime:
@@ -1408,6 +1405,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser.add_argument("--prompt-len", type=positive_int, nargs=2, metavar=("LO", "HI"),
                         default=defaults.prompt_len_range,
                         help="prompt lengths drawn from [LO, HI] (default %(default)s)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="tokens a request may hold (default: the tiny preset's 1024)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens,
                         help=f"tokens generated per request (default "
                              f"{defaults.max_new_tokens})")
@@ -1455,7 +1454,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                    device_blocks=args.device_blocks,
                    offload_threshold_pages=args.offload_threshold_pages,
                    free_block_watermark=args.free_block_watermark,
-                   backend=args.backend, device=args.device, seed=args.seed)
+                   backend=args.backend, device=args.device, seed=args.seed,
+                   max_model_len=args.max_model_len)
     try:
         if args.tp > 1 and args.store != "split":
             raise ValueError("--tp > 1 runs the scheduler + worker split (--store split).")

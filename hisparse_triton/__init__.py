@@ -59,6 +59,7 @@ _LAZY = {
     "SharedHostPoolError": "hisparse_triton.errors",
     "ReadOnlyViewError": "hisparse_triton.errors",
     "UnsupportedVersionError": "hisparse_triton.errors",
+    "PrefillStagingError": "hisparse_triton.errors",
     "BackendUnavailableError": "hisparse_triton.ops",
     "RowTable": "hisparse_triton.row_table",
     "MemoryRequest": "hisparse_triton.memory",

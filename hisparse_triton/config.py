@@ -46,6 +46,10 @@ class HiSparseConfig:
     - ``max_decode_query_len``: query tokens per request per decode step.
     - ``shared_host_pool``: one host pool for all tensor-parallel ranks of a node;
       ``None`` means auto, see ``EngineConfig.shared_host_pool``.
+    - ``prefill_staging_rows``: host-only rows one prefill chunk may reference
+      (``resolve_prefill``); the last ``cdiv(prefill_staging_rows, block_size)`` blocks of
+      the device pool are kept out of allocation to hold them
+      (``hisparse_triton.staging.PrefillStaging``). 0 (the default) reserves nothing.
     """
 
     index_topk: int = 2048
@@ -53,9 +57,11 @@ class HiSparseConfig:
     host_pool_gib: Optional[float] = None
     max_decode_query_len: int = 1
     shared_host_pool: Optional[bool] = None
+    prefill_staging_rows: int = 0
 
     def __post_init__(self) -> None:
         _check_int(self, "index_topk", self.index_topk, 1)
+        _check_int(self, "prefill_staging_rows", self.prefill_staging_rows, 0)
         _check_int(self, "max_decode_query_len", self.max_decode_query_len, 1)
         needed = self.max_decode_query_len * self.index_topk
         defaulted = self.device_buffer_size is None

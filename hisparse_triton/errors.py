@@ -115,3 +115,10 @@ class UnsupportedVersionError(HiSparseError, ImportError):
 class ReadOnlyViewError(HiSparseError, RuntimeError):
     """A write to a read-only view: an attached rank's view of a shared host pool (only the
     creating rank writes the pool)."""
+
+
+class PrefillStagingError(CapacityError):
+    """A prefill chunk references more distinct host-only rows than the prefill staging
+    region holds (``resolve_prefill``). ``needed``: the chunk's distinct host-only rows (or
+    the upper bound the caller gave); ``available``: the region's capacity in rows
+    (``HiSparseConfig.prefill_staging_rows`` rounded up to whole blocks)."""

@@ -65,8 +65,10 @@ from hisparse_triton.scheduler import (
     check_id_list,
 )
 from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.staging import scheduler_host_rows_bound
 from hisparse_triton.step_plan import StepPlan
 from hisparse_triton.worker import BACKENDS, HiSparseWorker, WorkerStats
+from hisparse_triton.worker.prefill import check_prefill_topk
 
 
 @dataclass(frozen=True)
@@ -415,6 +417,46 @@ class HiSparseRuntime:
                              f"ids were given.")
         state_rows = self.state_rows(request_ids)
         return self.resolve_rows(leader_layer, state_rows, topk)
+
+    def resolve_prefill(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
+                        topk: torch.Tensor) -> torch.Tensor:
+        """Rows of one index group's prefill chunk, host-only rows staged on the device.
+
+        - ``request_ids``: one per query token (a list or tuple; tokens of one request
+          repeat its id; ``None`` = a padding token, all -1).
+        - ``topk``: ``[T, K]`` integer token positions (any ``K``, any integer dtype; -1,
+          negative, ``>= seq_len`` or huge positions are masked).
+        Returns ``[T, K] int32`` rows of ``device_cache(layer)`` for the leader and every
+        follower: rows whose page has a device copy in place, the others copied once from
+        the host pool into the prefill staging region
+        (``HiSparseConfig.prefill_staging_rows``); hot buffers are not touched. Valid until
+        the next ``resolve_prefill`` or ``commit()``; the tensor is overwritten by the next
+        call. Hands pending table changes over first (as ``resolve`` does), then bounds the
+        chunk's host-only rows from the scheduler's tables: when the bound fits the region
+        nothing waits for the device; otherwise the call reads the exact count once.
+        ``PrefillStagingError`` (naming the rows needed and the region's rows) when the
+        chunk does not fit, ``UnknownRequestError``, ``ValueError`` for a bad leader or
+        ``topk``; nothing changes on error.
+        """
+        self._check_open()
+        self.worker.index_group(leader_layer)
+        check_id_list(request_ids)
+        if isinstance(topk, torch.Tensor) and topk.dim() == 2 \
+                and topk.shape[0] != len(request_ids):
+            raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request "
+                             f"ids were given (one per query token).")
+        rows = {rid: self.scheduler.state_row(rid) for rid in dict.fromkeys(request_ids)
+                if rid is not None}
+        state_rows = torch.tensor([rows[rid] if rid is not None else -1
+                                   for rid in request_ids], dtype=torch.int32)
+        check_prefill_topk(topk, state_rows)
+        state_rows = self.worker.to_device(state_rows.numpy(), torch.int32)
+        if self.scheduler.has_pending_changes:
+            self._hand_over()
+        bound = scheduler_host_rows_bound(self.scheduler, leader_layer, request_ids,
+                                          topk.shape[1])
+        return self.worker.resolve_prefill(leader_layer, state_rows, topk,
+                                           host_rows_bound=bound)
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
                      topk: torch.Tensor) -> torch.Tensor:

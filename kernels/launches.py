@@ -1,8 +1,8 @@
 """Record kernel launches instead of running them (compile report, host-cost benchmark, tests).
 
 ``record_launches()`` replaces every Triton kernel of the kernel modules (``resolve``,
-``gather``, ``backup``) by a stand-in whose ``kernel[grid](*args, **kwargs)`` appends a
-``Launch`` to a list and returns; the launchers' own Python (argument checks, launch shapes,
+``gather``, ``backup``, ``prefill``) by a stand-in whose ``kernel[grid](*args, **kwargs)``
+appends a ``Launch`` to a list and returns; the launchers' own Python (argument checks, launch shapes,
 workspace handling) still runs. With ``cpu_as_cuda=True`` the launchers also accept CPU
 tensors without ``TRITON_INTERPRET=1`` (they stand in for CUDA tensors). Everything is
 restored on exit.
@@ -44,9 +44,9 @@ class _Recorder:
 
 def kernel_modules() -> list[Any]:
     """The modules that define the Triton kernels."""
-    from hisparse_triton.kernels import backup, gather, resolve
+    from hisparse_triton.kernels import backup, gather, prefill, resolve
 
-    return [resolve, gather, backup]
+    return [resolve, gather, backup, prefill]
 
 
 @contextlib.contextmanager

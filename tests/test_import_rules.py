@@ -29,6 +29,7 @@ WORKER_MAY_IMPORT = frozenset({
     "hisparse_triton", "hisparse_triton.layout", "hisparse_triton.groups",
     "hisparse_triton.step_plan", "hisparse_triton.specs", "hisparse_triton.config",
     "hisparse_triton.memory", "hisparse_triton.row_table", "hisparse_triton.errors",
+    "hisparse_triton.staging",      # the prefill staging region both halves derive
     "hisparse_triton.compat",       # the supported torch / Triton range, checked by the pools
     "hisparse_triton.tuning_cache",  # where the kernels' launch configs come from (a log line)
 })

@@ -13,7 +13,7 @@ from hisparse_triton import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "hisparse_triton" / "ops"
-FAMILIES = ("copy", "resolve")
+FAMILIES = ("copy", "prefill", "resolve")
 #: Modules of ``hisparse_triton.ops`` a kernel may import (everything else is the oracle or
 #: the dispatch that calls the kernels).
 KERNEL_MAY_IMPORT = {f"hisparse_triton.ops.{family}.{module}"

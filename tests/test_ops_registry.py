@@ -123,6 +123,7 @@ def test_the_packages_families_are_in_the_table():
                 if entry.namespace == "hisparse_triton"}
     assert families == {"hisparse_triton::copy_rows": "copy",
                         "hisparse_triton::copy_pages": "copy",
+                        "hisparse_triton::plan_prefill": "prefill",
                         "hisparse_triton::resolve": "resolve"}
     assert ops.OP_TABLE["hisparse_triton::resolve"].op is ops.resolve_op
     assert ops.OP_TABLE["hisparse_triton::copy_rows"].op is ops.copy_rows_op

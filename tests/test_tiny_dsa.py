@@ -45,36 +45,45 @@ HAS_TRITON_BACKEND = torch.cuda.is_available() or os.environ.get("TRITON_INTERPR
 
 
 class ResolveLog:
-    """Wraps ``runtime.resolve`` (and ``commit``) to record calls and optionally tamper with
-    one call's result: ``tamper(runtime, request_ids, topk, rows)`` returns the rows the
-    store sees, or None to keep them."""
+    """Wraps ``runtime.resolve`` and ``runtime.resolve_prefill`` (and ``commit``) to record
+    calls and optionally tamper with one call's result: the ``at_call``-th call of the kind
+    ``tamper_prefill`` names; ``tamper(runtime, leader, request_ids, topk, rows)`` returns the
+    rows the store sees, or None to keep them."""
 
-    def __init__(self, runtime, tamper=None, at_call: int = -1) -> None:
+    def __init__(self, runtime, tamper=None, at_call: int = -1,
+                 tamper_prefill: bool = False) -> None:
         self.calls: list[tuple[int, str, list, tuple]] = []  # (step, leader, ids, topk shape)
+        self.prefill_calls: list[tuple[int, str, list, tuple]] = []  # the same, per token
         self.step = 0
         self.tampered = False
-        resolve, commit = runtime.resolve, runtime.commit
+        resolve, resolve_prefill, commit = (runtime.resolve, runtime.resolve_prefill,
+                                            runtime.commit)
 
-        def logged_resolve(leader, request_ids, topk):
-            rows = resolve(leader, request_ids, topk)
-            self.calls.append((self.step, leader, list(request_ids), tuple(topk.shape)))
-            if tamper is not None and len(self.calls) - 1 == at_call:
-                changed = tamper(runtime, leader, request_ids, topk, rows)
-                if changed is not None:
-                    self.tampered = True
-                    rows = changed
-            return rows
+        def logged(call, log, prefill):
+            def wrapper(leader, request_ids, topk):
+                rows = call(leader, request_ids, topk)
+                log.append((self.step, leader, list(request_ids), tuple(topk.shape)))
+                if tamper is not None and prefill == tamper_prefill \
+                        and len(log) - 1 == at_call:
+                    changed = tamper(runtime, leader, request_ids, topk, rows)
+                    if changed is not None:
+                        self.tampered = True
+                        rows = changed
+                return rows
+            return wrapper
 
         def counted_commit():
             commit()
             self.step += 1
 
-        runtime.resolve, runtime.commit = logged_resolve, counted_commit
+        runtime.resolve = logged(resolve, self.calls, False)
+        runtime.resolve_prefill = logged(resolve_prefill, self.prefill_calls, True)
+        runtime.commit = counted_commit
 
 
-def run_facade(spec, tamper=None, at_call: int = -1):
+def run_facade(spec, tamper=None, at_call: int = -1, tamper_prefill: bool = False):
     with tiny_dsa.build_runtime(spec) as runtime:
-        log = ResolveLog(runtime, tamper, at_call)
+        log = ResolveLog(runtime, tamper, at_call, tamper_prefill)
         result = tiny_dsa.run(spec, tiny_dsa.HiSparseStore(runtime))
         stats = runtime.stats()
         pool = runtime.device_block_pool.capacity
@@ -119,16 +128,23 @@ def test_bit_identical_to_dense_under_memory_pressure(dense):
     assert pool < all_gpu
     assert stats.misses > 0 and stats.h2d_bytes > 0 and stats.d2h_bytes > 0
     assert stats.num_requests == 0 and stats.device_blocks == 0 and stats.host_blocks == 0
-    # Every step resolves every index group over the batch; some prefill steps needed more
-    # than one resolve (a chunk's union wider than the hot buffer), with padding rows.
+    # Every step selects for every index group: decoding requests through their hot
+    # buffers (resolve), prefill chunks through prefill staging (resolve_prefill, one id per
+    # query token); a mixed step does both, its resolve with padding rows for the requests
+    # that prefill.
     leaders = [SPEC.model_config().sparse_layer(i) for i in range(0, SPEC.num_layers, 2)]
-    per_step = {}
-    for step, leader, _, _ in log.calls:
-        per_step[(step, leader)] = per_step.get((step, leader), 0) + 1
+    per_step: dict[tuple[int, str], set[str]] = {}
+    for kind, calls in (("decode", log.calls), ("prefill", log.prefill_calls)):
+        for step, leader, _, _ in calls:
+            per_step.setdefault((step, leader), set()).add(kind)
     assert {key[1] for key in per_step} == set(leaders)
     assert len(per_step) == result.steps * len(leaders)
-    assert max(per_step.values()) > 1
+    assert {"decode", "prefill"} in per_step.values()
     assert any(None in ids for _, _, ids, _ in log.calls)
+    topk = SPEC.model_config().topk
+    assert all(len(ids) == shape[0] and shape[1] == topk
+               for _, _, ids, shape in log.prefill_calls)
+    assert max(len(set(ids)) for _, _, ids, _ in log.prefill_calls) > 1   # batched chunks
 
 
 @pytest.mark.parametrize("watermark", [None, 1.0], ids=["default-watermark", "pure-hisparse"])
@@ -146,10 +162,11 @@ def test_scheduler_worker_pair_is_exact_under_memory_pressure(dense, watermark):
         assert sched.lost_pages > 0                       # blocks went to other owners
     else:
         assert sched.lost_pages == 0                      # dropped at once, never lost
-    # decode steps resolved [R, 1, K] at once; prefill chunks in union rounds [R, n]
-    shapes = {shape for _, shape in store.resolve_shapes}
-    assert (SPEC.running, 1, SPEC.model_config().topk) in shapes
-    assert any(len(shape) == 2 for shape in shapes)
+    # decode steps resolved [R, 1, K] at once; prefill chunks went through prefill staging,
+    # one [tokens, K] call per index group and step
+    topk = SPEC.model_config().topk
+    assert (SPEC.running, 1, topk) in {shape for _, shape in store.resolve_shapes}
+    assert store.prefill_shapes and all(k == topk for _, (_, k) in store.prefill_shapes)
 
 
 def test_the_model_is_batch_invariant(serving_dense):
@@ -292,8 +309,9 @@ def _wrong_row(runtime, leader, request_ids, topk, rows):
 
 @pytest.mark.parametrize("tamper", [_corrupt_byte(0), _corrupt_byte(1), _wrong_row],
                          ids=["corrupt-leader-byte", "corrupt-follower-byte", "wrong-row-id"])
-def test_the_check_is_not_vacuous(dense, tamper):
-    result, _, log, *_ = run_facade(SPEC, tamper, at_call=12)
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_the_check_is_not_vacuous(dense, tamper, prefill):
+    result, _, log, *_ = run_facade(SPEC, tamper, at_call=12, tamper_prefill=prefill)
     assert log.tampered
     problems = tiny_dsa.compare(dense, result)
     assert any("logits differ" in p for p in problems), problems
@@ -322,6 +340,47 @@ def test_triton_backend_split_prefix_and_two_query_tokens_small():
     assert any(len(shape) == 3 and shape[1] == 2 for _, shape in store.resolve_shapes)
 
 
+#: One 2K-token prompt prefilled in 16 chunks of 128 over a pool of 180 blocks (keeping its
+#: rows on the GPU would take 258 per index group pair): most of every chunk's history lives
+#: only in the host pool.
+LONG = tiny_dsa.RunSpec(num_requests=1, prompt_len_range=(2048, 2048), max_new_tokens=4,
+                        chunk_size=128, max_num_batched_tokens=128, max_model_len=2052,
+                        device_blocks=180)
+
+
+def _run_long(spec):
+    scheduler, worker = tiny_dsa.build_split(spec)
+    with worker:
+        store = tiny_dsa.SplitStore(worker, scheduler)
+        result = tiny_dsa.run(spec, store)
+        return result, store, scheduler, worker.stats()
+
+
+def test_a_2k_token_prompt_prefills_through_staging_over_an_offloading_pool():
+    dense = tiny_dsa.run_dense(LONG)
+    result, store, scheduler, work = _run_long(LONG)
+    assert tiny_dsa.compare(dense, result) == []
+    plan = tiny_dsa.plan_for_spec(LONG)
+    assert scheduler.device_block_pool.capacity < tiny_dsa.all_gpu_blocks(
+        plan.kv_cache_config, LONG)
+    assert scheduler.prefill_staging.capacity_rows >= 2048    # the whole history fits
+    assert scheduler.stats().unpinned_pages > 100             # the history left the GPU
+    leaders = [LONG.model_config().sparse_layer(i) for i in range(0, LONG.num_layers, 2)]
+    # every chunk: one [128 tokens, 32] prefill staging call per index group
+    assert store.prefill_shapes == [(leader, (128, 32)) for _ in range(16) for leader in leaders]
+    assert work.misses > 0                                    # decode steps gather
+
+
+def test_cli_max_model_len_lifts_the_presets_context(capsys):
+    argv = ["--requests", "1", "--layers", "2", "--prompt-len", "1100", "1100",
+            "--max-new-tokens", "2", "--chunk-size", "128", "--max-num-batched-tokens", "128",
+            "--device-blocks", "120", "--check"]
+    assert tiny_dsa.main(argv) == 2
+    assert "exceeds max_model_len 1024" in capsys.readouterr().err
+    assert tiny_dsa.main([*argv, "--max-model-len", "1102"]) == 0
+    assert "check: tokens and logits bit-identical" in capsys.readouterr().out
+
+
 def _slow_selected(config) -> bool:
     markexpr = config.getoption("markexpr") or ""
     return "slow" in markexpr and "not slow" not in markexpr
@@ -336,6 +395,17 @@ def test_triton_backend_bit_identical_full(dense, request):
     result, _, _, work = run_split(spec)
     assert tiny_dsa.compare(dense, result) == []
     assert work.misses > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_backend_2k_token_prompt(request):
+    if not torch.cuda.is_available() and not _slow_selected(request.config):
+        pytest.skip("about 15 s in the Triton interpreter; select it with -m slow")
+    spec = dataclasses.replace(LONG, num_layers=2, backend="triton")
+    result, store, _, work = _run_long(spec)
+    assert tiny_dsa.compare(tiny_dsa.run_dense(spec), result) == []
+    assert len(store.prefill_shapes) == 16 and work.misses > 0
 
 
 @pytest.mark.parametrize("store", ["split", "facade"])

@@ -1,7 +1,9 @@
-"""Public ops (``resolve``, ``copy_rows``, ``copy_pages``) and their backend dispatch.
+"""Public ops (``resolve``, ``copy_rows``, ``copy_pages``, ``plan_prefill``,
+``stage_prefill``) and their backend dispatch.
 
-Also re-exported here: ``ResolveWorkspace`` (reusable outputs and scratch of ``resolve``) and
-``restore_resolve_state`` (undo the last ``resolve`` made with a workspace).
+Also re-exported here: ``ResolveWorkspace`` (reusable outputs and scratch of ``resolve``),
+``restore_resolve_state`` (undo the last ``resolve`` made with a workspace) and
+``PrefillWorkspace`` (the buffers of ``plan_prefill``).
 
 Each op has the signature of its torch reference (``ops.<family>.reference``) plus a keyword
 ``backend``:
@@ -17,10 +19,11 @@ The op's device is the device of its index tensors (``topk``; ``src_rows`` / ``s
 the device the kernels run on. Pools may be elsewhere (a pinned CPU host pool on CUDA).
 
 The ops are also registered as ``torch.library`` custom ops under the ``hisparse_triton``
-namespace (``torch.ops.hisparse_triton.{resolve,copy_rows,copy_pages}``, registered by
-``registry.register_family`` and listed in ``OP_TABLE``): CPU kernel = the reference, CUDA
-kernel = Triton, fake kernels for ``torch.compile`` (fixed output shapes; the copy ops declare
-the destination pool mutated, ``resolve`` declares ``slot_host_rows`` and ``lru`` mutated).
+namespace (``torch.ops.hisparse_triton.{resolve,copy_rows,copy_pages,plan_prefill}``,
+registered by ``registry.register_family`` and listed in ``OP_TABLE``): CPU kernel = the
+reference, CUDA kernel = Triton, fake kernels for ``torch.compile`` (fixed output shapes; the
+copy ops declare the destination pool mutated, ``resolve`` declares ``slot_host_rows`` and
+``lru`` mutated, ``plan_prefill`` mutates nothing).
 Custom ops take tensors and scalars only, so a ``RowTable`` travels flattened as ``(pool,
 offsets, row_bytes, block_size, block_stride, num_rows)`` (``flat_table``) with ``offsets`` a
 list of ints (the table's own copy: the op rebuilds the table without reading a device
@@ -50,8 +53,10 @@ Layout: one sub-package per op family, each holding every part of its ops except
   the family's ``registry.OpDefinition``s, registered at import;
 - ``<family>/workspace.py`` where a family reuses buffers across calls.
 
-Families: ``resolve`` (kernels: ``kernels.resolve``) and ``copy`` (``copy_rows`` /
-``copy_pages``; kernels: ``kernels.gather`` and ``kernels.backup``). Shared parts:
+Families: ``resolve`` (kernels: ``kernels.resolve``), ``copy`` (``copy_rows`` /
+``copy_pages``; kernels: ``kernels.gather`` and ``kernels.backup``) and ``prefill``
+(``plan_prefill`` / ``stage_prefill``: a prefill chunk's rows with its host-only rows staged;
+kernels: ``kernels.prefill``). Shared parts:
 ``backends.py`` (backend names, ``select_backend``, ``is_eager``) and ``registry.py`` (the
 one ``torch.library`` registration helper and the op table).
 
@@ -77,15 +82,19 @@ from hisparse_triton.ops.copy.op import (
     flat_table,
     validate_table,
 )
+from hisparse_triton.ops.prefill.contract import PrefillPlan
+from hisparse_triton.ops.prefill.op import plan_prefill, plan_prefill_op, stage_prefill
+from hisparse_triton.ops.prefill.workspace import PrefillWorkspace
 from hisparse_triton.ops.registry import OP_TABLE
 from hisparse_triton.ops.resolve.contract import ResolveResult
 from hisparse_triton.ops.resolve.op import resolve, resolve_op
 from hisparse_triton.ops.resolve.workspace import ResolveWorkspace, restore_resolve_state
 
-__all__ = ["BACKENDS", "ENV_VAR", "OP_TABLE", "BackendUnavailableError", "ResolveResult",
-           "ResolveWorkspace", "copy_pages", "copy_pages_op", "copy_rows", "copy_rows_op",
-           "flat_table", "is_eager", "resolve", "resolve_op",
-           "restore_resolve_state", "select_backend", "validate_table"]
+__all__ = ["BACKENDS", "ENV_VAR", "OP_TABLE", "BackendUnavailableError", "PrefillPlan",
+           "PrefillWorkspace", "ResolveResult", "ResolveWorkspace", "copy_pages",
+           "copy_pages_op", "copy_rows", "copy_rows_op", "flat_table", "is_eager",
+           "plan_prefill", "plan_prefill_op", "resolve", "resolve_op",
+           "restore_resolve_state", "select_backend", "stage_prefill", "validate_table"]
 
 # Short names the tests use.
 _eager = is_eager

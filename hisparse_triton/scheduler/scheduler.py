@@ -52,6 +52,7 @@ from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_l
 from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
 from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.staging import PrefillStaging
 from hisparse_triton.step_plan import StepPlan, TableLayout
 
 #: Default ``free_block_watermark``: offload once 10% or less of the device pool is free.
@@ -107,7 +108,10 @@ class HiSparseScheduler:
             raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
                              f"page), the plan has {self.num_host_blocks}.")
         self.journal = j = Journal()
-        self.device_block_pool = BlockPool(self.num_device_blocks, "device", j)
+        # The last blocks of the device pool hold resolve_prefill's staging rows: never
+        # allocated (``hisparse_triton.staging``; the worker derives the same region).
+        self.prefill_staging = PrefillStaging.from_plan(kv_cache_config, config)
+        self.device_block_pool = BlockPool(self.prefill_staging.first_block, "device", j)
         self.host_block_pool = BlockPool(self.num_host_blocks, "host", j)
         self.free_block_watermark = free_block_watermark
         self.policy = ResidencyPolicy.from_settings(

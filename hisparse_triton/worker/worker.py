@@ -387,6 +387,50 @@ class HiSparseWorker:
         check_readable(topk, self.device, "topk")
         check_readable(state_rows, self.device, "state_rows")
 
+    def resolve_prefill(self, leader_layer: str, state_rows: torch.Tensor,
+                        topk: torch.Tensor, *, host_rows_bound: Optional[int] = None,
+                        check: bool = True) -> torch.Tensor:
+        """Rows of one index group's prefill chunk, host-only rows staged on the device.
+
+        ``topk``: ``[T, K]`` integer token positions of the chunk's ``T`` query tokens (any
+        integer dtype, any ``K``; -1, negative, ``>= seq_len`` or huge positions are
+        masked); ``state_rows``: ``[T] int32``, the state row of each token's request (-1 =
+        padding). Returns ``[T, K] int32`` rows of ``device_cache(layer)`` valid for the
+        leader and every follower (-1 = masked): a row whose page has a device block in
+        place, any other row copied once from the host pool into the prefill staging
+        region (``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
+        out), for all of the group's layers in one gather launch. Hot buffers and LRU
+        state are not touched; nothing is allocated after the first call (a workspace of
+        ``4`` bytes per host-pool row, shared by the index groups). The rows are valid
+        until the next ``resolve_prefill`` (any index group) or the next plan that
+        releases pages; the tensor is overwritten by the next call.
+
+        Overflow (more distinct host-only rows than the region holds): those columns are
+        -1 and ``PrefillStagingError`` names both numbers. It is found without a host
+        sync when ``host_rows_bound`` (an upper bound the caller knows, e.g.
+        ``hisparse_triton.staging.host_rows_bound``) fits the region; otherwise the call
+        reads the device count once. ``check=False`` never reads it (``prefill_counts``
+        holds it). ``ValueError`` for a bad leader, ``topk`` or ``state_rows``.
+        """
+        self._check_open()
+        cache = self._index_group(leader_layer)
+        stager = self.__dict__.get("_prefill")
+        if stager is None:
+            from hisparse_triton.worker.prefill import PrefillStager
+
+            stager = PrefillStager.for_plan(self.kv_cache_config, self.config,
+                                            device=self.device, kernel=self._kernel_backend)
+            self._prefill = stager
+        return stager.stage(cache, state_rows, topk, host_rows_bound=host_rows_bound,
+                            check=check)
+
+    @property
+    def prefill_counts(self) -> Optional[torch.Tensor]:
+        """``[2] int32`` on the device: rows the last ``resolve_prefill`` staged and the
+        distinct host-only rows it needed (None before the first call). A live view."""
+        stager = self.__dict__.get("_prefill")
+        return None if stager is None else stager.counts
+
     def to_device(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """A small CPU array on the worker's device without a host sync (pinned staging)."""
         return array_on_device(values, dtype, self.device)

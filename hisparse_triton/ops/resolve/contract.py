@@ -14,7 +14,8 @@ import torch
 from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
 from hisparse_triton.tuning import MAX_RESOLVE_WIDTH
 
-__all__ = ["ResolveResult", "TOPK_DTYPES", "check_resolve_args", "check_resolve_extras"]
+__all__ = ["ResolveResult", "TOPK_DTYPES", "check_resolve_args", "check_resolve_extras",
+           "check_rows_out"]
 
 
 class ResolveResult(NamedTuple):
@@ -181,6 +182,21 @@ def _explain_resolve_args(*args) -> tuple[int, int, int, int, int, int]:
     return R, K, S, P, HB, H
 
 
+def check_rows_out(op: str, out: object, R: int, K: int, device: torch.device) -> None:
+    """An op's ``out=`` argument: a writable int32 ``[R, K]`` tensor on ``device``
+    (``ValueError`` naming ``op`` otherwise)."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 \
+            or tuple(out.shape) != (R, K):
+        raise ValueError(f"{op}: out must be an int32 tensor [{R}, {K}], got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} of shape "
+                         f"{tuple(getattr(out, 'shape', ()))}")
+    if out.device != device:
+        raise ValueError(f"{op}: out is on {out.device} but topk is on {device}")
+    if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+        raise ValueError(f"{op}: out is written and must not have a stride-0 (expanded) "
+                         f"dimension, got strides {out.stride()}")
+
+
 def check_resolve_extras(R: int, K: int, H: int, device: torch.device,
                           counters: Optional[torch.Tensor], out: Optional[torch.Tensor],
                           workspace: Optional[ResolveWorkspace]) -> None:
@@ -194,16 +210,7 @@ def check_resolve_extras(R: int, K: int, H: int, device: torch.device,
         if counters.device != device:
             raise ValueError(f"resolve: counters is on {counters.device} but topk is on {device}")
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 \
-                or tuple(out.shape) != (R, K):
-            raise ValueError(f"resolve: out must be an int32 tensor [{R}, {K}], got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} of shape "
-                             f"{tuple(getattr(out, 'shape', ()))}")
-        if out.device != device:
-            raise ValueError(f"resolve: out is on {out.device} but topk is on {device}")
-        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
-            raise ValueError(f"resolve: out is written and must not have a stride-0 (expanded) "
-                             f"dimension, got strides {out.stride()}")
+        check_rows_out("resolve", out, R, K, device)
     if workspace is not None:
         if not isinstance(workspace, ResolveWorkspace):
             raise TypeError(f"resolve: workspace must be a ResolveWorkspace, got "

@@ -15,7 +15,7 @@ import torch
 from hisparse_triton.ops.resolve.contract import ResolveResult, check_resolve_args
 from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
 
-__all__ = ["ResolveResult", "emit_result", "first_occurrences", "resolve"]
+__all__ = ["ResolveResult", "classify_columns", "emit_result", "first_occurrences", "resolve"]
 
 #: Sort key base of columns that do not go to the host path (sorts after every host key).
 _RESOLVE_KEY_SENTINEL = 1 << 62
@@ -35,6 +35,39 @@ def first_occurrences(state_rows: torch.Tensor, num_states: int) -> torch.Tensor
     first = torch.full((R,), R, dtype=torch.int64, device=st.device).scatter_reduce(
         0, inverse, index, reduce="amin", include_self=True)
     return ok & (first[inverse] == index)
+
+
+def classify_columns(topk: torch.Tensor, stc: torch.Tensor, row_ok: torch.Tensor,
+                     seq_lens: torch.Tensor, resident_blocks: torch.Tensor,
+                     host_blocks: torch.Tensor, *, block_size: int, num_device_blocks: int,
+                     num_host_blocks: int) -> tuple[torch.Tensor, ...]:
+    """Rules 1-3 of ``resolve`` for every column of ``topk [R, K]`` whose batch row reads
+    state row ``stc [R]`` (int64; only rows with ``row_ok [R]`` count): ``(resident,
+    host, device_row, host_row)``, ``[R, K]`` each: the columns served from a resident
+    block and their device rows, the columns on the host path (a valid host block, no
+    resident one) and their host rows (int64; meaningless outside their mask). Every other
+    column is masked."""
+    i64 = torch.int64
+    R, K = topk.shape
+    S, P = resident_blocks.shape
+    B = block_size
+    pos = topk.to(i64)
+    posc = pos.clamp(min=0)
+    page = posc // B
+    off = posc - page * B
+    if S > 0 and P > 0:
+        seq = seq_lens.to(i64)[stc]
+        inr = row_ok[:, None] & (pos >= 0) & (pos < seq[:, None]) & (page < P)
+        pagec = torch.where(inr, page, 0)
+        srow = stc[:, None].expand(R, K)
+        rb = resident_blocks[srow, pagec].to(i64)
+        hb = host_blocks[srow, pagec].to(i64)
+    else:
+        inr = torch.zeros(R, K, dtype=torch.bool, device=topk.device)
+        rb = hb = torch.zeros(R, K, dtype=i64, device=topk.device)
+    res = inr & (rb >= 1) & (rb < num_device_blocks)
+    hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
+    return res, hok, rb * B + off, hb * B + off
 
 
 def emit_result(result: ResolveResult, touched: torch.Tensor, slot_host_rows: torch.Tensor,
@@ -186,23 +219,10 @@ def resolve(
     slot_ids = torch.arange(H, device=dev)
 
     # Columns: masked / resident / host row g (rules 1-3).
-    pos = topk.to(i64)
-    posc = pos.clamp(min=0)
-    page = posc // B
-    off = posc - page * B
-    seq = seq_lens.to(i64)[stc]
-    inr = row_ok[:, None] & (pos >= 0) & (pos < seq[:, None]) & (page < P)
-    if P > 0:
-        pagec = torch.where(inr, page, 0)
-        srow = stc[:, None].expand(R, K)
-        rb = resident_blocks[srow, pagec].to(i64)
-        hb = host_blocks[srow, pagec].to(i64)
-    else:
-        rb = hb = torch.zeros(R, K, dtype=i64, device=dev)
-    res = inr & (rb >= 1) & (rb < num_device_blocks)
-    hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
-    g = hb * B + off
-    rows = torch.where(res, rb * B + off, -1)
+    res, hok, device_row, g = classify_columns(
+        topk, stc, row_ok, seq_lens, resident_blocks, host_blocks, block_size=B,
+        num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks)
+    rows = torch.where(res, device_row, -1)
 
     # Host columns sorted by (g, column): equal host rows form runs, first = first occurrence.
     skey, perm = torch.sort(torch.where(hok, g * K + col, _RESOLVE_KEY_SENTINEL + col), dim=1)

@@ -1,0 +1,149 @@
+"""Prefill staging on the worker: ``PrefillStager`` serves a prefill chunk's top-k rows.
+
+A prefill chunk (``T`` query tokens, up to ``max_num_batched_tokens``) selects ``K`` rows per
+token; under offload many of them live only in the host pool. ``PrefillStager.stage`` maps
+one index group's ``[T, K]`` selections to rows of ``device_cache(layer)`` for the leader
+and every follower:
+
+- rows whose page still has a device block in the index group's resident group (dirty,
+  pinned, or unpinned but not yet reused) are read in place;
+- every other row is copied once (however many tokens select it) from the host pool into
+  the staging region (``hisparse_triton.staging``: device blocks the scheduler never hands
+  out), for all of the group's layers in one gather launch.
+
+Hot buffers and their LRU order are never read or written: prefill does not disturb what
+the decode steps of the same requests hit. The plan is computed on the device (``ops``'
+``stage_prefill``: four plan launches and one gather, no host sync) in a workspace
+allocated once (``PrefillWorkspace``), shared by the index groups, whose calls run one after
+another. The returned rows are valid until the next ``stage`` (any index group) or the next
+plan that releases pages.
+
+Overflow: a chunk that references more distinct host-only rows than the region holds gets
+-1 for the rows beyond it (never a read outside the pools). ``stage`` reports it without a
+sync when the caller passes ``host_rows_bound`` (an upper bound it knows, e.g. from the
+scheduler's block tables: ``hisparse_triton.staging.host_rows_bound``) that fits; otherwise
+it reads the device count once and raises ``PrefillStagingError`` naming both numbers
+(``check=False`` skips that read: the counts stay readable in ``counts``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from hisparse_triton.config import EngineConfig
+from hisparse_triton.errors import PrefillStagingError
+from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.worker import hot_cache
+from hisparse_triton.worker.placement import on_device
+
+from hisparse_triton.staging import PrefillStaging
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hisparse_triton.ops import PrefillWorkspace
+    from hisparse_triton.worker.hot_cache import HotCache
+
+__all__ = ["PrefillStager", "check_prefill_topk"]
+
+
+def check_prefill_topk(topk: object, state_rows: object) -> None:
+    """``ValueError`` unless ``topk`` is an integer ``[T, K]`` tensor (``K >= 1``) and
+    ``state_rows`` an int32 ``[T]`` tensor."""
+    if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
+        raise ValueError(f"topk must be a [tokens, k] tensor, got {type(topk).__name__} of "
+                         f"shape {tuple(getattr(topk, 'shape', ()))}.")
+    if topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
+        raise ValueError(f"topk must hold integer positions, got {topk.dtype}.")
+    if topk.shape[1] < 1:
+        raise ValueError(f"topk must have at least one column, got shape {tuple(topk.shape)}.")
+    T = topk.shape[0]
+    if (not isinstance(state_rows, torch.Tensor) or state_rows.dtype != torch.int32
+            or tuple(state_rows.shape) != (T,)):
+        raise ValueError(f"state_rows must be an int32 tensor [{T}] (one per query token), "
+                         f"got {getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
+                         f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
+
+
+class PrefillStager:
+    """The prefill staging of one worker (see the module docstring).
+
+    - ``staging``: the plan's ``PrefillStaging`` region;
+    - ``num_host_rows``: rows of the host pool; ``device``: the worker's device;
+      ``kernel``: ``"triton"`` or ``"torch"``.
+    """
+
+    def __init__(self, staging: PrefillStaging, *, num_host_rows: int,
+                 device: torch.device, kernel: str) -> None:
+        self.staging = staging
+        self.kernel = kernel
+        self.device = device
+        self._ops = hot_cache.load_ops()
+        self.workspace: "PrefillWorkspace" = self._ops.PrefillWorkspace(
+            device, num_host_rows=num_host_rows, capacity_rows=staging.capacity_rows,
+            first_row=staging.first_row)
+
+    @classmethod
+    def for_plan(cls, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
+                 device: torch.device, kernel: str) -> "PrefillStager":
+        """The stager of a worker built from ``kv_cache_config`` and ``config``: the region
+        ``PrefillStaging.from_plan`` gives (the one the scheduler keeps out of allocation)."""
+        staging = PrefillStaging.from_plan(kv_cache_config, config)
+        return cls(staging, num_host_rows=kv_cache_config.hisparse_host_num_blocks
+                   * staging.block_size, device=device, kernel=kernel)
+
+    @property
+    def capacity_rows(self) -> int:
+        """Distinct host-only rows one call can stage."""
+        return self.staging.capacity_rows
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[2] int32`` on the device: rows the last call staged and rows it needed
+        (``needed > capacity_rows``: it overflowed). A live view; reading it syncs."""
+        return self.workspace.counts
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the workspace (the staging region itself is in the pool)."""
+        return self.workspace.nbytes
+
+    def stage(self, cache: "HotCache", state_rows: torch.Tensor, topk: torch.Tensor, *,
+              host_rows_bound: Optional[int] = None, check: bool = True) -> torch.Tensor:
+        """``[T, K] int32`` rows of ``cache``'s index group for ``topk [T, K]`` (any integer
+        dtype; -1 and out-of-range positions are masked) of the tokens' ``state_rows [T]
+        int32`` (-1 = padding); stages the host-only rows (see the module docstring).
+        ``PrefillStagingError`` when the chunk needs more staging rows than the region has
+        (read on the device unless ``host_rows_bound <= capacity_rows``; not read with
+        ``check=False``); ``ValueError`` for bad shapes. The output is the workspace's
+        buffer, overwritten by the next call."""
+        check_prefill_topk(topk, state_rows)
+        bound = _check_bound(host_rows_bound)
+        T, K = topk.shape
+        capacity = self.capacity_rows
+        state_rows = on_device(state_rows, self.device, "state_rows")
+        topk = on_device(topk, self.device, "topk")
+        plan = self._ops.stage_prefill(
+            cache.device_table, cache.host_table, topk, state_rows, cache.seq_lens,
+            cache.resident_table, cache.host_blocks, **cache.sizes,
+            staging_first_row=self.staging.first_row, staging_rows=capacity,
+            workspace=self.workspace, backend=self.kernel)
+        if not check or (bound is not None and bound <= capacity):
+            return plan.rows          # proven to fit, or the caller reads the counts itself
+        needed = int(plan.needed[0])
+        if needed > capacity:
+            raise PrefillStagingError(
+                f"the prefill chunk ({T} tokens x {K} selections) references {needed} "
+                f"distinct host-only rows but the staging region holds {capacity} "
+                f"(prefill_staging_rows rounded up to whole blocks); raise "
+                f"HiSparseConfig.prefill_staging_rows or split the chunk.",
+                resource="prefill staging rows", needed=needed, available=capacity)
+        return plan.rows
+
+
+def _check_bound(bound: object) -> Optional[int]:
+    if bound is None:
+        return None
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        raise ValueError(f"host_rows_bound must be None or an int >= 0, got {bound!r}.")
+    return bound
