@@ -17,6 +17,10 @@ unchanged:
 - fake (meta) kernels let ``torch.compile`` and CUDA-graph capture trace the ops; the schema
   marks every argument an op writes.
 
+The ops are registered by ``hisparse_triton.ops.registry.register_family`` (family ``vllm``
+of ``hisparse_triton.ops.OP_TABLE``) with vLLM's schema text, ``on_existing="keep"`` (or
+``"replace"`` when overriding) and the backend chosen per call from the op's index tensors.
+
 ``register()`` returns whether ours serve the four ``hisparse_*`` ops (what vLLM checks before
 it starts HiSparse) and logs the providers once; ``providers()`` says which implementation
 each op has. Calling it again is cheap and safe. This module never imports vLLM; when vLLM's
@@ -31,14 +35,16 @@ import importlib.util
 import logging
 import os
 import sys
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from hisparse_triton.integrations import vllm_reference
+from hisparse_triton.ops import registry
+from hisparse_triton.ops.registry import OpDefinition
 
-__all__ = ["HISPARSE_OPS", "NAMESPACE", "OP_NAMES", "OVERRIDE_ENV", "SCHEMAS", "providers",
-           "register"]
+__all__ = ["DEFINITIONS", "FAMILY", "HISPARSE_OPS", "NAMESPACE", "OP_NAMES", "OVERRIDE_ENV",
+           "SCHEMAS", "providers", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,67 +90,19 @@ SCHEMAS = {
 }
 
 
-class _OpSpec(NamedTuple):
-    """One op: its torch model, the name of its Triton launcher in ``kernels``, and the
-    argument whose device picks the backend (the op's index tensors)."""
+def _launcher(module: str, name: str) -> Callable[..., None]:
+    """The Triton launcher ``hisparse_triton.kernels.<module>.<name>``, imported at its first
+    call (Triton is never imported for the torch backend)."""
+    found: list[Callable[..., None]] = []
 
-    reference: Callable[..., None]
-    kernel_module: str
-    kernel_name: str
-    device_arg: int
+    def launch(*args: Any) -> None:
+        if not found:
+            found.append(getattr(importlib.import_module(f"hisparse_triton.kernels.{module}"),
+                                 name))
+        return found[0](*args)
 
-
-_SPECS = {
-    "hisparse_resolve_residency": _OpSpec(
-        vllm_reference.hisparse_resolve_residency, "vllm_residency",
-        "hisparse_resolve_residency", 3),
-    "hisparse_invalidate_written_slots": _OpSpec(
-        vllm_reference.hisparse_invalidate_written_slots, "vllm_residency",
-        "hisparse_invalidate_written_slots", 0),
-    "hisparse_gather_plan": _OpSpec(
-        vllm_reference.hisparse_gather_plan, "vllm_gather", "hisparse_gather_plan", 2),
-    "hisparse_gather_compact": _OpSpec(
-        vllm_reference.hisparse_gather_compact, "vllm_gather", "hisparse_gather_compact", 2),
-    "cp_gather_and_upconvert_fp8_kv_cache": _OpSpec(
-        vllm_reference.cp_gather_and_upconvert_fp8_kv_cache, "vllm_fp8",
-        "cp_gather_and_upconvert_fp8_kv_cache", 2),
-}
-
-#: op name -> "hisparse_triton" (ours serve it) or "vllm" (vLLM's own), for ops seen so far.
-_PROVIDERS: dict[str, str] = {}
-#: ``torch.library.Library`` objects: a registration lives as long as its library object.
-_LIBRARIES: list[torch.library.Library] = []
-_LOGGED: list[bool] = []
-
-
-def _select(device: torch.device) -> str:
-    """``"triton"`` or ``"torch"`` for tensors on ``device`` (``$HISPARSE_TRITON_BACKEND``)."""
-    if not _SELECT:
-        from hisparse_triton.ops.backends import select_backend
-
-        _SELECT.append(select_backend)
-    return _SELECT[0](None, device)
-
-
-_SELECT: list[Callable[[Optional[str], torch.device], str]] = []
-
-
-def _implementation(name: str) -> Callable[..., None]:
-    """The kernel registered for CPU and CUDA: picks the backend at every call."""
-    spec = _SPECS[name]
-    reference = spec.reference
-    launchers: list[Callable[..., None]] = []
-
-    def run(*args: Any) -> None:
-        if _select(args[spec.device_arg].device) == "torch":
-            return reference(*args)
-        if not launchers:
-            module = importlib.import_module(f"hisparse_triton.kernels.{spec.kernel_module}")
-            launchers.append(getattr(module, spec.kernel_name))
-        return launchers[0](*args)
-
-    run.__name__ = f"{name}_hisparse_triton"
-    return run
+    launch.__name__ = f"{name}_triton"
+    return launch
 
 
 def _fake(*args: Any) -> None:
@@ -152,17 +110,32 @@ def _fake(*args: Any) -> None:
     return None
 
 
-def _qualname(name: str) -> str:
-    return f"{NAMESPACE}::{name}"
+def _definition(name: str, kernel_module: str, backend_arg: str) -> OpDefinition:
+    """One op: vLLM's schema, our torch model and Triton launcher, the backend picked at every
+    call from the device of ``backend_arg`` (the op's index tensors)."""
+    return OpDefinition(name, reference=getattr(vllm_reference, name),
+                        triton=_launcher(kernel_module, name), fake=_fake,
+                        schema=SCHEMAS[name], backend_arg=backend_arg)
 
 
-def _op_defined(name: str) -> bool:
-    """Whether the dispatcher knows ``_C_cache_ops::<name>`` (from anyone)."""
-    try:
-        torch._C._dispatch_find_schema_or_throw(_qualname(name), "")
-    except RuntimeError:
-        return False
-    return True
+#: The family name of these ops in ``hisparse_triton.ops.OP_TABLE``.
+FAMILY = "vllm"
+#: op name -> its ``OpDefinition`` (``register()`` registers them).
+DEFINITIONS = {
+    "hisparse_resolve_residency": _definition(
+        "hisparse_resolve_residency", "vllm_residency", "global_indices"),
+    "hisparse_invalidate_written_slots": _definition(
+        "hisparse_invalidate_written_slots", "vllm_residency", "device_global_indices"),
+    "hisparse_gather_plan": _definition("hisparse_gather_plan", "vllm_gather", "global_indices"),
+    "hisparse_gather_compact": _definition(
+        "hisparse_gather_compact", "vllm_gather", "miss_global_indices"),
+    "cp_gather_and_upconvert_fp8_kv_cache": _definition(
+        "cp_gather_and_upconvert_fp8_kv_cache", "vllm_fp8", "block_table"),
+}
+
+#: op name -> "hisparse_triton" (ours serve it) or "vllm" (vLLM's own), for ops seen so far.
+_PROVIDERS: dict[str, str] = {}
+_LOGGED: list[bool] = []
 
 
 def _load_vllm_extension() -> None:
@@ -186,24 +159,6 @@ def _load_vllm_extension() -> None:
                                  "absent here", path, error)
 
 
-def _register_op(namespace: str, name: str, schema: str, impl: Callable[..., None],
-                 fake: Callable[..., None], *, define: bool) -> None:
-    """Give ``namespace::name`` our CPU and CUDA kernels (defining the schema first when
-    ``define``) and a fake kernel when it has none."""
-    if define:
-        lib = torch.library.Library(namespace, "FRAGMENT")
-        lib.define(schema)
-    else:
-        lib = torch.library.Library(namespace, "IMPL")
-    for key in ("CPU", "CUDA"):
-        lib.impl(name, impl, key)
-    _LIBRARIES.append(lib)
-    try:
-        torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
-    except RuntimeError:  # the op already has a fake kernel (vLLM's own)
-        pass
-
-
 def register(override: bool = False) -> bool:
     """Provide vLLM 0.33's HiSparse ops under ``torch.ops._C_cache_ops`` (see the module
     docstring). ``override`` (or ``HISPARSE_TRITON_VLLM_OVERRIDE=1``) replaces vLLM's own.
@@ -211,19 +166,15 @@ def register(override: bool = False) -> bool:
     override = override or os.environ.get(OVERRIDE_ENV, "") == "1"
     if any(name not in _PROVIDERS for name in OP_NAMES):
         _load_vllm_extension()
+    pending = [DEFINITIONS[name] for name in OP_NAMES
+               if _PROVIDERS.get(name) is None or (_PROVIDERS[name] == "vllm" and override)]
     changed = False
-    for name in OP_NAMES:
-        provider = _PROVIDERS.get(name)
-        if provider == "hisparse_triton" or (provider == "vllm" and not override):
-            continue
-        exists = provider == "vllm" or _op_defined(name)
-        if exists and not override:
-            _PROVIDERS[name] = "vllm"
-            continue
-        _register_op(NAMESPACE, name, SCHEMAS[name], _implementation(name), _fake,
-                     define=not exists)
-        _PROVIDERS[name] = "hisparse_triton"
-        changed = True
+    if pending:
+        done = registry.register_family(FAMILY, pending, namespace=NAMESPACE,
+                                        on_existing="replace" if override else "keep")
+        for name, outcome in done.outcomes.items():
+            _PROVIDERS[name] = "vllm" if outcome == "kept" else "hisparse_triton"
+        changed = done.changed
     active = all(_PROVIDERS[name] == "hisparse_triton" for name in HISPARSE_OPS)
     if changed or not _LOGGED:
         ours = [n for n in OP_NAMES if _PROVIDERS[n] == "hisparse_triton"]

@@ -30,9 +30,9 @@ list of ints (the table's own copy: the op rebuilds the table without reading a 
 tensor).
 
 Eager calls (plain tensors, no ``torch.compile`` / export tracing, no dispatch mode) skip the
-``torch.library`` dispatch and call the chosen implementation directly: the custom-op layer
-costs tens of microseconds of host time per call (argument defaults, autograd and
-ADInplaceOrView wrappers), more than a Triton launch. Traced calls go through the registered
+``torch.library`` dispatch and call the chosen implementation directly: the dispatcher adds a
+few microseconds of host time per call (it boxes every argument and calls back into Python),
+which the eager path saves. Traced calls go through the registered
 op so that ``torch.compile`` sees one opaque node. There, ``torch`` runs the registered op only
 when every tensor is on the CPU (the op's CUDA kernel is Triton: a CPU plan over a CUDA pool
 would reach it) and calls the reference directly otherwise; ``triton`` on CPU (the
