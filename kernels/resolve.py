@@ -2,96 +2,60 @@
 
 ``resolve`` has the signature, return type and semantics of ``hisparse_triton.reference.resolve``
 (read that docstring for the rules, the corrupted-state rules and the optional ``counters``,
-``out`` and ``workspace`` arguments); this module only says how the device computes it.
+``out`` and ``workspace`` arguments); this module launches one of two kernels with that
+contract, bit-identical to the reference and to each other:
 
-Shape of the computation: grid ``(R,)``; the program of batch row ``r`` resolves it from start
-to finish (as vLLM and SGLang do: one CTA per request), in phases separated by CTA barriers
-(``tl.debug_barrier()`` = ``bar.sync``), with per-row scratch tables in global memory (the
-workspace) where one phase hands data to the next. So a resolve is one launch whatever the
-top-k width or hot-buffer size, and counters are added by the same launch (three integer
-``atomic_add`` per row): resolve + gather + counters is two launches per index group.
+- ``hash`` (``kernels/resolve_hash.py``): a per-row open-addressing hash table of the top-k
+  columns' host rows in the workspace, no sort; for top-k up to ``HASH_MAX_WIDTH`` (2,048)
+  against up to ``HASH_MAX_SLOTS`` (4,096) hot slots, with host rows that fit int32
+  (``num_host_blocks * block_size < 2**31``). A row whose insertion overflows (a column still
+  unplaced after ``PROBES`` rounds) is resolved by the sorted code in the same launch.
+- ``sorted`` (``kernels/resolve_sorted.py``): sort + binary search, every width up to
+  ``MAX_RESOLVE_WIDTH`` (32,768), int64 keys when the host pool needs them.
 
-How hits are found: sort + binary search, no per-request map.
-    Every column that goes to the host path gets the key ``g * W + column`` (``W`` = top-k
-    rounded up to a power of two; other columns get ``SENTINEL + column``, so they sort last).
-    Sorting a row's keys puts equal host rows ``g`` in runs ordered by column: the first key
-    of a run is the first occurrence. Every hot slot binary-searches its held host row among
-    the sorted keys (``log2 W`` probes: 11 for top-k 2048). Keys are int32 when
-    ``(num_host_blocks * block_size + 1) * W <= 2**31`` (exact: a host key is below
-    ``2**31 - W``, the sentinel base) and int64 otherwise, which production host pools need
-    (keying by the token position would fit 29 bits, but a slot holds a host row, and a
-    position's host row can change under it, so that key would not be exact).
-    Up to ``SORT`` keys (``MAX_SORT_WIDTH`` = 2048) are sorted in registers and searched
-    there with ``tl.gather`` (``GATHER_SEARCH``); wider rows sort ``SORT``-key tiles in
-    registers and merge them in the row's scratch (``log2(W / SORT)`` passes, each key placed
-    by a binary search of the partner run), then search the scratch. LRU positions are
-    processed ``BLOCK_H`` (up to ``MAX_BLOCK_H`` = 4096) at a time, so neither width spills
-    registers or needs more shared memory than one tile. 16 warps for tiles of 2048 and
-    more: the compile report measured ~110-130 registers per thread there, against ~200-220
-    with 8 warps (one CTA per SM either way; the grid is one program per request).
-
-Phases of one program (state row ``st``; ``p`` = LRU position, ``slot = lru[st, p]``):
-0. Repeated state row: a row whose state row an earlier batch row names is padding (scans
-   ``state_rows[:r]``); padding rows write -1 / zeros and touch no state.
-1. Columns: classify (masked / resident / host row ``g``), write the outputs of masked and
-   resident columns, build and sort the keys (merge passes for wide rows); reset run winners.
-2. Snapshot the row's ``lru`` and ``slot_host_rows`` into the workspace (what the later
-   phases read, and what ``restore_resolve_state`` writes back), reset slot owners;
-   ``atomic_min(owner[slot], p)``: the first LRU position naming a slot makes it valid.
-3. Per position: valid?, held row, binary search; a found run gets ``atomic_min(run_pos[run],
-   p)`` (earliest serving position); class 0 (valid) / 2 (invalid) stored.
-4. Walk the sorted keys: a run with a winner is a hit (its columns get the slot's device row,
-   its winner's class becomes 1 = serving); the first column of every missed run is flagged in
-   column order; ``tl.cumsum`` numbers the misses in column order; a second walk writes
-   ``miss_src`` and each miss column's number.
-5. Per position (one running ``tl.cumsum`` packs the evictable and serving ranks; invalid
-   ranks follow): its new LRU position, written with one scatter; the ``m``-th evictable
-   slot takes miss ``m`` (``miss_dst``, ``slot_host_rows``).
-6. Miss columns read their slot's device row; plan tails -1; stats, ``miss_count``, counters.
-
-Ordering on a GPU: every hand-over between threads of the program through global memory is
-separated by ``bar.sync``, which orders the global accesses of all threads of the CTA before
-those after it (CUDA's ``__syncthreads`` guarantee; writer and reader share an SM). Tables
-written by atomics (slot owners, run winners) are read with ``.cg`` loads (from L2, where
-atomics resolve). Triton emits loads as side-effecting inline PTX, so nothing is hoisted
-across a barrier. The two ``atomic_min`` see one writer per address in a valid state; they only
-make corrupted states (a slot named twice, two slots holding one row) deterministic.
-
-Safety: every access is masked to in-range indices computed in int64 (state rows outside
-``[0, S)`` -> padding; pages ``< P``; slots ``< H``; new LRU positions are a bijection onto
-``[0, H)`` and masked anyway). The launcher validates shapes, dtypes and devices only; it
-never reads tensor values, so it is CUDA-graph capturable (with a workspace, a repeated call
-allocates nothing).
+The dispatch is by shape only (``_launch``: the hash kernel wherever it applies, the sorted
+one elsewhere); ``_resolve(..., variant="sorted" | "hash")`` forces one (the sorted kernel's
+knobs ``sort_width`` / ``block_h`` / ``gather_search`` imply it). ``resolve_variants`` lists
+every variant a shape can launch (what ``bench/gpu_check.py`` times). The launcher validates
+shapes, dtypes and devices only; it never reads tensor values, so it is CUDA-graph capturable
+(with a workspace, a repeated call allocates nothing). ``BoundResolve`` (the runtime's decode
+path) launches through the compiled kernel's launcher after its first call
+(``kernels/direct_launch.py``).
 """
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from hisparse_triton.ops.resolve.contract import (
-    ResolveResult,
-    check_resolve_args as _check_resolve_args,
-)
+from hisparse_triton.kernels import resolve_hash as _hash
+from hisparse_triton.kernels.direct_launch import DirectLaunch
 from hisparse_triton.kernels.gather import _device_guard
-from hisparse_triton.ops.resolve.workspace import (
-    ResolveWorkspace,
-    restore_resolve_state,
-    scratch_width,
-)
+from hisparse_triton.kernels.resolve_hash import _resolve_hash_kernel
 from hisparse_triton.kernels.resolve_sorted import (  # noqa: F401 (jit helpers others reuse)
     _lower_bound,
     _resolve_kernel,
     _sorted_tile,
 )
+from hisparse_triton.ops.resolve.contract import (
+    ResolveResult,
+    check_resolve_args as _check_resolve_args,
+)
+from hisparse_triton.ops.resolve.workspace import (
+    HASH_MAX_SLOTS,
+    HASH_MAX_WIDTH,
+    ResolveWorkspace,
+    hash_table_width,
+    restore_resolve_state,
+    scratch_width,
+)
 from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see there)
 
-__all__ = ["BoundResolve", "GATHER_SEARCH", "MAX_BLOCK_H", "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH",
-           "ResolveWorkspace", "resolve", "restore_resolve_state"]
+__all__ = ["BoundResolve", "GATHER_SEARCH", "HASH_MAX_SLOTS", "HASH_MAX_WIDTH", "MAX_BLOCK_H",
+           "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH", "VARIANTS", "ResolveWorkspace", "resolve",
+           "resolve_variants", "restore_resolve_state"]
 
 #: Most keys sorted in registers by one program; wider rows are merged in scratch.
 MAX_SORT_WIDTH = 2048
@@ -100,7 +64,8 @@ MAX_BLOCK_H = 4096
 #: Search the sorted keys in registers with ``tl.gather`` (when one tile holds them all)
 #: instead of in the row's key scratch.
 GATHER_SEARCH = True
-
+#: The kernels ``_resolve(variant=...)`` can launch.
+VARIANTS = ("hash", "sorted")
 
 
 # --------------------------------------------------------------------------------- launcher
@@ -116,6 +81,7 @@ class _Launch(NamedTuple):
     in_regs: bool
     num_warps: int
     constexprs: dict  # the launch's keyword arguments
+    variant: str = "sorted"  # "hash" | "sorted"
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -125,13 +91,21 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def hash_applies(K: int, H: int, block_size: int, num_host_blocks: int) -> bool:
+    """Whether the hash kernel can take a call shape (top-k and slots within its tiles, host
+    rows that fit int32)."""
+    return (K <= HASH_MAX_WIDTH and H <= HASH_MAX_SLOTS
+            and num_host_blocks * block_size < 2**31 - 1)
+
+
 def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters: bool,
             sort_width: Optional[int] = None, block_h: Optional[int] = None,
             num_warps: Optional[int] = None, gather_search: Optional[bool] = None,
-            block_r: int = 256) -> _Launch:
+            block_r: int = 256, variant: Optional[str] = None, probes: Optional[int] = None,
+            hash_mul: Optional[int] = None) -> _Launch:
     """The launch of a call shape (memoised: the decode loop repeats a few shapes)."""
     key = (K, H, block_size, num_host_blocks, has_counters, sort_width, block_h, num_warps,
-           gather_search, block_r)
+           gather_search, block_r, variant, probes, hash_mul)
     launch = _LAUNCHES.get(key)
     if launch is not None:
         return launch
@@ -140,6 +114,18 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
             raise ValueError(f"resolve: {name} must be a power of two >= 16, got {value}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"resolve: num_warps must be a power of two <= 32, got {num_warps}")
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"resolve: variant must be one of {VARIANTS}, got {variant!r}")
+    if probes is not None and not 1 <= probes <= 64:
+        raise ValueError(f"resolve: probes must be in [1, 64], got {probes}")
+    eligible = hash_applies(K, H, block_size, num_host_blocks)
+    sorted_knobs = sort_width is not None or block_h is not None or gather_search is not None
+    if variant == "hash" and (not eligible or sorted_knobs):
+        raise ValueError(
+            f"resolve: variant 'hash' takes top-k <= {HASH_MAX_WIDTH}, slots <= "
+            f"{HASH_MAX_SLOTS} and host rows below 2**31, without sorted-kernel knobs; got "
+            f"K={K}, H={H}, host rows {num_host_blocks * block_size}")
+    use_hash = variant == "hash" or (variant is None and eligible and not sorted_knobs)
     block_k = scratch_width(K)
     sort = min(block_k, sort_width or MAX_SORT_WIDTH)
     bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
@@ -150,23 +136,55 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
         and sort == block_k
     constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,
                       SORT=sort, LOG2_SORT=sort.bit_length() - 1, BLOCK_H=bh, BLOCK_R=block_r,
-                      KEY64=key64, HAS_COUNTERS=has_counters, IN_REGS=in_regs,
-                      num_warps=warps)
-    launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs)
+                      KEY64=key64, HAS_COUNTERS=has_counters, IN_REGS=in_regs)
+    if use_hash:
+        constexprs.update(LOG2_T=hash_table_width(K, H).bit_length() - 1,
+                          PROBES=probes or _hash.PROBES,
+                          HASH_MUL=_hash.HASH_MUL if hash_mul is None else int(hash_mul),
+                          FALLBACK=True)
+    constexprs["num_warps"] = warps
+    launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs,
+                     "hash" if use_hash else "sorted")
     _LAUNCHES[key] = launch
     return launch
+
+
+def _kernel_of(launch: _Launch) -> Any:
+    """The jit kernel of a launch (looked up at call time: a launch recorder may replace it)."""
+    return _resolve_hash_kernel if launch.variant == "hash" else _resolve_kernel
+
+
+def _kernel_args(launch: _Launch, topk: torch.Tensor, state_rows: torch.Tensor,
+                 state: tuple, rows: torch.Tensor, bufs: Any,
+                 counters: Optional[torch.Tensor], sizes: tuple) -> tuple:
+    """The positional arguments of either kernel (``state``: the six state tensors;
+    ``sizes``: ``(K, S, P, H, num_device_blocks, num_host_blocks)``)."""
+    seq_lens, resident, host, hot, slot_rows, lru = state
+    K, S, P, H, num_device_blocks, num_host_blocks = sizes
+    scratch = tuple(bufs[1:15])  # miss_src ... keys2 (the ResolveBuffers order)
+    cnt = counters if counters is not None else bufs.stats
+    table = (bufs.table,) if launch.variant == "hash" else ()
+    return (topk, state_rows, seq_lens, resident, host, hot, slot_rows, lru, rows, *scratch,
+            cnt, *table, K, S, P, H, *topk.stride(), state_rows.stride(0), seq_lens.stride(0),
+            *resident.stride(), *host.stride(), *hot.stride(), *slot_rows.stride(),
+            *lru.stride(), *rows.stride(), counters.stride(0) if counters is not None else 0,
+            num_device_blocks, num_host_blocks)
 
 
 class BoundResolve:
     """A resolve whose state tensors never change (a runtime's tables, hot state, counters
     and workspace): what depends only on them and on a call's shape (argument checks, launch
-    shape, strides, buffers) is done once per shape and kept, so a call on the decode path
-    does a dictionary lookup and the launch.
+    shape, strides, buffers) is done once per shape and kept, and the launch goes through the
+    compiled kernel's launcher after the first call (``DirectLaunch``: no ``JITFunction.run``
+    per call; it falls back to the normal launch path whenever a direct call would not be
+    exact), so a call on the decode path is a dictionary lookup and the launch.
 
     ``bound(topk, state_rows, out)`` has the semantics of ``resolve(topk, state_rows,
     seq_lens, ..., counters=counters, out=out, workspace=workspace)``; a call of a new shape
     (or dtype, strides, device, ``out``) runs the full checks first. The state tensors must
-    keep their storage and shape (views of a runtime's persistent tables do).
+    keep their storage and shape (views of a runtime's persistent tables do). ``launches``
+    maps each bound call shape to its ``DirectLaunch`` (its ``direct_calls`` /
+    ``fallback_calls`` say which path ran).
     """
 
     def __init__(self, seq_lens: torch.Tensor, resident_blocks: torch.Tensor,
@@ -178,10 +196,14 @@ class BoundResolve:
                        lru)
         self._sizes = (block_size, num_device_blocks, num_host_blocks)
         self._counters, self._workspace = counters, workspace
-        self._calls: dict[tuple, tuple] = {}
+        self._calls: dict[tuple, list] = {}
+
+    @property
+    def launches(self) -> dict[tuple, Optional[DirectLaunch]]:
+        return {key: call[4] for key, call in self._calls.items()}
 
     def _prepare(self, topk: torch.Tensor, state_rows: torch.Tensor,
-                 out: torch.Tensor) -> tuple:
+                 out: torch.Tensor) -> list:
         seq_lens, resident, host, hot, slot_rows, lru = self._state
         block_size, num_device_blocks, num_host_blocks = self._sizes
         counters, workspace = self._counters, self._workspace
@@ -193,12 +215,9 @@ class BoundResolve:
         launch = _launch(K, H, block_size, num_host_blocks, True)
         bufs = workspace.buffers(R, K, H)
         result = ResolveResult(out, *bufs[1:5])
-        head = (seq_lens, resident, host, hot, slot_rows, lru, out, *bufs[1:], counters,
-                K, S, P, H)
-        tail = (state_rows.stride(0), seq_lens.stride(0), *resident.stride(), *host.stride(),
-                *hot.stride(), *slot_rows.stride(), *lru.stride(), *out.stride(),
-                counters.stride(0), num_device_blocks, num_host_blocks)
-        return (R,), head, topk.stride(), tail, launch.constexprs, bufs, result
+        args = _kernel_args(launch, topk, state_rows, self._state, out, bufs, counters,
+                            (K, S, P, H, num_device_blocks, num_host_blocks))
+        return [R, launch, args, bufs, None, result]
 
     def __call__(self, topk: torch.Tensor, state_rows: torch.Tensor,
                  out: torch.Tensor) -> ResolveResult:
@@ -207,13 +226,63 @@ class BoundResolve:
         call = self._calls.get(key)
         if call is None or call[-1].rows is not out:
             call = self._calls[key] = self._prepare(topk, state_rows, out)
-        grid, head, topk_strides, tail, constexprs, bufs, result = call
+        R, launch, args, bufs, direct, result = call
         self._workspace.last = bufs
-        if grid[0]:
+        if R:
+            kernel = _kernel_of(launch)
+            if direct is None or direct.kernel is not kernel:
+                # (first call, or a launch recorder replaced the kernel since: rebind)
+                direct = call[4] = DirectLaunch(kernel, (R,), args, launch.constexprs,
+                                                dynamic=(0, 1))
             with _device_guard(topk):
-                _resolve_kernel[grid](topk, state_rows, *head, *topk_strides, *tail,
-                                      **constexprs)
+                direct(topk, state_rows)
         return result
+
+
+def resolve_variants(K: int, H: int, block_size: int, num_host_blocks: int
+                     ) -> dict[str, dict[str, Any]]:
+    """Every kernel variant a call shape can launch, for timing them side by side (what
+    ``bench/gpu_check.py`` should call): ``{name: _resolve keywords}``, ``"default"`` first
+    (the shape's dispatch), then ``"hash"`` (where it applies) and ``"sorted"``. Each value
+    is the keyword set ``_resolve(..., **value)`` takes: ``time_resolve_variants`` runs them."""
+    out: dict[str, dict[str, Any]] = {"default": {}}
+    if hash_applies(K, H, block_size, num_host_blocks):
+        out["hash"] = {"variant": "hash"}
+    out["sorted"] = {"variant": "sorted"}
+    return out
+
+
+def time_resolve_variants(work: Any, timer: Callable[[Callable[[], Any]], float]
+                          ) -> dict[str, float]:
+    """Time every variant of ``resolve_variants`` on a resolve workload (anything with
+    ``args()``, ``kwargs`` and ``restore()``, e.g. ``hisparse_triton.benchmarks.
+    ResolveWorkload`` on a GPU): each variant is first checked bit for bit against the torch
+    reference (outputs and state; ``AssertionError`` when it differs), then ``timer(call)``
+    (e.g. an event timer that restores the state between calls) gives its time. Returns
+    ``{variant: timer's figure}``."""
+    from hisparse_triton.ops.resolve import reference
+
+    args, kwargs = work.args(), dict(work.kwargs)
+    topk = args[0]
+    K, H = topk.shape[1], args[6].shape[1]
+    work.restore()
+    want = [t.clone() for t in reference.resolve(*work.args(), **kwargs)]
+    want_state = (args[6].clone(), args[7].clone())
+    times = {}
+    ws = ResolveWorkspace(topk.device)
+    rows = torch.empty_like(want[0])
+    for name, knobs in resolve_variants(K, H, kwargs["block_size"],
+                                        kwargs["num_host_blocks"]).items():
+        def call(knobs=knobs):
+            return _resolve(*work.args(), **kwargs, out=rows, workspace=ws, **knobs)
+        work.restore()
+        got = call()
+        ok = all(torch.equal(g, w) for g, w in zip(got, want)) \
+            and torch.equal(args[6], want_state[0]) and torch.equal(args[7], want_state[1])
+        if not ok:
+            raise AssertionError(f"resolve variant {name}: differs from the torch reference")
+        times[name] = timer(call)
+    return times
 
 
 def _check_backend(device: torch.device) -> None:
@@ -275,13 +344,19 @@ def _resolve(
     num_warps: Optional[int] = None,
     gather_search: Optional[bool] = None,
     block_r: int = 256,
+    variant: Optional[str] = None,
+    probes: Optional[int] = None,
+    hash_mul: Optional[int] = None,
 ) -> ResolveResult:
     """``resolve`` with launch knobs (tests use small ones to exercise the merge passes and
     several LRU steps per row; a GPU sweep can tune them): ``sort_width`` keys sorted in
     registers (a power of two, default ``MAX_SORT_WIDTH``), ``block_h`` LRU positions per
     step (a power of two, default ``min(next_pow2(H), MAX_BLOCK_H)``), ``num_warps`` (default
     16 for tiles of 2048 and more, 8 for 1024, else 4), ``gather_search`` (default
-    ``GATHER_SEARCH``), ``block_r`` earlier rows scanned per step for repeated state rows."""
+    ``GATHER_SEARCH``), ``block_r`` earlier rows scanned per step for repeated state rows;
+    ``variant`` (``"hash"`` / ``"sorted"``, default by shape: see the module docstring),
+    ``probes`` (the hash kernel's insertion rounds before its sorted fallback) and ``hash_mul``
+    (its hash multiplier; 0 sends every key to one entry: forced collisions)."""
     R, K, S, P, _, H = _check_resolve_args(
         topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
         lru, block_size, num_device_blocks, num_host_blocks, counters, out, workspace)
@@ -289,7 +364,7 @@ def _resolve(
         _check_backend(topk.device)
     has_counters = counters is not None
     launch = _launch(K, H, block_size, num_host_blocks, has_counters, sort_width, block_h,
-                     num_warps, gather_search, block_r)
+                     num_warps, gather_search, block_r, variant, probes, hash_mul)
     if workspace is not None:
         bufs = workspace.buffers(R, K, H)
         workspace.last = bufs
@@ -299,14 +374,10 @@ def _resolve(
     result = ResolveResult(rows, *bufs[1:5])
     if R == 0:
         return result
+    args = _kernel_args(launch, topk, state_rows,
+                        (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
+                         lru), rows, bufs, counters,
+                        (K, S, P, H, num_device_blocks, num_host_blocks))
     with _device_guard(topk):
-        _resolve_kernel[(R,)](
-            topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks,
-            slot_host_rows, lru, rows, *bufs[1:], counters if has_counters else bufs.stats,
-            K, S, P, H,
-            *topk.stride(), state_rows.stride(0), seq_lens.stride(0),
-            *resident_blocks.stride(), *host_blocks.stride(), *hot_blocks.stride(),
-            *slot_host_rows.stride(), *lru.stride(), *rows.stride(),
-            counters.stride(0) if has_counters else 0,
-            num_device_blocks, num_host_blocks, **launch.constexprs)
+        _kernel_of(launch)[(R,)](*args, **launch.constexprs)
     return result

@@ -173,6 +173,36 @@ def _column_keys(topk_row, stride_tk_c, rows_row, stride_out_c, res_row, stride_
 
 
 @triton.jit
+def _first_of_state(state_rows_ptr, stride_sr, r, st, S, BLOCK_R: tl.constexpr):
+    """Phase 0: whether batch row ``r`` resolves its state row ``st`` (in ``[0, S)`` and named
+    by no earlier batch row; otherwise the row is padding)."""
+    n_same = r * 0
+    for r0 in range(0, r, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        prev = tl.load(state_rows_ptr + rr.to(tl.int64) * stride_sr, mask=rr < r, other=-1)
+        n_same += tl.sum(((prev == st) & (rr < r)).to(tl.int32), axis=0)
+    return (st >= 0) & (st < S) & (n_same == 0)
+
+
+@triton.jit
+def _padding_row(r64, rows_row, stride_out_c, miss_src_ptr, miss_dst_ptr, miss_count_ptr,
+                 stats_ptr, touched_ptr, plan, K, SORT: tl.constexpr):
+    """A padding row (or a repeated state row): -1 everywhere, zero counts, no state."""
+    neg = tl.full([SORT], -1, tl.int32)
+    for c0 in range(0, K, SORT):
+        c = c0 + tl.arange(0, SORT)
+        cm = c < K
+        tl.store(rows_row + c.to(tl.int64) * stride_out_c, neg, mask=cm)
+        tl.store(miss_src_ptr + plan + c, neg, mask=cm)
+        tl.store(miss_dst_ptr + plan + c, neg, mask=cm)
+    tl.store(stats_ptr + r64 * 3, 0)
+    tl.store(stats_ptr + r64 * 3 + 1, 0)
+    tl.store(stats_ptr + r64 * 3 + 2, 0)
+    tl.store(miss_count_ptr + r64, 0)
+    tl.store(touched_ptr + r64, 0)
+
+
+@triton.jit
 def _sorted_row(
     r, r64, st, rows_row, plan,
     topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr, hot_ptr, slot_rows_ptr,
@@ -395,32 +425,14 @@ def _resolve_kernel(
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
     st = tl.load(state_rows_ptr + r64 * stride_sr)
-    # Phase 0: a state row named by an earlier batch row makes this row padding.
-    n_same = r * 0
-    for r0 in range(0, r, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        prev = tl.load(state_rows_ptr + rr.to(tl.int64) * stride_sr, mask=rr < r, other=-1)
-        n_same += tl.sum(((prev == st) & (rr < r)).to(tl.int32), axis=0)
-    row_ok = (st >= 0) & (st < S) & (n_same == 0)
+    row_ok = _first_of_state(state_rows_ptr, stride_sr, r, st, S, BLOCK_R)
     rows_row = rows_ptr + r64 * stride_out_r
     plan = r64 * K
     if row_ok:
         _sorted_row(r, r64, st, rows_row, plan, topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr, hot_ptr, slot_rows_ptr, lru_ptr, rows_ptr, miss_src_ptr, miss_dst_ptr, miss_count_ptr, stats_ptr, touched_ptr, old_rows_ptr, old_lru_ptr, owner_ptr, cls_ptr, run_pos_ptr, colbuf_ptr, colm_ptr, keys_ptr, keys2_ptr, counters_ptr, K, S, P, H, stride_tk_r, stride_tk_c, stride_sr, stride_seq, stride_res_s, stride_res_p, stride_host_s, stride_host_p, stride_hot_s, stride_hot_b, stride_shr_s, stride_shr_h, stride_lru_s, stride_lru_h, stride_out_r, stride_out_c, stride_cnt, num_device_blocks, num_host_blocks, BLOCK_SIZE, BLOCK_K, LOG2_K, SORT, LOG2_SORT, BLOCK_H, BLOCK_R, KEY64, HAS_COUNTERS, IN_REGS)
     else:
-        # Padding (or a repeated state row): -1 everywhere, zero counts, no state touched.
-        neg = tl.full([SORT], -1, tl.int32)
-        for c0 in range(0, K, SORT):
-            c = c0 + tl.arange(0, SORT)
-            cm = c < K
-            tl.store(rows_row + c.to(tl.int64) * stride_out_c, neg, mask=cm)
-            tl.store(miss_src_ptr + plan + c, neg, mask=cm)
-            tl.store(miss_dst_ptr + plan + c, neg, mask=cm)
-        tl.store(stats_ptr + r64 * 3, 0)
-        tl.store(stats_ptr + r64 * 3 + 1, 0)
-        tl.store(stats_ptr + r64 * 3 + 2, 0)
-        tl.store(miss_count_ptr + r64, 0)
-        tl.store(touched_ptr + r64, 0)
-
+        _padding_row(r64, rows_row, stride_out_c, miss_src_ptr, miss_dst_ptr, miss_count_ptr,
+                     stats_ptr, touched_ptr, plan, K, SORT)
 
 def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
     """Trip counts of the kernel's runtime loops for one launch (``kernels/sass_model.py``

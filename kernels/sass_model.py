@@ -9,8 +9,8 @@
    not counted. Every forward branch before it is assumed to run both sides (conservative:
    an ``if`` costs its body).
 2. **Loops.** A branch to an address at or before its own is a back edge; the instructions of
-   ``[target, branch]`` run ``trips`` times. ``loop_trips`` maps the *source line* of the
-   back-edge branch (``nvdisasm -gi`` line info; ``loop_lines`` finds the line of a ``for``
+   ``[target, branch]`` run ``trips`` times. ``loop_trips`` maps the *source line* (``"path:line"``, or the line
+   number alone) of the back-edge branch (``nvdisasm -gi`` line info; ``loop_lines`` finds the line of a ``for``
    statement in a kernel's source) to its trip count; a loop it does not name runs once and is
    listed in ``unmapped_loops``. Static SASS counts a loop body once; the dynamic trace this
    builds (loop bodies repeated) is what every figure below counts. Kernels whose hot loops
@@ -75,7 +75,7 @@ _BARRIER = frozenset(["BAR"])
 CLASSES = ("alu", "fp", "uniform", "shared", "shuffle", "global", "barrier", "branch", "other")
 
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_FILE_LINE = re.compile(r'//## File "[^"]*", line (\d+)')
+_FILE_LINE = re.compile(r'//## File "([^"]*)", line (\d+)')
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _REG = re.compile(r"\b(U?R\d+|U?P\d)\b(\.64|\.128)?")
 
@@ -92,6 +92,7 @@ class Instr:
     target: Optional[int] = None
     line: Optional[int] = None
     cls: str = "other"
+    file: Optional[str] = None
 
     @property
     def base(self) -> str:
@@ -144,10 +145,11 @@ def parse_sass(text: str) -> list[Instr]:
     labels: dict[str, int] = {}
     pending_labels: list[str] = []
     line: Optional[int] = None
+    file: Optional[str] = None
     for raw in text.splitlines():
         m = _FILE_LINE.search(raw)
         if m:
-            line = int(m.group(1))
+            file, line = m.group(1), int(m.group(2))
             continue
         m = _LABEL.match(raw.strip())
         if m:
@@ -170,7 +172,7 @@ def parse_sass(text: str) -> list[Instr]:
         if opcode == "NOP":
             continue
         instrs.append(Instr(addr, opcode, pred, _split_operands(rest), line=line,
-                            cls=classify(opcode)))
+                            cls=classify(opcode), file=file))
     for ins in instrs:
         if ins.base in ("BRA", "BSSY", "CALL", "JMP", "BRX"):
             for op in ins.operands:
@@ -196,7 +198,7 @@ def loop_lines(source_lines: Sequence[str], first_line: int,
     return out
 
 
-def _trace(instrs: list[Instr], loop_trips: Mapping[int, int]) -> tuple[list[int], list]:
+def _trace(instrs: list[Instr], loop_trips: Mapping[Any, int]) -> tuple[list[int], list]:
     """Indices of the dynamic trace (loops expanded) and the loops ``(addr, line, trips)``."""
     index = {ins.addr: i for i, ins in enumerate(instrs)}
     end = len(instrs)
@@ -208,7 +210,9 @@ def _trace(instrs: list[Instr], loop_trips: Mapping[int, int]) -> tuple[list[int
     for i, ins in enumerate(instrs[:end]):
         if ins.base == "BRA" and ins.target is not None and ins.target <= ins.addr \
                 and ins.target in index:
-            n = loop_trips.get(ins.line, None) if ins.line is not None else None
+            n = None
+            if ins.line is not None:
+                n = loop_trips.get(f"{ins.file}:{ins.line}", loop_trips.get(ins.line))
             loops.append((ins.addr, ins.line, n))
             trips_at[i] = max(1, n if n is not None else 1)
     trace: list[int] = []
@@ -316,10 +320,10 @@ class Model:
         return out
 
 
-def model_sass(text: str, *, num_warps: int, loop_trips: Optional[Mapping[int, int]] = None
+def model_sass(text: str, *, num_warps: int, loop_trips: Optional[Mapping[Any, int]] = None
                ) -> Model:
     """The issue-cycle model of one CTA (see the module docstring) of the kernel in ``text``.
-    ``loop_trips``: ``{source line of a back edge: trips}``."""
+    ``loop_trips``: ``{"path:line" or line of a back edge: trips}``."""
     if num_warps < 1:
         raise ValueError(f"sass_model: num_warps must be >= 1, got {num_warps}")
     instrs = parse_sass(text)
@@ -424,17 +428,24 @@ def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequen
     """The compile report's ``model`` field of one launch: the model of ``sass`` with the loop
     trips the kernel's module states for these launch arguments (its
     ``model_loop_trips(kernel, args, kwargs, grid) -> {for-statement text: trips}``, when it
-    has one), ``us_per_call`` at ``MODEL_ROWS`` and at the launch's own grid."""
-    import inspect
+    has one, matched against the lines of every source file the SASS line info names),
+    ``us_per_call`` at ``MODEL_ROWS`` and at the launch's own grid."""
     import sys
 
     fn = getattr(kernel, "fn", kernel)
     module = sys.modules.get(getattr(fn, "__module__", ""), None)
     trips_of = getattr(module, "model_loop_trips", None)
-    lines: dict[int, int] = {}
-    if trips_of is not None:
-        source, first = inspect.getsourcelines(fn)
-        lines = loop_lines(source, first, trips_of(kernel, args, kwargs, grid))
+    lines: dict = {}
+    if trips_of is not None:  # every source file the SASS names: the jit helpers' loops too
+        trips = trips_of(kernel, args, kwargs, grid)
+        for path in sorted({i.file for i in parse_sass(sass) if i.file}):
+            try:
+                with open(path) as f:
+                    source = f.readlines()
+            except OSError:
+                continue
+            for line, n in loop_lines(source, 1, trips).items():
+                lines[f"{path}:{line}"] = n
     model = model_sass(sass, num_warps=num_warps, loop_trips=lines)
     out = model.as_dict(MODEL_ROWS, ctas_per_sm)
     rows = int(grid[0]) if grid else 1
