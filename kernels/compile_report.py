@@ -326,8 +326,11 @@ def compile_report(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"
         record = {"variant": launch.tag, "kernel": name, "grid": _grid(launch.grid),
                   **{k: v for k, v in info.items() if k != "_sass"}}
         if info.get("_sass"):  # the issue-cycle model (kernels/sass_model.py)
+            twin = sass_model.model_twin(launch.kernel, dict(launch.kwargs))
+            sass = info["_sass"] if twin is None else \
+                compiler.compile(launch.kernel, launch.args, twin).get("_sass", info["_sass"])
             record["model"] = sass_model.launch_model(
-                launch.kernel, info["_sass"], launch.args, dict(launch.kwargs),
+                launch.kernel, sass, launch.args, dict(launch.kwargs),
                 record["grid"], info["num_warps"], info["ctas_per_sm"])
         records.append(record)
     return {"arch": f"sm_{arch}", "triton": triton.__version__, "launches": records}

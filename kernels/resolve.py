@@ -141,7 +141,7 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
         constexprs.update(LOG2_T=hash_table_width(K, H).bit_length() - 1,
                           PROBES=probes or _hash.PROBES,
                           HASH_MUL=_hash.HASH_MUL if hash_mul is None else int(hash_mul),
-                          FALLBACK=True)
+                          LOOKUP=_hash.LOOKUP, FALLBACK=True)
     constexprs["num_warps"] = warps
     launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs,
                      "hash" if use_hash else "sorted")

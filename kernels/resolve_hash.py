@@ -53,14 +53,9 @@ import triton
 import triton.language as tl
 
 from hisparse_triton.kernels.resolve_policy import _lru_replacement
-from hisparse_triton.kernels.resolve_sorted import (
-    _first_of_state,
-    _padding_row,
-    _slot_device_row,
-    _sorted_row,
-)
+from hisparse_triton.kernels.resolve_sorted import _first_of_state, _padding_row, _sorted_row
 
-__all__ = ["EMPTY", "HASH_MUL", "MODEL_ROUNDS", "PROBES", "TABLE_FACTOR"]
+__all__ = ["EMPTY", "HASH_MUL", "MODEL_ROUNDS", "LOOKUP", "PROBES", "TABLE_FACTOR"]
 
 #: A clean table word (every array of the table).
 EMPTY = -(2**31)
@@ -73,6 +68,9 @@ PROBES = 16
 TABLE_FACTOR = 8
 #: Insertion rounds the model assumes (see the module docstring).
 MODEL_ROUNDS = 4
+#: Lookup probes issued together (one pass); ``rounds`` probes take ceil(rounds / LOOKUP)
+#: passes.
+LOOKUP = 4
 
 _EMPTY_K = tl.constexpr(EMPTY)
 _I32_MAX_K = tl.constexpr(2**31 - 1)
@@ -82,7 +80,19 @@ _I32_MAX_K = tl.constexpr(2**31 - 1)
 def _hash(g, HASH_MUL: tl.constexpr, LOG2_T: tl.constexpr):
     """``[N] int32`` table index of host rows ``g`` (any int): the top ``LOG2_T`` bits of
     ``g * HASH_MUL mod 2**32``."""
-    return (((g.to(tl.int64) * HASH_MUL) & 0xFFFFFFFF) >> (32 - LOG2_T)).to(tl.int32)
+    x = g.to(tl.int32) * (HASH_MUL - (1 << 32) if HASH_MUL >= (1 << 31) else HASH_MUL)
+    return (x.to(tl.uint32, bitcast=True) >> (32 - LOG2_T)).to(tl.int32)
+
+
+@triton.jit
+def _slot_row32(hot_row, stride_hot_b, slot, mask, num_device_blocks,
+                BLOCK_SIZE: tl.constexpr):
+    """``_slot_device_row`` in int32 (``slot`` in ``[0, H)``): the low 32 bits of the int64
+    row, which the int32 output keeps anyway; -1 for a bad hot block."""
+    blk = tl.load(hot_row + (slot // BLOCK_SIZE).to(tl.int64) * stride_hot_b, mask=mask,
+                  other=0)
+    ok = mask & (blk >= 1) & (blk < num_device_blocks)
+    return tl.where(ok, blk * BLOCK_SIZE + slot % BLOCK_SIZE, -1)
 
 
 @triton.jit
@@ -101,7 +111,7 @@ def _resolve_hash_kernel(
     SORT: tl.constexpr, LOG2_SORT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     KEY64: tl.constexpr, HAS_COUNTERS: tl.constexpr, IN_REGS: tl.constexpr,
     LOG2_T: tl.constexpr, PROBES: tl.constexpr, HASH_MUL: tl.constexpr,
-    FALLBACK: tl.constexpr,
+    LOOKUP: tl.constexpr, FALLBACK: tl.constexpr,
 ):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
@@ -121,25 +131,28 @@ def _resolve_hash_kernel(
         tsrv = tkey + (2 << LOG2_T)
         tmnum = tkey + (3 << LOG2_T)
 
-        # Phase 1: columns (classify) and positions (snapshot, slots, held rows).
+        # Phase 1: columns (classify, insert their host rows); positions (snapshot, slots,
+        # held rows, slot owners by plain stores).
         c = tl.arange(0, BLOCK_K)
         cm = c < K
         c64 = c.to(tl.int64)
         seq = tl.load(seq_lens_ptr + st64 * stride_seq).to(tl.int64)
         pos = tl.load(topk_ptr + r64 * stride_tk_r + c64 * stride_tk_c, mask=cm,
                       other=-1).to(tl.int64)
-        posc = tl.maximum(pos, 0)
-        page = posc // BLOCK_SIZE
-        off = posc % BLOCK_SIZE
-        inr = cm & (pos >= 0) & (pos < seq) & (page < P)
-        rb = tl.load(resident_ptr + st64 * stride_res_s + page * stride_res_p, mask=inr,
-                     other=0).to(tl.int64)
+        in_seq = cm & (pos >= 0) & (pos < seq)
+        pos32 = tl.where(in_seq, pos, 0).to(tl.int32)  # < seq_lens: int32
+        page = pos32 // BLOCK_SIZE
+        off = pos32 % BLOCK_SIZE
+        inr = in_seq & (page < P)
+        page64 = page.to(tl.int64)
+        rb = tl.load(resident_ptr + st64 * stride_res_s + page64 * stride_res_p, mask=inr,
+                     other=0)
         res = inr & (rb >= 1) & (rb < num_device_blocks)
-        hb = tl.load(host_ptr + st64 * stride_host_s + page * stride_host_p,
-                     mask=inr & ~res, other=0).to(tl.int64)
+        hb = tl.load(host_ptr + st64 * stride_host_s + page64 * stride_host_p,
+                     mask=inr & ~res, other=0)
         hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
-        g = tl.where(hok, hb * BLOCK_SIZE + off, 0).to(tl.int32)
-        out = tl.where(res, rb * BLOCK_SIZE + off, -1).to(tl.int32)
+        g = tl.where(hok, hb * BLOCK_SIZE + off, 0)  # host rows fit int32 (the dispatch)
+        out = tl.where(res, rb * BLOCK_SIZE + off, -1)  # int32 wrap = the int64 row's cast
 
         p = tl.arange(0, BLOCK_H)
         pm = p < H
@@ -148,15 +161,14 @@ def _resolve_hash_kernel(
         tl.store(old_lru_ptr + scr_h + p64, slot, mask=pm)
         tl.store(old_rows_ptr + scr_h + p64, tl.load(shr_row + p64 * stride_shr_h, mask=pm),
                  mask=pm)
-        tl.store(owner_ptr + scr_h + p64, tl.full([BLOCK_H], _I32_MAX_K, tl.int32), mask=pm)
         sv = pm & (slot >= 0) & (slot < H)
         slot_c = tl.where(sv, slot, 0)
         held = tl.load(shr_row + slot_c.to(tl.int64) * stride_shr_h, mask=sv, other=-1)
+        # Slot owners: one plain store per position; a slot named twice (a corrupted lru)
+        # reads back another position's number and sends the row to the sorted path.
+        tl.store(owner_ptr + scr_h + slot_c, p, mask=sv)
         tl.store(touched_ptr + r64, 1)
-        tl.debug_barrier()
 
-        # Phase 2: slot owners; insert the columns' host rows.
-        tl.atomic_min(owner_ptr + scr_h + slot_c, p, mask=sv, sem="relaxed")
         idx = _hash(g, HASH_MUL, LOG2_T)
         ent = tl.full([BLOCK_K], -1, tl.int32)
         pending = hok
@@ -173,9 +185,47 @@ def _resolve_hash_kernel(
             rounds += 1
         placed_any = ent >= 0
         ent_c = tl.where(placed_any, ent, 0)
-        if (n_pend > 0) & FALLBACK:
-            # Overflow: undo the keys, resolve the row by sorting (exact, slower).
-            tl.store(tkey + ent_c, tl.full([BLOCK_K], _EMPTY_K, tl.int32), mask=placed_any)
+        tl.atomic_max(tfirst + ent_c, -1 - c, mask=placed_any, sem="relaxed")
+        tl.debug_barrier()
+
+        # Phase 2: valid positions (every one, or the sorted path) look their held row up
+        # and claim its entry (a plain store; two positions on one entry -> sorted path).
+        first_p = tl.load(owner_ptr + scr_h + slot_c, mask=sv, other=-1)
+        valid = sv & (first_p == p)
+        hv = valid & (held >= 0) & (held < num_host_rows)
+        hp = _hash(held, HASH_MUL, LOG2_T)
+        ent_p = tl.full([BLOCK_H], -1, tl.int32)
+        # A key is in the table at most once, fewer than ``rounds`` probes from its hash:
+        # the probes of a pass are independent loads (one round trip per pass).
+        for d0 in range(0, rounds, LOOKUP):
+            for j in tl.static_range(LOOKUP):
+                q = (hp + (d0 + j)) & ((1 << LOG2_T) - 1)
+                probe = hv & (d0 + j < rounds)
+                kk = tl.load(tkey + q, mask=probe, other=_EMPTY_K, cache_modifier=".cg")
+                ent_p = tl.where(probe & (kk == held), q, ent_p)
+        found = ent_p >= 0
+        ent_pc = tl.where(found, ent_p, 0)
+        mine = p * 65536 + slot_c
+        tl.store(tsrv + ent_pc, mine, mask=found)
+        tl.debug_barrier()
+
+        # Phase 3: hits and misses of the columns; serving positions; the sorted path?
+        v = tl.load(tsrv + ent_c, mask=placed_any, other=_EMPTY_K)
+        f = tl.load(tfirst + ent_c, mask=placed_any, other=_EMPTY_K, cache_modifier=".cg")
+        vs = tl.load(tsrv + ent_pc, mask=found, other=_EMPTY_K)
+        serving = found & (vs == mine)
+        # one reduction: valid positions (bits 0-15), serving ones (16-30)
+        counts = tl.sum(valid.to(tl.int32) + (serving.to(tl.int32) << 16), axis=0)
+        n_valid = counts & 0xFFFF
+        n_serving = counts >> 16
+        n_found = tl.sum(found.to(tl.int32), axis=0)
+        if ((n_pend > 0) | (n_valid < H) | (n_found != n_serving)) & FALLBACK:
+            # Probe overflow, a slot named twice or a host row held twice: reset the table
+            # entries, resolve the row by sorting (exact, slower).
+            clean = tl.full([BLOCK_K], _EMPTY_K, tl.int32)
+            tl.store(tkey + ent_c, clean, mask=placed_any)
+            tl.store(tfirst + ent_c, clean, mask=placed_any)
+            tl.store(tsrv + ent_c, clean, mask=placed_any)
             tl.debug_barrier()
             _sorted_row(r, r64, st, rows_row, plan,
                         topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr,
@@ -189,43 +239,12 @@ def _resolve_hash_kernel(
                         num_device_blocks, num_host_blocks, BLOCK_SIZE, BLOCK_K, LOG2_K,
                         SORT, LOG2_SORT, BLOCK_H, BLOCK_R, KEY64, HAS_COUNTERS, IN_REGS)
         else:
-            tl.atomic_max(tfirst + ent_c, -1 - c, mask=placed_any, sem="relaxed")
-            tl.debug_barrier()
-
-            # Phase 3: valid positions look their held host row up.
-            first_p = tl.load(owner_ptr + scr_h + slot_c, mask=sv, other=-1,
-                              cache_modifier=".cg")
-            valid = sv & (first_p == p)
-            n_valid = tl.sum(valid.to(tl.int32), axis=0)
-            hv = valid & (held >= 0) & (held < num_host_rows)
-            hp = _hash(held, HASH_MUL, LOG2_T)
-            ent_p = tl.full([BLOCK_H], -1, tl.int32)
-            look = hv
-            for d0 in range(0, rounds, 4):
-                for j in tl.static_range(4):
-                    q = (hp + (d0 + j)) & ((1 << LOG2_T) - 1)
-                    probe = look & (d0 + j < rounds)
-                    kk = tl.load(tkey + q, mask=probe, other=_EMPTY_K, cache_modifier=".cg")
-                    is_held = probe & (kk == held)
-                    ent_p = tl.where(is_held, q, ent_p)
-                    look = probe & ~is_held & (kk != _EMPTY_K)
-            found = ent_p >= 0
-            ent_pc = tl.where(found, ent_p, 0)
-            tl.atomic_max(tsrv + ent_pc, -1 - (p * 65536 + slot_c), mask=found, sem="relaxed")
-            tl.debug_barrier()
-
-            # Phase 4: hits and misses of the columns; serving positions; miss numbers.
-            v = tl.load(tsrv + ent_c, mask=placed_any, other=_EMPTY_K, cache_modifier=".cg")
-            f = tl.load(tfirst + ent_c, mask=placed_any, other=_EMPTY_K, cache_modifier=".cg")
             hit = hok & (v != _EMPTY_K)
-            dev_hit = _slot_device_row(hot_row, stride_hot_b, (-1 - v) & 0xFFFF, hit,
-                                       num_device_blocks, BLOCK_SIZE)
+            dev_hit = _slot_row32(hot_row, stride_hot_b, v & 0xFFFF, hit, num_device_blocks,
+                                  BLOCK_SIZE)
             miss = hok & ~hit
             first_miss = miss & ((-1 - f) == c)
-            vs = tl.load(tsrv + ent_pc, mask=found, other=_EMPTY_K, cache_modifier=".cg")
-            serving = found & (((-1 - vs) >> 16) == p)
-            n_serving = tl.sum(serving.to(tl.int32), axis=0)
-            n_evict = n_valid - n_serving
+            n_evict = H - n_serving
             mnum = tl.cumsum(first_miss.to(tl.int32), axis=0) - 1
             n_miss = tl.max(mnum, axis=0) + 1
             n_fill = tl.minimum(n_miss, n_evict)
@@ -235,8 +254,8 @@ def _resolve_hash_kernel(
             tl.store(miss_src_ptr + plan + mnum, g, mask=first_miss & (mnum < n_fill))
             tl.debug_barrier()
 
-            # Phase 5: the replacement policy; fills; miss columns' numbers.
-            cls = tl.where(pm, tl.where(valid, serving.to(tl.int32), 2), 3)
+            # Phase 4: the replacement policy; fills; miss columns' numbers.
+            cls = tl.where(pm, serving.to(tl.int32), 3)  # every position is valid here
             zero = r * 0
             new_pos, filled, erank, _, _ = _lru_replacement(cls, p, n_evict, n_serving, n_fill,
                                                             zero, zero)
@@ -244,9 +263,9 @@ def _resolve_hash_kernel(
             ok = pm & active & (new_pos >= 0) & (new_pos < H)
             tl.store(lru_row + new_pos.to(tl.int64) * stride_lru_h, slot, mask=ok)
             src = tl.load(miss_src_ptr + plan + erank, mask=filled, other=-1)
-            dev_f = _slot_device_row(hot_row, stride_hot_b, slot_c, filled, num_device_blocks,
-                                     BLOCK_SIZE)
-            tl.store(miss_dst_ptr + plan + erank, dev_f.to(tl.int32), mask=filled)
+            dev_f = _slot_row32(hot_row, stride_hot_b, slot_c, filled, num_device_blocks,
+                                BLOCK_SIZE)
+            tl.store(miss_dst_ptr + plan + erank, dev_f, mask=filled)
             tl.store(shr_row + slot_c.to(tl.int64) * stride_shr_h, src, mask=filled)
             n_planned = tl.sum((filled & (dev_f != -1)).to(tl.int32), axis=0)
             tl.store(miss_dst_ptr + plan + c, tl.full([BLOCK_K], -1, tl.int32),
@@ -254,9 +273,9 @@ def _resolve_hash_kernel(
             m = tl.load(tmnum + ent_c, mask=miss, other=-1)
             tl.debug_barrier()
 
-            # Phase 6: the rows, stats, counters; reset the table entries of this row.
+            # Phase 5: the rows, stats, counters; reset the table entries of this row.
             dst = tl.load(miss_dst_ptr + plan + m, mask=miss & (m < n_fill), other=-1)
-            out = tl.where(hit, dev_hit.to(tl.int32), tl.where(miss, dst, out))
+            out = tl.where(hit, dev_hit, tl.where(miss, dst, out))
             tl.store(rows_row + c64 * stride_out_c, out, mask=cm)
             n_masked = tl.sum((cm & (out == -1)).to(tl.int32), axis=0)
             hits = K - n_masked - n_planned
@@ -289,7 +308,7 @@ def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
     return {
         "for r0 in range(0, r, BLOCK_R)": -(-(rows - 1) // values["BLOCK_R"]),
         "while (n_pend > 0) & (rounds < PROBES)": MODEL_ROUNDS,
-        "for d0 in range(0, rounds, 4)": -(-MODEL_ROUNDS // 4),
+        "for d0 in range(0, rounds, LOOKUP)": -(-MODEL_ROUNDS // values["LOOKUP"]),
     }
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 __all__ = ["BAR_CYCLES", "CLOCK_HZ", "Instr", "MEM_LATENCY", "SMS", "classify", "loop_lines",
-           "launch_model", "model_sass", "parse_sass", "sass_of_cubin"]
+           "launch_model", "model_sass", "model_twin", "parse_sass", "sass_of_cubin"]
 
 CLOCK_HZ = 1.98e9
 SMS = 132
@@ -423,6 +423,21 @@ def sass_of_cubin(cubin: bytes, line_info: bool = True) -> str:
 MODEL_ROWS = (1, 8, 64, 132)
 
 
+def _module_of(kernel: Any) -> Any:
+    import sys
+
+    fn = getattr(kernel, "fn", kernel)
+    return sys.modules.get(getattr(fn, "__module__", ""), None)
+
+
+def model_twin(kernel: Any, kwargs: dict) -> Optional[dict]:
+    """The launch keywords to compile for the model instead of the launch's own, when the
+    kernel's module has ``model_twin(kwargs)`` (a kernel whose rare path, e.g. a fallback,
+    is compiled out for the model: the model counts the common path); else None."""
+    twin = getattr(_module_of(kernel), "model_twin", None)
+    return None if twin is None else twin(kwargs)
+
+
 def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequence[int],
                  num_warps: int, ctas_per_sm: int) -> dict[str, Any]:
     """The compile report's ``model`` field of one launch: the model of ``sass`` with the loop
@@ -430,11 +445,7 @@ def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequen
     ``model_loop_trips(kernel, args, kwargs, grid) -> {for-statement text: trips}``, when it
     has one, matched against the lines of every source file the SASS line info names),
     ``us_per_call`` at ``MODEL_ROWS`` and at the launch's own grid."""
-    import sys
-
-    fn = getattr(kernel, "fn", kernel)
-    module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    trips_of = getattr(module, "model_loop_trips", None)
+    trips_of = getattr(_module_of(kernel), "model_loop_trips", None)
     lines: dict = {}
     if trips_of is not None:  # every source file the SASS names: the jit helpers' loops too
         trips = trips_of(kernel, args, kwargs, grid)
