@@ -55,7 +55,7 @@ import triton.language as tl
 from hisparse_triton.kernels.resolve_policy import _lru_replacement
 from hisparse_triton.kernels.resolve_sorted import _first_of_state, _padding_row, _sorted_row
 
-__all__ = ["EMPTY", "HASH_MUL", "MODEL_ROUNDS", "LOOKUP", "PROBES", "TABLE_FACTOR"]
+__all__ = ["EMPTY", "HASH_MUL", "MODEL_ROUNDS", "FIRST_ROUNDS", "LOOKUP", "PROBES"]
 
 #: A clean table word (every array of the table).
 EMPTY = -(2**31)
@@ -64,13 +64,13 @@ EMPTY = -(2**31)
 HASH_MUL = 0x9E3779B1
 #: Most insertion rounds before a row falls back to the sorted path.
 PROBES = 16
-#: Table entries per top-k column (a power of two): load factor <= 1 / TABLE_FACTOR.
-TABLE_FACTOR = 8
 #: Insertion rounds the model assumes (see the module docstring).
-MODEL_ROUNDS = 4
+MODEL_ROUNDS = 3
 #: Lookup probes issued together (one pass); ``rounds`` probes take ceil(rounds / LOOKUP)
 #: passes.
-LOOKUP = 4
+LOOKUP = 3
+#: Insertion rounds made without a loop test (the while loop then runs from there).
+FIRST_ROUNDS = 2
 
 _EMPTY_K = tl.constexpr(EMPTY)
 _I32_MAX_K = tl.constexpr(2**31 - 1)
@@ -111,7 +111,7 @@ def _resolve_hash_kernel(
     SORT: tl.constexpr, LOG2_SORT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     KEY64: tl.constexpr, HAS_COUNTERS: tl.constexpr, IN_REGS: tl.constexpr,
     LOG2_T: tl.constexpr, PROBES: tl.constexpr, HASH_MUL: tl.constexpr,
-    LOOKUP: tl.constexpr, FALLBACK: tl.constexpr,
+    LOOKUP: tl.constexpr, FIRST_ROUNDS: tl.constexpr, FALLBACK: tl.constexpr,
 ):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
@@ -126,10 +126,10 @@ def _resolve_hash_kernel(
         hot_row = hot_ptr + st64 * stride_hot_s
         scr_h = r64 * H
         num_host_rows = tl.cast(num_host_blocks, tl.int64) * BLOCK_SIZE
-        tkey = table_ptr + r64 * (4 << LOG2_T)
+        tkey = table_ptr + r64 * (3 << LOG2_T)
         tfirst = tkey + (1 << LOG2_T)
         tsrv = tkey + (2 << LOG2_T)
-        tmnum = tkey + (3 << LOG2_T)
+        tmnum = tkey  # the key word holds the miss number once the lookups are done
 
         # Phase 1: columns (classify, insert their host rows); positions (snapshot, slots,
         # held rows, slot owners by plain stores).
@@ -149,12 +149,12 @@ def _resolve_hash_kernel(
                      other=0)
         res = inr & (rb >= 1) & (rb < num_device_blocks)
         hb = tl.load(host_ptr + st64 * stride_host_s + page64 * stride_host_p,
-                     mask=inr & ~res, other=0)
+                     mask=inr, other=0)  # beside the resident load, not after it
         hok = inr & ~res & (hb >= 1) & (hb < num_host_blocks)
         g = tl.where(hok, hb * BLOCK_SIZE + off, 0)  # host rows fit int32 (the dispatch)
         out = tl.where(res, rb * BLOCK_SIZE + off, -1)  # int32 wrap = the int64 row's cast
 
-        p = tl.arange(0, BLOCK_H)
+        p = tl.max_contiguous(tl.arange(0, BLOCK_H), 1)
         pm = p < H
         p64 = p.to(tl.int64)
         slot = tl.load(lru_row + p64 * stride_lru_h, mask=pm, other=-1)
@@ -172,8 +172,14 @@ def _resolve_hash_kernel(
         idx = _hash(g, HASH_MUL, LOG2_T)
         ent = tl.full([BLOCK_K], -1, tl.int32)
         pending = hok
+        for _first_round in tl.static_range(FIRST_ROUNDS):  # no loop test: most rows need them all
+            old = tl.atomic_cas(tkey + idx, tl.where(pending, _EMPTY_K, -2), g, sem="relaxed")
+            placed = pending & ((old == _EMPTY_K) | (old == g))
+            ent = tl.where(placed, idx, ent)
+            pending = pending & ~placed
+            idx = tl.where(pending, (idx + 1) & ((1 << LOG2_T) - 1), idx)
         n_pend = tl.sum(pending.to(tl.int32), axis=0)
-        rounds = r * 0
+        rounds = r * 0 + FIRST_ROUNDS
         while (n_pend > 0) & (rounds < PROBES):
             # cmp -2 never matches a word (keys are >= 1, EMPTY < -2): settled lanes read only
             old = tl.atomic_cas(tkey + idx, tl.where(pending, _EMPTY_K, -2), g, sem="relaxed")
@@ -190,19 +196,20 @@ def _resolve_hash_kernel(
 
         # Phase 2: valid positions (every one, or the sorted path) look their held row up
         # and claim its entry (a plain store; two positions on one entry -> sorted path).
-        first_p = tl.load(owner_ptr + scr_h + slot_c, mask=sv, other=-1)
+        first_p = tl.load(owner_ptr + scr_h + slot_c)  # slot_c < H: in the row's table
         valid = sv & (first_p == p)
         hv = valid & (held >= 0) & (held < num_host_rows)
         hp = _hash(held, HASH_MUL, LOG2_T)
         ent_p = tl.full([BLOCK_H], -1, tl.int32)
         # A key is in the table at most once, fewer than ``rounds`` probes from its hash:
         # the probes of a pass are independent loads (one round trip per pass).
+        # Unmasked: every probe index is in the table, and a key sits in one entry only,
+        # so a match is the held row's entry whatever the probe number.
         for d0 in range(0, rounds, LOOKUP):
             for j in tl.static_range(LOOKUP):
                 q = (hp + (d0 + j)) & ((1 << LOG2_T) - 1)
-                probe = hv & (d0 + j < rounds)
-                kk = tl.load(tkey + q, mask=probe, other=_EMPTY_K, cache_modifier=".cg")
-                ent_p = tl.where(probe & (kk == held), q, ent_p)
+                kk = tl.load(tkey + q, cache_modifier=".cg")
+                ent_p = tl.where(hv & (kk == held), q, ent_p)
         found = ent_p >= 0
         ent_pc = tl.where(found, ent_p, 0)
         mine = p * 65536 + slot_c
@@ -210,9 +217,9 @@ def _resolve_hash_kernel(
         tl.debug_barrier()
 
         # Phase 3: hits and misses of the columns; serving positions; the sorted path?
-        v = tl.load(tsrv + ent_c, mask=placed_any, other=_EMPTY_K)
-        f = tl.load(tfirst + ent_c, mask=placed_any, other=_EMPTY_K, cache_modifier=".cg")
-        vs = tl.load(tsrv + ent_pc, mask=found, other=_EMPTY_K)
+        v = tl.load(tsrv + ent_c)  # (entries in range; lanes outside their mask unused)
+        f = tl.load(tfirst + ent_c, cache_modifier=".cg")
+        vs = tl.load(tsrv + ent_pc)
         serving = found & (vs == mine)
         # one reduction: valid positions (bits 0-15), serving ones (16-30)
         counts = tl.sum(valid.to(tl.int32) + (serving.to(tl.int32) << 16), axis=0)
@@ -239,7 +246,7 @@ def _resolve_hash_kernel(
                         num_device_blocks, num_host_blocks, BLOCK_SIZE, BLOCK_K, LOG2_K,
                         SORT, LOG2_SORT, BLOCK_H, BLOCK_R, KEY64, HAS_COUNTERS, IN_REGS)
         else:
-            hit = hok & (v != _EMPTY_K)
+            hit = placed_any & (v != _EMPTY_K)  # placed_any == hok here (no overflow)
             dev_hit = _slot_row32(hot_row, stride_hot_b, v & 0xFFFF, hit, num_device_blocks,
                                   BLOCK_SIZE)
             miss = hok & ~hit
@@ -292,7 +299,6 @@ def _resolve_hash_kernel(
             tl.store(tkey + ent_c, clean, mask=placed_any)
             tl.store(tfirst + ent_c, clean, mask=placed_any)
             tl.store(tsrv + ent_c, clean, mask=placed_any)
-            tl.store(tmnum + ent_c, clean, mask=placed_any)
     else:
         _padding_row(r64, rows_row, stride_out_c, miss_src_ptr, miss_dst_ptr, miss_count_ptr,
                      stats_ptr, touched_ptr, plan, K, SORT)
@@ -307,7 +313,8 @@ def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
     rows = int(grid[0]) if grid else 1
     return {
         "for r0 in range(0, r, BLOCK_R)": -(-(rows - 1) // values["BLOCK_R"]),
-        "while (n_pend > 0) & (rounds < PROBES)": MODEL_ROUNDS,
+        "while (n_pend > 0) & (rounds < PROBES)": max(1, MODEL_ROUNDS
+                                                      - values["FIRST_ROUNDS"]),
         "for d0 in range(0, rounds, LOOKUP)": -(-MODEL_ROUNDS // values["LOOKUP"]),
     }
 

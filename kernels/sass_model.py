@@ -254,24 +254,45 @@ def _width(opcode: str) -> int:
     return 1
 
 
-def _dests(ins: Instr) -> list[str]:
-    """Registers an instruction writes (approximately: its leading register operands)."""
+_PRED_OPERAND = re.compile(r"^!?U?P(\d|T)$")
+
+
+def _n_dest_operands(ins: Instr) -> int:
+    """How many leading operands an instruction writes: none for stores, branches and
+    barriers; else the first, plus the predicate outputs right after it (a carry ``P`` of
+    ``LEA`` / ``IADD3``: up to 2; the second result of ``ISETP`` / ``PLOP3``: 1)."""
     if ins.cls in ("branch", "barrier") or ins.base in ("STG", "STS", "ST", "STL", "RED",
-                                                         "REDG"):
-        return []
-    if not ins.operands:
-        return []
-    first = ins.operands[0]
-    regs = _regs(first)
+                                                         "REDG", "STSM"):
+        return 0
+    if not ins.operands or not _regs(ins.operands[0]) and ins.operands[0] not in ("PT",
+                                                                                 "UPT"):
+        return 0
+    limit = 1 if ins.base.endswith("SETP") or ins.base.endswith("PLOP3") else 2
+    n = 1
+    while n <= limit and n < len(ins.operands) and _PRED_OPERAND.match(ins.operands[n]):
+        n += 1
+    return n
+
+
+def _dests(ins: Instr) -> list[str]:
+    """Registers an instruction writes (its leading result operands; a load writes as many
+    consecutive registers as its width)."""
+    n = _n_dest_operands(ins)
+    regs = [r for op in ins.operands[:n] for r in _regs(op)]
     if regs and ins.cls in ("global", "shared"):
-        n = _width(ins.opcode)
-        m = re.match(r"(U?R)(\d+)$", regs[0]) if regs else None
+        m = re.match(r"(U?R)(\d+)$", regs[0])
         if m:
-            regs = [f"{m.group(1)}{int(m.group(2)) + k}" for k in range(n)]
-    if ins.base in ("ISETP", "FSETP", "PLOP3", "LOP3", "R2P", "DSETP", "HSETP2", "UISETP",
-                    "UPLOP3") and len(ins.operands) > 1:
-        regs += [r for r in _regs(ins.operands[1]) if "P" in r]
+            regs = [f"{m.group(1)}{int(m.group(2)) + k}" for k in range(_width(ins.opcode))
+                    ] + regs[1:]
     return regs
+
+
+def _sources(ins: Instr) -> list[str]:
+    """Registers an instruction reads (every operand after its results, and its guard)."""
+    srcs = [r for op in ins.operands[_n_dest_operands(ins):] for r in _regs(op)]
+    if ins.pred:
+        srcs += _regs(ins.pred.lstrip("@!"))
+    return srcs
 
 
 @dataclass
@@ -354,11 +375,7 @@ def model_sass(text: str, *, num_warps: int, loop_trips: Optional[Mapping[Any, i
             seg.alu += 1
         elif ins.cls in ("shared", "shuffle", "global"):
             seg.mio += _width(ins.opcode)
-        srcs = [r for op in ins.operands[1:] for r in _regs(op)] if _dests(ins) else \
-            [r for op in ins.operands for r in _regs(op)]
-        if ins.pred:
-            srcs += _regs(ins.pred.lstrip("@!"))
-        d = max((depth.get(r, 0) for r in srcs), default=0)
+        d = max((depth.get(r, 0) for r in _sources(ins)), default=0)
         if ins.base in _RETURNS:
             d += 1
         seg.depth = max(seg.depth, d)

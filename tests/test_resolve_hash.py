@@ -190,7 +190,7 @@ def test_table_stays_clean_across_call_shapes(kernel_device: torch.device) -> No
         want = run_reference(topk, srows, r)
         for name, a, b in zip(got._fields, got, want):
             assert torch.equal(a.cpu(), b), f"K={K} H={H}: {name}"
-        assert ws.buffers(R, K, H).table.shape == (R, 4 * hash_table_width(K, H))
+        assert ws.buffers(R, K, H).table.shape == (R, 3 * hash_table_width(K, H))
         assert _table_clean(ws)
 
 

@@ -13,7 +13,7 @@ fixed addresses matter. A workspace holds, per call shape ``(R rows, K columns, 
   ``lru`` as they were) and ``touched [R] int32`` (1 = the call resolved this batch row and
   may have changed its state row; 0 = padding or a repeated state row);
 - the kernel's scratch tables (sort keys, slot owners, run winners, miss numbering) and the
-  hash kernel's per-row table (``table [R, 4 T]``, allocated clean, ``INT32_MIN`` in every
+  hash kernel's per-row table (``table [R, 3 T]``, allocated clean, ``INT32_MIN`` in every
   word, and left clean by every call: each call resets the entries it used).
 
 Results that live in the workspace are valid until the next call with the same workspace
@@ -39,14 +39,14 @@ _ALIGN = 16  # elements: every view starts 64-byte aligned (Triton specialises o
 #: Widest top-k and most hot slots the hash kernel (``kernels/resolve_hash.py``) takes.
 HASH_MAX_WIDTH = 2048
 HASH_MAX_SLOTS = 4096
-#: Hash-table entries per (power-of-two rounded) top-k column: load factor <= 1/8.
-HASH_TABLE_FACTOR = 8
+#: Hash-table entries per (power-of-two rounded) top-k column: load factor <= 1/16.
+HASH_TABLE_FACTOR = 16
 #: A clean hash-table word (``kernels/resolve_hash.py``: every call leaves its words so).
 HASH_EMPTY = -(2**31)
 
 
 def hash_table_width(top_k: int, slots: int) -> int:
-    """Entries ``T`` of the per-row hash table of a call shape (the table holds ``4 x T``
+    """Entries ``T`` of the per-row hash table of a call shape (the table holds ``3 x T``
     int32 words per row), 0 when the shape is not the hash kernel's."""
     if top_k > HASH_MAX_WIDTH or slots > HASH_MAX_SLOTS:
         return 0
@@ -76,7 +76,7 @@ class ResolveBuffers(NamedTuple):
     colm: torch.Tensor           # [R, W] int32 scratch: miss number per column
     keys: torch.Tensor           # [R, W] int64 scratch: sorted keys
     keys2: torch.Tensor          # [R, W] int64 scratch: merge buffer (wide top-k)
-    table: torch.Tensor          # [R, 4 T] int32 hash table (T = hash_table_width; kept clean)
+    table: torch.Tensor          # [R, 3 T] int32 hash table (T = hash_table_width; kept clean)
 
 
 _INT32_FIELDS = ("rows", "miss_src", "miss_dst", "miss_count", "stats", "touched",
@@ -90,7 +90,7 @@ def _shapes(R: int, K: int, H: int) -> dict[str, tuple[int, ...]]:
             "stats": (R, 3), "touched": (R,), "old_slot_rows": (R, H), "old_lru": (R, H),
             "owner": (R, H), "cls": (R, H), "run_pos": (R, W), "colbuf": (R, W),
             "colm": (R, W), "keys": (R, W), "keys2": (R, W),
-            "table": (R, 4 * hash_table_width(K, H))}
+            "table": (R, 3 * hash_table_width(K, H))}
 
 
 def _size(shape: tuple[int, ...]) -> int:
