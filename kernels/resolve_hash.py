@@ -5,46 +5,50 @@ torch reference, bit for bit; one launch, one program per row, no sort. ``kernel
 picks it by shape (``HASH_MAX_WIDTH`` / ``HASH_MAX_SLOTS``, host rows that fit int32).
 
 How hits are found: a per-row open-addressing hash table in the workspace
-(``ResolveBuffers.table``, ``4 x T`` int32 words per row, ``T = TABLE_FACTOR x`` the top-k
-width rounded up to a power of two: a load factor of at most 1/8), keyed by the host rows of
-the row's top-k columns (int32), with linear probing and a multiplicative hash (the top
-``log2 T`` bits of ``g * 0x9E3779B1 mod 2**32``). Four arrays per row: ``key`` (the host row,
-``EMPTY = INT32_MIN``), ``first`` (the first column holding it), ``srv`` (the earliest valid LRU
-position holding it, with that position's slot), ``mnum`` (its miss number). ``first`` and
-``srv`` keep a minimum by ``atomic_max`` of ``-1 - value``, so that every word of a clean table
-is ``INT32_MIN``: the table is cleaned by the call that used it (each column resets the four
-words of its entry at the end), so a call never clears the whole table, and every
-layout of the buffer (another call shape) sees it clean. ``ResolveWorkspace`` allocates it
-filled with ``INT32_MIN``.
+(``ResolveBuffers.table``, ``3 x T`` int32 words per row, ``T = HASH_TABLE_FACTOR`` (16) ``x``
+the top-k width rounded up to a power of two: a load factor of at most 1/16), keyed by the host
+rows of the row's top-k columns (int32), with linear probing and a multiplicative hash (the top
+``log2 T`` bits of ``g * 0x9E3779B1 mod 2**32``). Three arrays per row: ``key`` (the host row,
+``EMPTY = INT32_MIN``; after the lookups, the entry's miss number), ``first`` (the first
+column holding it, as ``atomic_max(-1 - column)`` so that a clean word is ``INT32_MIN`` too),
+``srv`` (the valid LRU position holding it, ``p * 2**16 + slot``). The table is cleaned by the
+call that used it (each column resets the words of its entry at the end), so a call never
+clears the whole table, and every layout of the buffer (another call shape) sees it clean.
+``ResolveWorkspace`` allocates it filled with ``INT32_MIN``.
 
 Phases (``bar.sync`` between them; state row ``st``; ``p`` = LRU position):
-1. Columns: classify (masked / resident / host row ``g``, as the sorted kernel); positions:
-   snapshot ``lru`` and ``slot_host_rows`` (for ``restore_resolve_state``), load each
-   position's slot and the host row it holds, reset slot owners.
-2. ``atomic_min(owner[slot], p)`` (the first position naming a slot is valid); insert the
-   columns' host rows: every pending column tries ``atomic_cas(key[i], EMPTY, g)`` at its probe
-   index ``i``; it is placed when the old word was ``EMPTY`` or ``g`` (duplicates share an
-   entry), else it probes ``i + 1`` next round; rounds repeat while a column is pending, at
-   most ``PROBES``. Placed columns ``atomic_max(first[i], -1 - column)``. Every placed key
-   sits fewer than ``rounds`` probes from its hash, so a lookup needs at most ``rounds``.
-   **Overflow** (a column still pending after ``PROBES`` rounds: a degenerate hash or an
-   adversarial set of host rows) resets the keys it wrote and resolves the row with the
-   sorted kernel's code (``_sorted_row``) in the same launch: results are always exact.
-3. Valid positions look their held host row up (``rounds`` probes, 4 loads in flight at a
-   time, stopping at ``EMPTY``); found -> ``atomic_max(srv[i], -1 - (p * 2**16 + slot))``.
-4. Columns read ``srv`` / ``first`` of their entry: hit (a serving slot: its device row) or
-   miss; first misses in column order get their numbers (one ``tl.cumsum``), ``mnum``,
-   ``miss_src``; positions read whether they serve.
-5. The replacement policy (``_lru_replacement``, one tile): the new LRU order (one scatter),
+1. Columns: classify (masked / resident / host row ``g``, as the sorted kernel; the host and
+   resident block loads side by side); positions: snapshot ``lru`` and ``slot_host_rows``
+   (for ``restore_resolve_state``), load each position's slot and the host row it holds,
+   ``owner[slot] = p`` (plain stores). Insert the columns' host rows: every pending column
+   tries ``atomic_cas(key[i], EMPTY, g)`` at its probe index ``i``; it is placed when the old
+   word was ``EMPTY`` or ``g`` (duplicates share an entry), else it probes ``i + 1`` next
+   round; ``FIRST_ROUNDS`` rounds unconditionally, then while a column is pending, at most
+   ``PROBES``. Placed columns ``atomic_max(first[i], -1 - column)``. Every placed key sits
+   fewer than ``rounds`` probes from its hash, so a lookup needs at most ``rounds``.
+2. Positions read their slot's owner back: valid when it is them. Valid positions look their
+   held row up (``rounds`` probes, ``LOOKUP`` independent loads per pass; a key is in one entry
+   only, so a match is its entry) and store ``p * 2**16 + slot`` into ``srv``.
+3. Columns read ``srv`` / ``first`` of their entry; positions read ``srv`` back (serving when
+   it is theirs). **Fallback**: a column still pending after ``PROBES`` rounds (a degenerate
+   hash, an adversarial set of host rows), an LRU naming a slot twice (not every position
+   valid) or two valid positions holding one host row (corrupted states) resets the row's
+   table entries and resolves the row with the sorted kernel's code (``_sorted_row``) in the
+   same launch: results are always exact. Otherwise hits get their serving slot's device
+   row; first misses in column order get their numbers (one ``tl.cumsum``), ``miss_src``.
+4. The replacement policy (``_lru_replacement``, one tile): the new LRU order (one scatter),
    the filled slots' ``miss_dst`` and ``slot_host_rows``; miss columns read their number.
-6. Miss columns read their slot's device row; every column's row is stored once; stats,
+5. Miss columns read their slot's device row; every column's row is stored once; stats,
    counters; the row's table entries are reset.
 
-Five explicit barriers (the reductions add their own); ``PROBES`` rounds of dependent atomics
-at most, about 4 on typical rows (a Python simulation of the rounds on 2,048 random or
-block-contiguous host rows at load 1/8: median 4, max 7 of 200 rows); ``model_loop_trips``
-states 4. Ordering: as the sorted kernel (``bar.sync`` orders the CTA's global accesses;
-tables written by atomics are read with ``.cg`` loads).
+Cost (``kernels/sass_model.py``, the compile report's ``model``): about 11.5 us per call at
+64 rows x top-k 2,048 x 4,096 slots, against 25 us for the sorted kernel. The model assumes
+``MODEL_ROUNDS`` (3) insertion rounds: a Python simulation of the parallel rounds on 2,048
+random or block-contiguous host rows at load 1/16 gives a median of 3 (p95 4, max 5 of 200
+rows); it counts the hash path only (``model_twin``: the fallback runs on overflow and
+corrupted states, and costs the sorted figure). Ordering: as the sorted kernel (``bar.sync``
+orders the CTA's global accesses; every table word another thread wrote is read with a
+``.cg`` load, from L2).
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ def _resolve_hash_kernel(
 
         # Phase 2: valid positions (every one, or the sorted path) look their held row up
         # and claim its entry (a plain store; two positions on one entry -> sorted path).
-        first_p = tl.load(owner_ptr + scr_h + slot_c)  # slot_c < H: in the row's table
+        first_p = tl.load(owner_ptr + scr_h + slot_c, cache_modifier=".cg")  # slot_c < H
         valid = sv & (first_p == p)
         hv = valid & (held >= 0) & (held < num_host_rows)
         hp = _hash(held, HASH_MUL, LOG2_T)
@@ -217,9 +221,9 @@ def _resolve_hash_kernel(
         tl.debug_barrier()
 
         # Phase 3: hits and misses of the columns; serving positions; the sorted path?
-        v = tl.load(tsrv + ent_c)  # (entries in range; lanes outside their mask unused)
+        v = tl.load(tsrv + ent_c, cache_modifier=".cg")  # (in range; unused outside the mask)
         f = tl.load(tfirst + ent_c, cache_modifier=".cg")
-        vs = tl.load(tsrv + ent_pc)
+        vs = tl.load(tsrv + ent_pc, cache_modifier=".cg")
         serving = found & (vs == mine)
         # one reduction: valid positions (bits 0-15), serving ones (16-30)
         counts = tl.sum(valid.to(tl.int32) + (serving.to(tl.int32) << 16), axis=0)
@@ -277,7 +281,7 @@ def _resolve_hash_kernel(
             n_planned = tl.sum((filled & (dev_f != -1)).to(tl.int32), axis=0)
             tl.store(miss_dst_ptr + plan + c, tl.full([BLOCK_K], -1, tl.int32),
                      mask=cm & (c >= n_fill))
-            m = tl.load(tmnum + ent_c, mask=miss, other=-1)
+            m = tl.load(tmnum + ent_c, mask=miss, other=-1, cache_modifier=".cg")
             tl.debug_barrier()
 
             # Phase 5: the rows, stats, counters; reset the table entries of this row.

@@ -47,6 +47,7 @@ measurement (``bench/gpu_check.py`` times the variants on a GPU).
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -466,9 +467,13 @@ def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequen
     lines: dict = {}
     if trips_of is not None:  # every source file the SASS names: the jit helpers' loops too
         trips = trips_of(kernel, args, kwargs, grid)
+        here = os.path.dirname(getattr(_module_of(kernel), "__file__", "") or ".")
         for path in sorted({i.file for i in parse_sass(sass) if i.file}):
+            # The kernel's own directory first: a cubin from Triton's cache names the file it
+            # was first compiled from (the same source, maybe another checkout).
+            local = os.path.join(here, os.path.basename(path))
             try:
-                with open(path) as f:
+                with open(local if os.path.exists(local) else path) as f:
                     source = f.readlines()
             except OSError:
                 continue
