@@ -16,7 +16,7 @@ contract, bit-identical to the reference and to each other:
 The dispatch is by shape only (``_launch``: the hash kernel wherever it applies, the sorted
 one elsewhere); ``_resolve(..., variant="sorted" | "hash")`` forces one (the sorted kernel's
 knobs ``sort_width`` / ``block_h`` / ``gather_search`` imply it). ``resolve_variants`` lists
-every variant a shape can launch (what ``bench/gpu_check.py`` times). The launcher validates
+every variant a shape can launch (``ops.resolve.variants.time_resolve_variants`` times them). The launcher validates
 shapes, dtypes and devices only; it never reads tensor values, so it is CUDA-graph capturable
 (with a workspace, a repeated call allocates nothing). ``BoundResolve`` (the runtime's decode
 path) launches through the compiled kernel's launcher after its first call
@@ -26,7 +26,7 @@ path) launches through the compiled kernel's launcher after its first call
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -148,7 +148,7 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
                           PROBES=probes or _hash.PROBES,
                           HASH_MUL=_hash.HASH_MUL if hash_mul is None else int(hash_mul),
                           LOOKUP=_hash.LOOKUP, FIRST_ROUNDS=_hash.FIRST_ROUNDS,
-                          FALLBACK=True)
+                          FALLBACK=True, CLEAN_FIRST=False)
     constexprs["num_warps"] = warps
     launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs,
                      "hash" if use_hash else "sorted")
@@ -251,45 +251,13 @@ def resolve_variants(K: int, H: int, block_size: int, num_host_blocks: int
     """Every kernel variant a call shape can launch, for timing them side by side (what
     ``bench/gpu_check.py`` should call): ``{name: _resolve keywords}``, ``"default"`` first
     (the shape's dispatch), then ``"hash"`` (where it applies) and ``"sorted"``. Each value
-    is the keyword set ``_resolve(..., **value)`` takes: ``time_resolve_variants`` runs them."""
+    is the keyword set ``_resolve(..., **value)`` takes (``hisparse_triton.ops.resolve.
+    variants.time_resolve_variants`` checks and times them)."""
     out: dict[str, dict[str, Any]] = {"default": {}}
     if hash_applies(K, H, block_size, num_host_blocks):
         out["hash"] = {"variant": "hash"}
     out["sorted"] = {"variant": "sorted"}
     return out
-
-
-def time_resolve_variants(work: Any, timer: Callable[[Callable[[], Any]], float]
-                          ) -> dict[str, float]:
-    """Time every variant of ``resolve_variants`` on a resolve workload (anything with
-    ``args()``, ``kwargs`` and ``restore()``, e.g. ``hisparse_triton.benchmarks.
-    ResolveWorkload`` on a GPU): each variant is first checked bit for bit against the torch
-    reference (outputs and state; ``AssertionError`` when it differs), then ``timer(call)``
-    (e.g. an event timer that restores the state between calls) gives its time. Returns
-    ``{variant: timer's figure}``."""
-    from hisparse_triton.ops.resolve import reference
-
-    args, kwargs = work.args(), dict(work.kwargs)
-    topk = args[0]
-    K, H = topk.shape[1], args[6].shape[1]
-    work.restore()
-    want = [t.clone() for t in reference.resolve(*work.args(), **kwargs)]
-    want_state = (args[6].clone(), args[7].clone())
-    times = {}
-    ws = ResolveWorkspace(topk.device)
-    rows = torch.empty_like(want[0])
-    for name, knobs in resolve_variants(K, H, kwargs["block_size"],
-                                        kwargs["num_host_blocks"]).items():
-        def call(knobs=knobs):
-            return _resolve(*work.args(), **kwargs, out=rows, workspace=ws, **knobs)
-        work.restore()
-        got = call()
-        ok = all(torch.equal(g, w) for g, w in zip(got, want)) \
-            and torch.equal(args[6], want_state[0]) and torch.equal(args[7], want_state[1])
-        if not ok:
-            raise AssertionError(f"resolve variant {name}: differs from the torch reference")
-        times[name] = timer(call)
-    return times
 
 
 def _check_backend(device: torch.device) -> None:
@@ -385,6 +353,9 @@ def _resolve(
                         (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
                          lru), rows, bufs, counters,
                         (K, S, P, H, num_device_blocks, num_host_blocks))
+    constexprs = launch.constexprs
+    if workspace is None and launch.variant == "hash":  # a one-off table: the kernel clears it
+        constexprs = {**constexprs, "CLEAN_FIRST": True}
     with _device_guard(topk):
-        _kernel_of(launch)[(R,)](*args, **launch.constexprs)
+        _kernel_of(launch)[(R,)](*args, **constexprs)
     return result

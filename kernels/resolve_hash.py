@@ -116,6 +116,7 @@ def _resolve_hash_kernel(
     KEY64: tl.constexpr, HAS_COUNTERS: tl.constexpr, IN_REGS: tl.constexpr,
     LOG2_T: tl.constexpr, PROBES: tl.constexpr, HASH_MUL: tl.constexpr,
     LOOKUP: tl.constexpr, FIRST_ROUNDS: tl.constexpr, FALLBACK: tl.constexpr,
+    CLEAN_FIRST: tl.constexpr,
 ):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
@@ -134,6 +135,12 @@ def _resolve_hash_kernel(
         tfirst = tkey + (1 << LOG2_T)
         tsrv = tkey + (2 << LOG2_T)
         tmnum = tkey  # the key word holds the miss number once the lookups are done
+
+        if CLEAN_FIRST:  # a one-off table (a call without a workspace): not clean yet
+            for w0 in range(0, 3 << LOG2_T, BLOCK_H):
+                tl.store(tkey + w0 + tl.arange(0, BLOCK_H),
+                         tl.full([BLOCK_H], _EMPTY_K, tl.int32))
+            tl.debug_barrier()
 
         # Phase 1: columns (classify, insert their host rows); positions (snapshot, slots,
         # held rows, slot owners by plain stores).

@@ -285,3 +285,23 @@ def test_bound_resolve_launches_directly_under_the_standin_driver() -> None:
     assert out["kernel"] == "hash"
     assert out["paths"] == [1, 2]  # the first call binds (normal path), then direct
     assert out["same_grid"] and out["same_len"]
+
+
+def test_time_resolve_variants_checks_and_times_every_variant(kernel_device: torch.device
+                                                              ) -> None:
+    """What ``bench/gpu_check.py`` calls on a GPU: every variant of the shape is checked
+    against the reference (state restored before each), then handed to the timer."""
+    from hisparse_triton import benchmarks as bm
+    from hisparse_triton.ops.resolve.variants import time_resolve_variants
+
+    work = bm.ResolveWorkload(2, 16, 32, 256, 0.25, kernel_device)
+    timed = []
+
+    def timer(call):
+        work.restore()
+        call()
+        timed.append(call)
+        return float(len(timed))
+
+    times = time_resolve_variants(work, timer)
+    assert list(times) == ["default", "hash", "sorted"] and len(timed) == 3

@@ -188,7 +188,8 @@ class ResolveWorkspace:
     @staticmethod
     def allocate(rows: int, width: int, slots: int, device: torch.device) -> ResolveBuffers:
         """One-off buffers (a call without a workspace): the returned outputs are separate
-        tensors (they never alias each other), the scratch is carved from one allocation."""
+        tensors (they never alias each other), the scratch is carved from one allocation; the
+        hash table is not cleared (the kernel launched on it clears it first)."""
         _check_shape(rows, width, slots)
         shapes = _shapes(rows, width, slots)
         scratch = _INT32_FIELDS[5:]
@@ -198,7 +199,8 @@ class ResolveWorkspace:
                           device=device)
         outputs = {name: torch.empty(shapes[name], dtype=torch.int32, device=device)
                    for name in _INT32_FIELDS[:5]}
-        table = torch.full(shapes["table"], HASH_EMPTY, dtype=torch.int32, device=device)
+        # not filled: the hash kernel clears a one-off table itself (no extra launch)
+        table = torch.empty(shapes["table"], dtype=torch.int32, device=device)
         return ResolveBuffers(**outputs, **_carve(i32, scratch, shapes),
                               **_carve(i64, _INT64_FIELDS, shapes), table=table)
 
