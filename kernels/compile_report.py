@@ -118,6 +118,10 @@ def _resolve_calls(widths: Sequence[int], small_host: bool = True
             extra = {}
             if "counters" in params:  # the runtime accumulates counters in the kernel
                 extra["counters"] = torch.zeros(3, dtype=torch.int64)
+            if "workspace" in params:  # and calls with a workspace (the hash kernel's table)
+                from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
+
+                extra["workspace"] = ResolveWorkspace("cpu")
             kres.resolve(_i32(R, K), _i32(R), _i32(states), _i32(states, P),
                          _i32(states, P), _i32(states, -(-H // B)), _i32(states, H),
                          _i32(states, H), block_size=B, num_device_blocks=device_blocks,
