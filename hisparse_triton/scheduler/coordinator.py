@@ -150,6 +150,12 @@ class GroupCoordinator:
         for m in self.hot:
             m.free(req)
 
+    def truncate(self, req: Request, new_len: int) -> None:
+        """Return the blocks of ``req``'s pages past ``new_len`` tokens in every group (hot
+        regions stay: they are the request's for its lifetime)."""
+        for m in self.managers:
+            m.truncate(req, new_len)
+
     def on_reuse(self, block: int) -> None:
         """The pool handed ``block`` to a new owner: a resident group reading it loses the
         pages it held there."""

@@ -41,12 +41,14 @@ class PrefixEntry:
     blocks: dict[int, int]
 
 
-def page_hashes(token_ids: np.ndarray, block_size: int) -> list[bytes]:
+def page_hashes(token_ids: np.ndarray, block_size: int,
+                first_page: int = 0, parent: bytes = b"") -> list[bytes]:
     """Chained hashes of every full page of ``token_ids`` (int64): page ``p``'s hash is
-    ``sha256(hash(p - 1) + its token ids)``, so equal hashes mean equal prefixes."""
+    ``sha256(hash(p - 1) + its token ids)``, so equal hashes mean equal prefixes. With
+    ``first_page`` and ``parent`` (the hash of page ``first_page - 1``), only the pages from
+    ``first_page`` on (a chain that grows with a request's generated tokens)."""
     out: list[bytes] = []
-    parent = b""
-    for page in range(token_ids.size // block_size):
+    for page in range(first_page, token_ids.size // block_size):
         chunk = token_ids[page * block_size:(page + 1) * block_size]
         parent = hashlib.sha256(parent + chunk.astype("<i8").tobytes()).digest()
         out.append(parent)

@@ -257,7 +257,7 @@ class HiSparseScheduler:
         host_blocks = [e.host_block for e in hits] + self.host_block_pool.allocate(
             admission.new_host, request_id=request_id)
         req = self._requests.add(request_id, admission.prompt_len, admission.max_new_tokens,
-                                 host_blocks, admission.hashes)
+                                 host_blocks, admission.hashes, admission.token_ids)
         self.plan_builder.reset_row(req.row)
         self.plan_builder.write_host_blocks(req.row, host_blocks)
         self.devices.add_request(req)
@@ -273,35 +273,42 @@ class HiSparseScheduler:
         return len(hits) * self.block_size
 
     # ------------------------------------------------------------------ appending
-    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, np.ndarray]:
+    def append_slots(self, request_id: Hashable, num_tokens: int,
+                     token_ids: Optional[Sequence[int]] = None) -> dict[str, np.ndarray]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
 
         Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
         (sparse layers under their model name: their resident rows; indexer and regular
         layers); row ``r`` of a layer is ``device_cache(layer)[r // B, r % B]`` on a worker.
-        Layers of one group share one array. ``ReservationExceededError`` past
+        Layers of one group share one array. ``token_ids``: the appended tokens' ids
+        (``num_tokens`` ints): for a request added with ``token_ids`` its generated pages
+        are hashed like prompt pages and published once durable (an append without them
+        ends that: later pages are not published). ``ReservationExceededError`` past
         ``prompt_len + max_new_tokens``; ``UncommittedTokensError`` past
         ``max_num_batched_tokens`` tokens since the request's last plan; ``CapacityError``
-        when the device pool is full. Nothing changes on error.
+        when the device pool is full; ``ValueError`` for bad ``token_ids``. Nothing changes
+        on error.
         """
-        per_group = self.append_group_rows(request_id, num_tokens)
+        per_group = self.append_group_rows(request_id, num_tokens, token_ids)
         return {name: rows for rows, names in zip(per_group, self.devices.row_names)
                 for name in names}
 
-    def append_group_rows(self, request_id: Hashable, num_tokens: int) -> list[np.ndarray]:
+    def append_group_rows(self, request_id: Hashable, num_tokens: int,
+                          token_ids: Optional[Sequence[int]] = None) -> list[np.ndarray]:
         """``append_slots`` with one ``[num_tokens] int64`` array of rows per paged group (in
         ``row_layer_names`` order) instead of a dict per layer (cheaper on the decode path)."""
         self._check_open()
         req = self._request(request_id, "append_slots")
         new_len, counts, reclaim = self.capacity.append(req, num_tokens)
+        ids = req.new_token_ids(new_len - req.seq_len, token_ids)
         start = req.seq_len
         if counts is None:   # the decode step: one token, no new page
             rows = self.devices.row_at(req, start)
-            self._grow(req, new_len, None)
+            self._grow(req, new_len, None, ids)
             return [np.array([row], dtype=np.int64) for row in rows]
         with self.journal.transaction() if reclaim is not None else nullcontext():
             self._run_reclaim(reclaim)
-            self._grow(req, new_len, counts)
+            self._grow(req, new_len, counts, ids)
         return self.devices.rows(req, start, new_len)
 
     def can_append(self, request_id: Hashable, num_tokens: int) -> bool:
@@ -309,43 +316,76 @@ class HiSparseScheduler:
         return self._answers(lambda: self.capacity.append(self._request(request_id),
                                                           num_tokens))
 
-    def append_decode(self, request_ids: Sequence[Hashable]) -> dict[str, np.ndarray]:
+    def append_decode(self, request_ids: Sequence[Hashable],
+                      token_ids: Optional[Sequence[int]] = None) -> dict[str, np.ndarray]:
         """``append_slots(id, 1)`` for every request of a decode batch, in one call:
         ``{layer: int64 [R]}`` rows, row ``r`` for ``request_ids[r]`` (layers of one group
-        share one array). All-or-nothing; the same errors as ``append_slots``."""
+        share one array); ``token_ids``: the new token of each request (``R`` ints) or None.
+        All-or-nothing; the same errors as ``append_slots``."""
         self._check_open()
         check_id_list(request_ids)
+        per_request = self._requests.decode_token_ids(request_ids, token_ids)
         reqs = self.capacity.decode_batch(request_ids)
         if reqs is None:   # one id twice or a reclaim: one request after the other
             columns = []
             with self.journal.transaction():
-                for request_id in request_ids:
+                for request_id, ids in zip(request_ids, per_request):
                     self._request(request_id, "append_decode")
                     columns.append([int(rows[0])
-                                    for rows in self.append_group_rows(request_id, 1)])
+                                    for rows in self.append_group_rows(request_id, 1, ids)])
             table = np.array(columns, dtype=np.int64).reshape(len(columns), -1).T
         else:
             devices = self.devices
+            new_ids = [req.new_token_ids(1, ids) for req, ids in zip(reqs, per_request)]
             rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
             positions = np.fromiter((r.seq_len for r in reqs), dtype=np.int64,
                                     count=len(reqs))
-            for req in reqs:
+            for req, ids in zip(reqs, new_ids):
                 new_len = req.seq_len + 1
                 self._grow(req, new_len, None if devices.starts_no_page(req.seq_len)
-                           else devices.count_new_blocks(req, new_len))
+                           else devices.count_new_blocks(req, new_len), ids)
             table = devices.decode_rows(rows, positions)
         return {name: table[i] for i, names in enumerate(self.devices.row_names)
                 for name in names}
 
-    def _grow(self, req: Request, new_len: int, counts: Optional[list[int]]) -> None:
+    def _grow(self, req: Request, new_len: int, counts: Optional[list[int]],
+              ids: Optional[np.ndarray] = None) -> None:
         """Grow ``req`` to ``new_len`` tokens: ``counts`` new blocks per paged group (known
-        to fit; None: no page starts)."""
+        to fit; None: no page starts); ``ids``: what ``new_token_ids`` returned."""
         if counts is not None:
             self.devices.grow(req, new_len, counts)
+        self._requests.extend_tokens(req, ids, self.block_size)
         self.journal.setattr(req, "seq_len", new_len)
         self.plan_builder.write_seq_len(req.row, new_len)
         if counts is not None:
             self._track_peaks()
+
+    def truncate(self, request_id: Hashable, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens of the request, drop the rest (rejected
+        speculative drafts); see ``docs/runtime.md`` (rollback).
+
+        ``seq_len`` goes back to ``new_len``; the device blocks of its pages past the end go
+        back to the pool in every group (their table entries become 0 in the next plan);
+        hot slots holding host rows of the dropped tokens are emptied (the plan's
+        ``invalidate`` section); ids and page hashes of dropped generated tokens are
+        forgotten, so they are never published. The host blocks stay: they are the
+        request's reservation (``prompt_len + max_new_tokens``), so a plan already emitted
+        whose mirror copies the dropped tokens writes only the request's own rows past its
+        end, which nothing reads and a later plan overwrites. ``ValueError`` for ``new_len``
+        past ``seq_len`` or below the durable prefix (``committed_len``: tokens committed
+        by ``step()`` / ``commit_mirrors()`` are never rolled back); nothing changes on
+        error."""
+        req = self._request(request_id, "truncate")
+        new_len = req.check_truncate(new_len)
+        if new_len == req.seq_len:
+            return
+        with self.journal.transaction():
+            if req.hot is not None:
+                for lo, hi in req.host_row_ranges(new_len, req.seq_len, self.block_size):
+                    self.plan_builder.invalidate(req.row, lo, hi)
+            self.devices.truncate(req, new_len)
+            self._requests.truncate(req, new_len, self.block_size)
+            self.plan_builder.write_seq_len(req.row, new_len)
 
     # ------------------------------------------------------------------ capacity
     def _run_reclaim(self, reclaim: Optional[Reclaim]) -> None:
