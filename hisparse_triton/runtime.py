@@ -125,6 +125,9 @@ class HiSparseRuntime:
       and count no ``d2h_bytes``, but their bookkeeping is identical. ``host_pool_secret``:
       required on the other ranks: rank 0's ``worker.host_pool_secret``;
       ``host_pool_group``: see ``HiSparseWorker``.
+    - ``draft_layers``: sparse layers a speculative drafter writes after the main forward
+      (and after ``truncate``): ``mirror_draft()`` copies their rows once the drafter ran,
+      before ``commit()`` (which refuses to end a step whose draft rows were not copied).
 
     Shared-pool contract (the caller's duty; nothing checks it across processes):
 
@@ -150,7 +153,8 @@ class HiSparseRuntime:
                  host_pool_name: Optional[str] = None,
                  free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
                  host_pool_secret: Optional[str] = None,
-                 host_pool_group: Optional[str | int] = None) -> None:
+                 host_pool_group: Optional[str | int] = None,
+                 draft_layers: Sequence[str] = ()) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
@@ -161,7 +165,8 @@ class HiSparseRuntime:
                                      host_pool_name=host_pool_name,
                                      host_ram_fraction=host_ram_fraction,
                                      host_pool_secret=host_pool_secret,
-                                     host_pool_group=host_pool_group)
+                                     host_pool_group=host_pool_group,
+                                     draft_layers=draft_layers)
         try:
             self.scheduler = HiSparseScheduler(
                 kv_cache_config, config, max_num_seqs=max_num_seqs,
@@ -311,22 +316,50 @@ class HiSparseRuntime:
         self._check_open()
         return self.scheduler.reset_prefix_cache()
 
-    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]:
+    def append_slots(self, request_id: Hashable, num_tokens: int,
+                     token_ids: Optional[Sequence[int]] = None) -> dict[str, torch.Tensor]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
 
         Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
         (sparse layers under their model name: their resident rows; indexer and regular
         layers). Layers of one group share one tensor; different groups get different rows.
+        ``token_ids``: the appended tokens' ids: a request added with ``token_ids`` then
+        publishes its generated pages for prefix reuse too (``HiSparseScheduler.append_slots``).
         ``ReservationExceededError`` past ``prompt_len + max_new_tokens``;
         ``CapacityError`` when the device pool is full. Nothing changes on error.
         """
         self._check_open()
         with self._journal.transaction():
-            per_group = self.scheduler.append_group_rows(request_id, num_tokens)
+            per_group = self.scheduler.append_group_rows(request_id, num_tokens, token_ids)
             # One copy for all groups: their rows stacked, one view per group.
             views = self.worker.to_device(np.stack(per_group), torch.int64).unbind(0)
             return {name: view for view, names in zip(views, self._row_names)
                     for name in names}
+
+    def truncate(self, request_id: Hashable, new_len: int) -> None:
+        """Keep the request's first ``new_len`` tokens, drop the rest (rejected drafts):
+        call it after the forward that verified them, before ``commit()`` (committed tokens
+        are durable and refused). See ``HiSparseScheduler.truncate``; the changes reach the
+        worker with the next plan (the next resolve or commit)."""
+        self._check_open()
+        self.scheduler.truncate(request_id, new_len)
+
+    def mirror_draft(self) -> None:
+        """Copy the draft layers' rows of the step's tokens to the host: call it once the
+        drafter wrote their KV (after the main forward and ``truncate``), before
+        ``commit()``. ``ValueError`` without ``draft_layers``."""
+        self._check_open()
+        if not self.worker.draft_layers:
+            raise ValueError("mirror_draft(): this runtime has no draft layers (pass "
+                             "draft_layers when building it).")
+        with self._journal.transaction():
+            plan = self._hand_over()
+            try:
+                self.worker.mirror(draft=True)
+            except BaseException:
+                if plan is not None:
+                    self.worker.revert(plan)
+                raise
 
     def commit(self) -> None:
         """End the step: mirror its new rows to host; release pages that are done.
@@ -354,12 +387,23 @@ class HiSparseRuntime:
         with self._journal.transaction():
             plan = self._hand_over()
             try:
+                self._check_drafts_mirrored()
                 self.scheduler.commit_mirrors()
                 self.worker.mirror()
             except BaseException:
                 if plan is not None:
                     self.worker.revert(plan)
                 raise
+
+    def _check_drafts_mirrored(self) -> None:
+        """``ValueError`` when a plan's draft-layer rows were never copied: ``commit()``
+        makes the tokens durable and may hand their blocks to others, so the draft part
+        must be mirrored first."""
+        due = self.worker.draft_mirror_due
+        if due is not None:
+            raise ValueError(f"commit(): the draft layers' rows of plan {due} were not "
+                             f"mirrored: once the drafter wrote their KV (after the main "
+                             f"forward and truncate), call mirror_draft(), then commit().")
 
     def flush(self) -> None:
         """Hand the table changes made since the last plan to the worker now (one plan,

@@ -316,6 +316,13 @@ class HiSparseWorker:
         # One statement: the bytes are counted and the parts marked mirrored together.
         (mirror.d2h_bytes, mirror.last), tables.due = counts, tables.mirrored(draft)
 
+    @property
+    def draft_mirror_due(self) -> Optional[int]:
+        """The step of the oldest applied plan whose draft-layer rows are still to be copied
+        by ``mirror(draft=True)`` (None: none)."""
+        due = [d.plan.step for d in self._tables.due if True in d.parts]
+        return due[0] if due else None
+
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
         cache = self._index_groups.get(leader_layer)
