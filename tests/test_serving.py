@@ -291,13 +291,23 @@ def test_prefix_survives_its_request_and_is_evicted_when_space_is_needed():
         for leader in rt.leaders:
             oracle.check(leader, ["b"], topk, rt.resolve(leader, ["b"], topk))
         rt.free_request("b")
-        # unrelated requests need the space: the cached pages go, least recently freed first
+        # requests that fit in the truly free blocks leave the cached pages alone
+        rt.add_request("x", 40, 0)
+        rt.append_slots("x", 40)
+        rt.commit()
+        rt.free_request("x")
+        assert rt.stats().lost_pages == 0
+        assert rt.add_request("c", 40, 0, token_ids=tokens) == 36
+        rt.free_request("c")
+        # unrelated requests need the space: the cached pages go (the first freed first:
+        # b's last pages)
         for rid in ("x", "y"):
             rt.add_request(rid, 40, 0)
             rt.append_slots(rid, 40)
-            rt.commit()
+        rt.commit()
+        for rid in ("x", "y"):
             rt.free_request(rid)
-        assert rt.add_request("c", 40, 0, token_ids=tokens) == 0
+        assert rt.add_request("c", 40, 0, token_ids=tokens) < 36
         rt.free_request("c")
         dropped = rt.reset_prefix_cache()
         stats = rt.stats()
@@ -340,6 +350,109 @@ def test_prefix_reuse_needs_token_ids_of_the_prompt_length():
         with pytest.raises(ValueError, match=r"token_ids must be 8 ints"):
             rt.add_request("a", 8, 4, token_ids=[0.5] * 8)
         assert not rt.has_request("a")
+
+
+# ------------------------------------------------------------------ generated pages reused
+def _generate(rt, oracle, rid, answer, gen):
+    """Decode ``answer`` one token per step, with its ids; exact throughout."""
+    for token in answer:
+        oracle.write(rid, rt.append_slots(rid, 1, token_ids=[token]))
+        for leader in rt.leaders:
+            topk = torch.randint(0, rt.seq_len(rid), (1, TOPK), dtype=torch.int32,
+                                 generator=gen)
+            oracle.check(leader, [rid], topk, rt.resolve(leader, [rid], topk))
+        rt.commit()
+
+
+def _check_all(rt, oracle, rid):
+    n = rt.seq_len(rid)
+    for leader in rt.leaders:
+        for start in range(0, n, TOPK):
+            topk = torch.arange(start, start + TOPK, dtype=torch.int32).clamp(max=n - 1)
+            oracle.check(leader, [rid], topk.view(1, -1), rt.resolve(leader, [rid],
+                                                                     topk.view(1, -1)))
+
+
+def _fill_the_pool(rt):
+    """Another request takes every truly free device block and a few cached ones (the
+    pages they held are evicted: the newest freed first)."""
+    rt.add_request("filler", 64, 0)
+    pages = rt.scheduler.truly_free_device_blocks // len(rt.scheduler.devices.paged) + 2
+    assert pages * len(rt.scheduler.devices.paged) <= rt.scheduler.available_device_blocks
+    rt.append_slots("filler", pages * B)
+    rt.commit()
+    rt.free_request("filler")
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+def test_a_second_turn_reuses_the_first_turns_generated_pages(pressure):
+    gen = torch.Generator().manual_seed(8)
+    watermark = 1.0 if pressure else 0.1
+    with make(max_num_seqs=2, max_model_len=64, device_blocks=50 if pressure else 300,
+              watermark=watermark) as rt:
+        oracle = Oracle(rt)
+        prompt, answer = list(range(300, 318)), list(range(500, 512))   # 18 + 12 tokens
+        assert rt.add_request("t1", len(prompt), len(answer), token_ids=prompt) == 0
+        oracle.add("t1", 0, prompt + answer)
+        oracle.write("t1", rt.append_slots("t1", len(prompt)))
+        rt.commit()
+        _generate(rt, oracle, "t1", answer, gen)
+        rt.free_request("t1")
+        if pressure:
+            _fill_the_pool(rt)
+        turn2 = prompt + answer + [7, 8, 9, 10, 11, 12]
+        cached = rt.add_request("t2", len(turn2), 4, token_ids=turn2)
+        full = (len(prompt) + len(answer)) // B * B                 # every full page: 28
+        assert 0 < cached < full if pressure else cached == full
+        oracle.add("t2", cached, turn2)
+        oracle.write("t2", rt.append_slots("t2", len(turn2) - cached))
+        rt.commit()
+        _check_all(rt, oracle, "t2")
+        rt.free_request("t2")
+        rt.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+def test_a_preempted_request_resumed_with_its_tokens_recomputes_nothing_cached(pressure):
+    gen = torch.Generator().manual_seed(9)
+    with make(max_num_seqs=2, max_model_len=64, device_blocks=50 if pressure else 300,
+              watermark=1.0 if pressure else 0.1) as rt:
+        oracle = Oracle(rt)
+        prompt, answer = list(range(40, 53)), list(range(900, 920))    # 13 + 20 tokens
+        rt.add_request("a", len(prompt), len(answer), token_ids=prompt)
+        oracle.add("a", 0, prompt + answer)
+        oracle.write("a", rt.append_slots("a", len(prompt)))
+        rt.commit()
+        _generate(rt, oracle, "a", answer[:11], gen)            # 24 tokens: 6 full pages
+        rt.free_request("a")                                    # preempted
+        if pressure:
+            _fill_the_pool(rt)
+        done = prompt + answer[:11]
+        cached = rt.add_request("a", len(done), 9, token_ids=done)
+        full = (len(done) - 1) // B * B                         # one token is computed
+        assert 0 < cached < full if pressure else cached == full
+        oracle.add("a", cached, prompt + answer)
+        oracle.write("a", rt.append_slots("a", len(done) - cached))
+        rt.commit()
+        _generate(rt, oracle, "a", answer[11:], gen)
+        _check_all(rt, oracle, "a")
+
+
+def test_generated_token_ids_are_checked():
+    with make(device_blocks=200) as rt:
+        rt.add_request("a", 6, 8, token_ids=list(range(6)))
+        before = rt._debug_snapshot()
+        with pytest.raises(ValueError, match=r"token_ids must be 6 ints"):
+            rt.append_slots("a", 6, token_ids=[1, 2])
+        with pytest.raises(ValueError, match=r"positions 0..5 differ from its prompt's"):
+            rt.append_slots("a", 6, token_ids=[9] * 6)
+        assert rt._debug_snapshot() == before
+        rt.append_slots("a", 6, token_ids=list(range(6)))
+        rt.append_slots("a", 2)                       # no ids: the chain ends here
+        rt.append_slots("a", 2, token_ids=[1, 2])     # ... and is not resumed
+        rt.commit()
+        rt.free_request("a")
+        assert rt.add_request("b", 12, 0, token_ids=list(range(6)) + [0] * 6) == 4
 
 
 # ------------------------------------------------------------------ speculative decoding
