@@ -343,6 +343,27 @@ def test_a_prefix_left_only_on_the_host_starts_offloaded_and_reads_it_exactly():
         assert rt.stats().misses > misses
 
 
+def test_pure_hisparse_drops_pages_at_once_even_for_the_prefix_cache():
+    """#22: with free_block_watermark=1.0 (documented: committed pages leave the GPU at
+    once) a second request with the same prompt re-adopted 18 resident pages; now the
+    prefix is reused from the host only (indexer pages stay shared: they never leave)."""
+    with make(max_num_seqs=2, max_model_len=64, device_blocks=300, watermark=1.0) as rt:
+        oracle = Oracle(rt)
+        tokens = list(range(60, 100))
+        rt.add_request("a", 40, 8, token_ids=tokens)
+        oracle.add("a", 0, tokens)
+        oracle.write("a", rt.append_slots("a", 40))
+        rt.commit()
+        cached = rt.add_request("b", 40, 8, token_ids=tokens)
+        assert cached == 36 and rt.stats().readopted_pages == 0
+        assert rt.scheduler.is_offloaded("b")
+        assert rt.block_table("b", L0)[:9] == [0] * 9
+        oracle.add("b", cached, tokens)
+        oracle.write("b", rt.append_slots("b", 4))
+        rt.commit()
+        _check_all(rt, oracle, "b")
+
+
 def test_prefix_reuse_needs_token_ids_of_the_prompt_length():
     with make() as rt:
         with pytest.raises(ValueError, match=r"token_ids must be 8 ints"):
@@ -387,7 +408,7 @@ def _fill_the_pool(rt):
 @pytest.mark.parametrize("pressure", [False, True])
 def test_a_second_turn_reuses_the_first_turns_generated_pages(pressure):
     gen = torch.Generator().manual_seed(8)
-    watermark = 1.0 if pressure else 0.1
+    watermark = 0.1
     with make(max_num_seqs=2, max_model_len=64, device_blocks=50 if pressure else 300,
               watermark=watermark) as rt:
         oracle = Oracle(rt)
@@ -416,7 +437,7 @@ def test_a_second_turn_reuses_the_first_turns_generated_pages(pressure):
 def test_a_preempted_request_resumed_with_its_tokens_recomputes_nothing_cached(pressure):
     gen = torch.Generator().manual_seed(9)
     with make(max_num_seqs=2, max_model_len=64, device_blocks=50 if pressure else 300,
-              watermark=1.0 if pressure else 0.1) as rt:
+              watermark=0.1) as rt:
         oracle = Oracle(rt)
         prompt, answer = list(range(40, 53)), list(range(900, 920))    # 13 + 20 tokens
         rt.add_request("a", len(prompt), len(answer), token_ids=prompt)

@@ -34,6 +34,7 @@ run in a ``journal.transaction()``. ``can_admit`` / ``can_append`` answer withou
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
@@ -49,7 +50,7 @@ from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
 from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
-from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
+from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.staging import PrefillStaging
@@ -113,7 +114,7 @@ class HiSparseScheduler:
         self.prefill_staging = PrefillStaging.from_plan(kv_cache_config, config)
         self.device_block_pool = BlockPool(self.prefill_staging.first_block, "device", j)
         self.host_block_pool = BlockPool(self.num_host_blocks, "host", j)
-        self.free_block_watermark = free_block_watermark
+        self.free_block_watermark = watermark_value(free_block_watermark)
         self.policy = ResidencyPolicy.from_settings(
             free_block_watermark, self.device_block_pool.capacity, block_size=B,
             offload_threshold_pages=self.offload_threshold_pages,
@@ -468,12 +469,13 @@ class HiSparseScheduler:
         """Mark the mirrored tokens durable; publish and release what that allows."""
         j = self.journal
         pressure = self.policy.under_pressure(self.truly_free_device_blocks)
+        keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave the GPU at once
         for req in list(self._requests.values()):
             if req.scheduled_len > req.committed_len:
                 j.setattr(req, "committed_len", req.scheduled_len)
-                if self.prefix_caching and req.page_hashes:   # newly durable prompt pages
-                    self._prefix.publish_durable(
-                        req, lambda page: self.devices.page_blocks(req, page),
+                if self.prefix_caching and req.page_hashes:   # newly durable full pages
+                    self._prefix.publish_durable(req, partial(
+                        self.devices.page_blocks, req, resident=keep_gpu_copies),
                         self._prefix_required, self.block_size)
             self._release_resident(req, pressure)
             self.devices.release_windows(req)
