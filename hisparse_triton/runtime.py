@@ -171,7 +171,8 @@ class HiSparseRuntime:
             self.scheduler = HiSparseScheduler(
                 kv_cache_config, config, max_num_seqs=max_num_seqs,
                 free_block_watermark=free_block_watermark,
-                offload_threshold_pages=offload_threshold_pages)
+                offload_threshold_pages=offload_threshold_pages,
+                host_ram_fraction=host_ram_fraction)
         except BaseException:
             self.worker.close()
             raise

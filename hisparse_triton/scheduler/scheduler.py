@@ -43,6 +43,7 @@ from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import HiSparseError, RuntimeClosedError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
+from hisparse_triton.scheduler.bookkeeping import bookkeeping_items, check_bookkeeping
 from hisparse_triton.scheduler.capacity import Admission, Capacity
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
 from hisparse_triton.scheduler.invariants import scheduler_problems
@@ -76,12 +77,16 @@ class HiSparseScheduler:
       through the hot buffer (the mode that exercises and measures the host path).
     - ``offload_threshold_pages``: a request that should offload does so once at least this
       many of its pages can be unpinned (default 1).
+    - ``host_ram_fraction``: the bookkeeping (``scheduler/bookkeeping.py``: 24 B per device
+      and host block, the block tables) is checked against this fraction of the available
+      RAM before any of it is built (``HostMemoryError``).
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
                  max_num_seqs: int,
                  free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
-                 offload_threshold_pages: Optional[int] = None) -> None:
+                 offload_threshold_pages: Optional[int] = None,
+                 host_ram_fraction: float = 0.9) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseScheduler needs an EngineConfig with hisparse set.")
         if not isinstance(kv_cache_config, KVCacheConfig):
@@ -108,6 +113,10 @@ class HiSparseScheduler:
         if self.num_host_blocks < 2:
             raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
                              f"page), the plan has {self.num_host_blocks}.")
+        check_bookkeeping(bookkeeping_items(   # before any per-block state is built
+            self.groups, self.layout, num_device_blocks=self.num_device_blocks,
+            num_host_blocks=self.num_host_blocks, max_num_seqs=self.max_num_seqs),
+            host_ram_fraction)
         self.journal = j = Journal()
         # The last blocks of the device pool hold resolve_prefill's staging rows: never
         # allocated (``hisparse_triton.staging``; the worker derives the same region).
