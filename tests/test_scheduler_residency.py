@@ -83,7 +83,7 @@ def test_the_scheduler_reclaim_prediction_matches_what_it_does():
     before = s._debug_snapshot()
     reclaim, available = s.capacity.fit(needed)
     assert s._debug_snapshot() == before and reclaim is not None and reclaim.fits
-    s._run_reclaim(reclaim)
+    s.durability.run_reclaim(reclaim)
     assert s.available_device_blocks == available >= needed
     s.check_invariants()
 

@@ -41,6 +41,25 @@ def bookkeeping_items(groups: PlanGroups, layout: TableLayout, *, num_device_blo
     ]
 
 
+def check_plan(groups: PlanGroups, layout: TableLayout, *, device_buffer_size: int,
+               num_device_blocks: int, num_host_blocks: int, max_num_seqs: int,
+               host_ram_fraction: float = 0.9) -> None:
+    """What a scheduler checks of its plan before building anything: hot regions that hold
+    ``device_buffer_size`` rows, a host pool of at least 2 blocks, and the bookkeeping
+    against RAM (``check_bookkeeping``). ``ValueError`` / ``HostMemoryError``."""
+    B = groups.block_size
+    hot_widths = [g.width for g in groups.hot]
+    if hot_widths and min(hot_widths) * B < device_buffer_size:
+        raise ValueError(f"hot groups hold {min(hot_widths)} blocks of {B} rows, fewer "
+                         f"than device_buffer_size={device_buffer_size}.")
+    if num_host_blocks < 2:
+        raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
+                         f"page), the plan has {num_host_blocks}.")
+    check_bookkeeping(bookkeeping_items(groups, layout, num_device_blocks=num_device_blocks,
+                                        num_host_blocks=num_host_blocks,
+                                        max_num_seqs=max_num_seqs), host_ram_fraction)
+
+
 def check_bookkeeping(items: list[tuple[str, int]], max_ram_fraction: float = 0.9) -> None:
     """``HostMemoryError`` naming every item unless they fit ``max_ram_fraction`` of the RAM
     this process can still get (``memory.available_ram_bytes``); allocates nothing."""
@@ -58,4 +77,4 @@ def check_bookkeeping(items: list[tuple[str, int]], max_ram_fraction: float = 0.
 
 
 __all__ = ["BYTES_PER_HOST_ENTRY", "BYTES_PER_POOL_BLOCK", "bookkeeping_items",
-           "check_bookkeeping"]
+           "check_bookkeeping", "check_plan"]

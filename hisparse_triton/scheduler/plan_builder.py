@@ -80,11 +80,12 @@ class PlanBuilder:
         self.clear_pages(row, position, (page,))
         self._journal.append(self._lost, (row, position, page))
 
-    def invalidate(self, row: int, lo: int, hi: int) -> None:
-        """Hot slots of state row ``row`` holding a host row in ``[lo, hi)`` must be emptied
-        (a rollback dropped the tokens those rows held)."""
-        if hi > lo:
-            self._journal.append(self._invalidate, (row, lo, hi))
+    def invalidate(self, row: int, ranges: Iterable[tuple[int, int]]) -> None:
+        """Hot slots of state row ``row`` holding a host row in one of the ``[lo, hi)``
+        ``ranges`` must be emptied (a rollback dropped the tokens those rows held)."""
+        for lo, hi in ranges:
+            if hi > lo:
+                self._journal.append(self._invalidate, (row, lo, hi))
 
     # -- the plan --------------------------------------------------------------------------
     def build(self, *, commit: bool, mirror_host_rows: np.ndarray,

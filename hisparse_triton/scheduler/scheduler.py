@@ -34,8 +34,7 @@ run in a ``journal.transaction()``. ``can_admit`` / ``can_append`` answer withou
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import partial
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -43,15 +42,16 @@ from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import HiSparseError, RuntimeClosedError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
-from hisparse_triton.scheduler.bookkeeping import bookkeeping_items, check_bookkeeping
+from hisparse_triton.scheduler.bookkeeping import check_plan
 from hisparse_triton.scheduler.capacity import Admission, Capacity
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
-from hisparse_triton.scheduler.invariants import scheduler_problems
+from hisparse_triton.scheduler.durability import Durability
+from hisparse_triton.scheduler.invariants import scheduler_problems, scheduler_snapshot
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
 from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
-from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy, watermark_value
+from hisparse_triton.scheduler.residency import ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.staging import PrefillStaging
@@ -60,6 +60,15 @@ from hisparse_triton.step_plan import StepPlan, TableLayout
 #: Default ``free_block_watermark``: offload once 10% or less of the device pool is free.
 DEFAULT_FREE_BLOCK_WATERMARK = 0.1
 _REFUSALS = (HiSparseError, ValueError)   # what can_admit / can_append turn into False
+
+
+def _per_request(read: Callable[[Request], object], doc: str) -> Callable:
+    """A scheduler query of one live request: ``read(request)``; ``UnknownRequestError``
+    for an unknown id."""
+    def query(self: "HiSparseScheduler", request_id: Hashable):
+        return read(self._request(request_id))
+    query.__doc__ = doc
+    return query
 
 
 class HiSparseScheduler:
@@ -101,22 +110,15 @@ class HiSparseScheduler:
         self.block_size = B = self.groups.block_size
         self.layout = TableLayout.build(self.groups, self.max_num_seqs)
         self.hot_blocks_per_request = self.groups.hot_blocks_per_request
-        hot_widths = [g.width for g in self.groups.hot]
-        if hot_widths and min(hot_widths) * B < self.device_buffer_size:
-            raise ValueError(f"hot groups hold {min(hot_widths)} blocks of {B} rows, fewer "
-                             f"than device_buffer_size={self.device_buffer_size}.")
         self.offload_threshold_pages = (
             1 if offload_threshold_pages is None
             else int_at_least("offload_threshold_pages", offload_threshold_pages, 1))
         self.num_device_blocks = kv_cache_config.num_blocks
         self.num_host_blocks = kv_cache_config.hisparse_host_num_blocks
-        if self.num_host_blocks < 2:
-            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
-                             f"page), the plan has {self.num_host_blocks}.")
-        check_bookkeeping(bookkeeping_items(   # before any per-block state is built
-            self.groups, self.layout, num_device_blocks=self.num_device_blocks,
-            num_host_blocks=self.num_host_blocks, max_num_seqs=self.max_num_seqs),
-            host_ram_fraction)
+        check_plan(self.groups, self.layout, device_buffer_size=self.device_buffer_size,
+                   num_device_blocks=self.num_device_blocks,   # before any per-block state
+                   num_host_blocks=self.num_host_blocks, max_num_seqs=self.max_num_seqs,
+                   host_ram_fraction=host_ram_fraction)
         self.journal = j = Journal()
         # The last blocks of the device pool hold resolve_prefill's staging rows: never
         # allocated (``hisparse_triton.staging``; the worker derives the same region).
@@ -136,10 +138,12 @@ class HiSparseScheduler:
                                             self.max_num_seqs)
         # Prefix reuse needs every page of every full-history group: none with a window.
         self.prefix_caching = not d.windowed
-        self._prefix_required = [m.position for m in d.paged
-                                 if m.position not in d.resident_positions]
         self._prefix = PrefixCache(j, self.host_block_pool, self.device_block_pool,
                                    d.resident_positions.__contains__)
+        self.durability = Durability(
+            requests=self._requests, devices=d, policy=self.policy,
+            prefix=self._prefix if self.prefix_caching else None, counters=self.counters,
+            device_pool=self.device_block_pool, host_pool=self.host_block_pool, journal=j)
         self.device_block_pool.on_reuse = self._on_device_reuse
         self.host_block_pool.on_reuse = self._prefix.on_host_block_reused
         self.capacity = Capacity(
@@ -171,32 +175,24 @@ class HiSparseScheduler:
         self._check_open()
         return request_id in self._requests
 
-    def seq_len(self, request_id: Hashable) -> int:
-        """Tokens present so far (cached prefix + appended)."""
-        return self._request(request_id).seq_len
-
-    def unpinned_pages(self, request_id: Hashable) -> int:
-        """How many of the request's leading resident pages left its ownership (unpinned:
-        readable until their blocks are reused; or lost: read from the host)."""
-        return self._request(request_id).released_pages
-
-    def is_offloaded(self, request_id: Hashable) -> bool:
-        """Whether the request holds a hot region (its committed pages may leave the GPU)."""
-        return self._request(request_id).hot is not None
-
-    def state_row(self, request_id: Hashable) -> int:
-        """The request's row in the workers' per-request tables."""
-        return self._request(request_id).row
+    seq_len = _per_request(lambda r: r.seq_len,
+                           "Tokens present so far (cached prefix + appended).")
+    unpinned_pages = _per_request(
+        lambda r: r.released_pages, "How many of the request's leading resident pages left "
+        "its ownership (unpinned: readable until their blocks are reused; or lost: read from "
+        "the host).")
+    is_offloaded = _per_request(lambda r: r.hot is not None, "Whether the request holds a "
+                                "hot region (its committed pages may leave the GPU).")
+    state_row = _per_request(lambda r: r.row,
+                             "The request's row in the workers' per-request tables.")
+    host_block_table = _per_request(lambda r: list(r.host_blocks),
+                                    "The request's host blocks, one per reserved page.")
 
     def state_rows(self, request_ids: Sequence[Optional[Hashable]]) -> np.ndarray:
         """``[R] int32`` state rows (-1 for ``None`` = padding); ``DuplicateRequestError`` for
         an id named twice, ``UnknownRequestError`` for an unknown one."""
         self._check_open()
         return self._requests.state_rows(request_ids)
-
-    def host_block_table(self, request_id: Hashable) -> list[int]:
-        """The request's host blocks, one per reserved page."""
-        return list(self._request(request_id).host_blocks)
 
     def block_table(self, request_id: Hashable, layer_name: str) -> list[int]:
         """The request's device blocks for a layer's group, one per page (0 = the page is
@@ -212,10 +208,9 @@ class HiSparseScheduler:
         that have not offloaded yet."""
         return self.capacity.available_device_blocks
 
-    @property
-    def truly_free_device_blocks(self) -> int:
-        """Free device blocks that hold no readable page (what the watermark watches)."""
-        return self.device_block_pool.num_truly_free
+    truly_free_device_blocks = property(
+        lambda self: self.device_block_pool.num_truly_free,
+        doc="Free device blocks that hold no readable page (what the watermark watches).")
 
     def stats(self) -> SchedulerStats:
         """Occupancy and residency counters (plain CPU reads)."""
@@ -251,7 +246,7 @@ class HiSparseScheduler:
         self._requests.check_new(request_id)
         admission = self.capacity.admission(request_id, prompt_len, max_new_tokens, token_ids)
         with self.journal.transaction():
-            self._run_reclaim(admission.reclaim)
+            self.durability.run_reclaim(admission.reclaim)
             return self._admit(request_id, admission, token_ids is not None)
 
     def can_admit(self, prompt_len: int, max_new_tokens: int,
@@ -278,8 +273,8 @@ class HiSparseScheduler:
             self.plan_builder.write_seq_len(req.row, req.seq_len)
             self.counters.add("prefix_hit_tokens", req.seq_len)
             if host_only:
-                self._offload(req)
-        self._track_peaks()
+                self.durability.offload(req)
+        self.durability.track_peaks()
         return len(hits) * self.block_size
 
     # ------------------------------------------------------------------ appending
@@ -317,7 +312,7 @@ class HiSparseScheduler:
             self._grow(req, new_len, None, ids)
             return [np.array([row], dtype=np.int64) for row in rows]
         with self.journal.transaction() if reclaim is not None else nullcontext():
-            self._run_reclaim(reclaim)
+            self.durability.run_reclaim(reclaim)
             self._grow(req, new_len, counts, ids)
         return self.devices.rows(req, start, new_len)
 
@@ -368,41 +363,28 @@ class HiSparseScheduler:
         self.journal.setattr(req, "seq_len", new_len)
         self.plan_builder.write_seq_len(req.row, new_len)
         if counts is not None:
-            self._track_peaks()
+            self.durability.track_peaks()
 
     def truncate(self, request_id: Hashable, new_len: int) -> None:
-        """Keep the first ``new_len`` tokens of the request, drop the rest (rejected
-        speculative drafts); see ``docs/runtime.md`` (rollback).
-
-        ``seq_len`` goes back to ``new_len``; the device blocks of its pages past the end go
-        back to the pool in every group (their table entries become 0 in the next plan);
-        hot slots holding host rows of the dropped tokens are emptied (the plan's
-        ``invalidate`` section); ids and page hashes of dropped generated tokens are
-        forgotten, so they are never published. The host blocks stay: they are the
-        request's reservation (``prompt_len + max_new_tokens``), so a plan already emitted
-        whose mirror copies the dropped tokens writes only the request's own rows past its
-        end, which nothing reads and a later plan overwrites. ``ValueError`` for ``new_len``
-        past ``seq_len`` or below the durable prefix (``committed_len``: tokens committed
-        by ``step()`` / ``commit_mirrors()`` are never rolled back); nothing changes on
-        error."""
+        """Keep the request's first ``new_len`` tokens, drop the rest (rejected drafts;
+        ``docs/runtime.md``, rollback): ``seq_len`` back, the device blocks of pages past the
+        end freed in every group, hot slots holding the dropped host rows emptied (the next
+        plan's ``invalidate``), dropped token ids and page hashes forgotten (never
+        published). The host blocks stay reserved, so a mirror already planned for the
+        dropped tokens writes only the request's own rows past its end (read by nothing,
+        overwritten later). ``ValueError`` past ``seq_len`` or below the durable prefix
+        (``committed_len``); nothing changes on error."""
         req = self._request(request_id, "truncate")
         new_len = req.check_truncate(new_len)
         if new_len == req.seq_len:
             return
         with self.journal.transaction():
-            if req.hot is not None:
-                for lo, hi in req.host_row_ranges(new_len, req.seq_len, self.block_size):
-                    self.plan_builder.invalidate(req.row, lo, hi)
+            if req.hot is not None:   # hot slots may hold the dropped host rows
+                self.plan_builder.invalidate(req.row, req.host_row_ranges(
+                    new_len, req.seq_len, self.block_size))
             self.devices.truncate(req, new_len)
             self._requests.truncate(req, new_len, self.block_size)
             self.plan_builder.write_seq_len(req.row, new_len)
-
-    # ------------------------------------------------------------------ capacity
-    def _run_reclaim(self, reclaim: Optional[Reclaim]) -> None:
-        """Offload the requests a counted call chose (their pages stay readable in the free
-        queue; only blocks actually reused are lost)."""
-        for req in reclaim.requests if reclaim is not None else ():
-            self._release_resident(req, pressure=True)
 
     # ------------------------------------------------------------------ ending
     def free_request(self, request_id: Hashable) -> None:
@@ -437,11 +419,7 @@ class HiSparseScheduler:
         ``commit`` set: a worker applies it only after every earlier plan's mirror.
         """
         self._check_open()
-        values = self.counters.values
-        released_before = values["unpinned_pages"] + values["window_released_pages"]
-        self._make_durable()
-        return self._build(commit=True, released_pages=(
-            values["unpinned_pages"] + values["window_released_pages"] - released_before))
+        return self._build(commit=True, released_pages=self.durability.make_durable())
 
     def flush(self) -> StepPlan:
         """A plan of the table changes made since the last plan, with the mirror rows of the
@@ -472,46 +450,13 @@ class HiSparseScheduler:
         first. A loop calls it after the forward to hand released blocks to the next step's
         appends one step earlier."""
         self._check_open()
-        self._make_durable()
-
-    def _make_durable(self) -> None:
-        """Mark the mirrored tokens durable; publish and release what that allows."""
-        j = self.journal
-        pressure = self.policy.under_pressure(self.truly_free_device_blocks)
-        keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave the GPU at once
-        for req in list(self._requests.values()):
-            if req.scheduled_len > req.committed_len:
-                j.setattr(req, "committed_len", req.scheduled_len)
-                if self.prefix_caching and req.page_hashes:   # newly durable full pages
-                    self._prefix.publish_durable(req, partial(
-                        self.devices.page_blocks, req, resident=keep_gpu_copies),
-                        self._prefix_required, self.block_size)
-            self._release_resident(req, pressure)
-            self.devices.release_windows(req)
-
-    def _release_resident(self, req: Request, pressure: bool) -> None:
-        """Unpin the durable pages the policy lets go (offloading the request first)."""
-        span = self.policy.release_range(req, pressure) if self.devices.resident else None
-        if span is None:
-            return
-        with self.journal.transaction():
-            if span.offload:
-                self._offload(req)
-            self.devices.unpin(req, span.first, span.limit, drop=self.policy.always_offload)
-
-    def _offload(self, req: Request) -> None:
-        self.devices.offload(req)
-        self._track_peaks()
+        self.durability.make_durable()
 
     # ------------------------------------------------------------------ pool hooks
     def _on_device_reuse(self, block: int) -> None:
         """A device block that held readable pages went to a new owner."""
         self.devices.on_reuse(block)
         self._prefix.on_device_block_reused(block)
-
-    def _track_peaks(self) -> None:
-        self.counters.track_peaks(self.device_block_pool.num_used,
-                                  self.host_block_pool.num_used)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
@@ -546,16 +491,8 @@ class HiSparseScheduler:
 
     def _debug_snapshot(self) -> dict:
         """Every piece of mutable state as comparable values (tests: a failed call changes
-        nothing)."""
-        requests, free_rows = self._requests.snapshot()
-        state: dict = {("request", rid): snap for rid, snap in requests.items()}
-        for pool in (self.device_block_pool, self.host_block_pool):
-            state[("pool", pool.name)] = pool.snapshot()
-        state["managers"] = self.devices.snapshot()
-        state["pending"] = self.plan_builder.snapshot()
-        state["cache"] = self._prefix.snapshot()
-        state["misc"] = (free_rows, self.counters.snapshot())
-        return state
+        nothing; ``invariants.scheduler_snapshot``)."""
+        return scheduler_snapshot(self)
 
 
 __all__ = ["DEFAULT_FREE_BLOCK_WATERMARK", "HiSparseScheduler", "SchedulerStats"]
