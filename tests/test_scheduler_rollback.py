@@ -152,3 +152,28 @@ def test_random_rollbacks_keep_the_bookkeeping_consistent():
             s.free_request(rid)
         s.reset_prefix_cache()
         assert s.device_block_pool.num_free == initial
+
+
+def test_append_decode_hashes_generated_pages_on_both_paths():
+    """The decode batch takes one token id per request; full generated pages are published
+    once durable (the one-by-one path, taken for a reclaim or a repeated id, does too)."""
+    s = make_scheduler(device_blocks=200)
+    prompt = tokens(6)
+    for rid in ("a", "b"):
+        prefill(s, rid, 6, token_ids=prompt)
+    before = s._debug_snapshot()
+    with pytest.raises(ValueError, match=r"one id per request \(2\)"):
+        s.append_decode(["a", "b"], token_ids=[1])
+    assert s._debug_snapshot() == before
+    for step in range(6):
+        s.append_decode(["a", "b"], token_ids=[10 + step, 20 + step])
+        s.step()
+    s.append_decode(["a", "a"], token_ids=[16, 17])        # one id twice: one by one
+    s.step()
+    s.step()
+    s.free_request("a")
+    s.free_request("b")
+    assert s.add_request("x", 13, 0, token_ids=prompt + list(range(10, 17))) == 12
+    assert s.add_request("y", 13, 0, token_ids=prompt + list(range(20, 27))) == 12
+    assert s.add_request("z", 13, 0, token_ids=prompt + [20, 21, 99, 23, 24, 25, 26]) == 8
+    s.check_invariants()
