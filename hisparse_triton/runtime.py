@@ -382,7 +382,7 @@ class HiSparseRuntime:
            window) a request takes its hot region and unpins its committed pages outside the
            last ``ACTIVE_TAIL_PAGES``: their blocks go back to the pool but stay readable
            until reused (see ``HiSparseScheduler`` for the residency rules). Full prompt
-           pages are published for prefix reuse. Sliding-window groups release pages that
+           (and generated, with ``token_ids``) pages are published for prefix reuse. Sliding-window groups release pages that
            left every future query's window. Their table changes wait for the next plan.
         3. One copy per row size moves every new row of every source layer from its resident
            page to the host pool (write-through), for every plan of the step.
