@@ -7,6 +7,7 @@ rows and block ids do)::
 
     cached = scheduler.add_request(id, prompt_len, max_new_tokens, token_ids)  # admission
     rows = scheduler.append_slots(id, n)    # {layer: int64 [n]} device rows of n new tokens
+    scheduler.truncate(id, new_len)         # rejected drafts, before the next step()
     scheduler.free_request(id)              # a finished request
     plan = scheduler.step()                 # -> every worker: worker.apply(plan)
     ...  forward: the model writes KV at `rows`, worker.resolve_rows(...) per index group  ...
@@ -20,8 +21,10 @@ This class orders the work of its parts: ``requests`` (the request table), ``coo
 and ``managers`` (a manager per device group), ``capacity`` (what a call needs, counted
 first), ``residency`` (when pages leave the GPU: *dirty* -> *clean pinned* -> *clean
 unpinned*, readable in its free block until reused -> *lost*, read from the host),
-``block_pool``, ``prefix_cache`` (a request with ``token_ids`` reuses the longest cached
-prefix; models with sliding-window layers get no hits), ``plan_builder``, ``stats``.
+``durability`` (carries out the residency decisions), ``bookkeeping`` (the memory check
+before anything is built), ``block_pool``, ``prefix_cache`` (a request with ``token_ids``
+reuses the longest cached prefix; models with sliding-window layers get no hits),
+``plan_builder``, ``stats``; ``queries`` holds the read-only calls (a mixin).
 Chunked prefill: with ``max_num_batched_tokens`` set, a request may not have more tokens
 appended since its last plan than that (``UncommittedTokensError``: step first).
 
@@ -34,12 +37,12 @@ run in a ``journal.transaction()``. ``can_admit`` / ``can_append`` answer withou
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
 from hisparse_triton.config import EngineConfig
-from hisparse_triton.errors import HiSparseError, RuntimeClosedError, SchedulerStateError
+from hisparse_triton.errors import HiSparseError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.bookkeeping import check_plan
@@ -50,6 +53,7 @@ from hisparse_triton.scheduler.invariants import scheduler_problems, scheduler_s
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
+from hisparse_triton.scheduler.queries import SchedulerQueries
 from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
 from hisparse_triton.scheduler.residency import ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
@@ -62,16 +66,7 @@ DEFAULT_FREE_BLOCK_WATERMARK = 0.1
 _REFUSALS = (HiSparseError, ValueError)   # what can_admit / can_append turn into False
 
 
-def _per_request(read: Callable[[Request], object], doc: str) -> Callable:
-    """A scheduler query of one live request: ``read(request)``; ``UnknownRequestError``
-    for an unknown id."""
-    def query(self: "HiSparseScheduler", request_id: Hashable):
-        return read(self._request(request_id))
-    query.__doc__ = doc
-    return query
-
-
-class HiSparseScheduler:
+class HiSparseScheduler(SchedulerQueries):
     """The CPU-only scheduler half of HiSparse (see the module docstring).
 
     - ``kv_cache_config``: from ``get_hisparse_kv_cache_config``; ``config``: the
@@ -152,78 +147,6 @@ class HiSparseScheduler:
             policy=self.policy, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens)
         self._closed = False
-
-    # ------------------------------------------------------------------ queries
-    leaders = property(lambda self: list(self.groups.leaders),
-                       doc="Index-group leader layers (what ``resolve_rows`` takes).")
-    index_groups = property(lambda self: [ig.layers for ig in self.groups.index_groups],
-                            doc="Every index group's sparse layers, leader first.")
-    source_layers = property(lambda self: self.groups.source_layers)
-    device_layers = property(lambda self: self.groups.device_layers,
-                             doc="Model layer names ``append_slots`` returns rows for.")
-    has_pending_changes = property(lambda self: self.plan_builder.has_pending_changes,
-                                   doc="Whether table changes wait for the next plan.")
-    step_count = property(lambda self: self.plan_builder.step,
-                          doc="Plans emitted so far (the next plan's ``step`` is this + 1).")
-    request_ids = property(lambda self: list(self._requests))
-    row_layer_names = property(
-        lambda self: list(self.devices.row_names),
-        doc="The layers of each paged group, in ``append_group_rows`` order.")
-    closed = property(lambda self: self._closed)
-
-    def has_request(self, request_id: Hashable) -> bool:
-        self._check_open()
-        return request_id in self._requests
-
-    seq_len = _per_request(lambda r: r.seq_len,
-                           "Tokens present so far (cached prefix + appended).")
-    unpinned_pages = _per_request(
-        lambda r: r.released_pages, "How many of the request's leading resident pages left "
-        "its ownership (unpinned: readable until their blocks are reused; or lost: read from "
-        "the host).")
-    is_offloaded = _per_request(lambda r: r.hot is not None, "Whether the request holds a "
-                                "hot region (its committed pages may leave the GPU).")
-    state_row = _per_request(lambda r: r.row,
-                             "The request's row in the workers' per-request tables.")
-    host_block_table = _per_request(lambda r: list(r.host_blocks),
-                                    "The request's host blocks, one per reserved page.")
-
-    def state_rows(self, request_ids: Sequence[Optional[Hashable]]) -> np.ndarray:
-        """``[R] int32`` state rows (-1 for ``None`` = padding); ``DuplicateRequestError`` for
-        an id named twice, ``UnknownRequestError`` for an unknown one."""
-        self._check_open()
-        return self._requests.state_rows(request_ids)
-
-    def block_table(self, request_id: Hashable, layer_name: str) -> list[int]:
-        """The request's device blocks for a layer's group, one per page (0 = the page is
-        not on the GPU); for a hot layer its hot region."""
-        req = self._request(request_id)
-        position = self.groups.layer_group[self.groups.device_layer_name(layer_name)]
-        return self.devices.managers[position].table(req)
-
-    @property
-    def available_device_blocks(self) -> int:
-        """Device blocks an ``append_slots`` may take now: free blocks (cached ones
-        included: taking one loses its page) minus the hot regions reserved for requests
-        that have not offloaded yet."""
-        return self.capacity.available_device_blocks
-
-    truly_free_device_blocks = property(
-        lambda self: self.device_block_pool.num_truly_free,
-        doc="Free device blocks that hold no readable page (what the watermark watches).")
-
-    def stats(self) -> SchedulerStats:
-        """Occupancy and residency counters (plain CPU reads)."""
-        self._check_open()
-        return self.counters.stats(
-            self.devices.in_use(), self.device_block_pool, self.host_block_pool,
-            num_requests=len(self._requests), steps=self.plan_builder.step,
-            offloaded_requests=sum(r.hot is not None for r in self._requests.values()))
-
-    def reset_stats(self) -> None:
-        """Zero the cumulative counters; peaks restart from the current occupancy."""
-        self._check_open()
-        self.counters.reset(self.device_block_pool.num_used, self.host_block_pool.num_used)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
@@ -459,14 +382,6 @@ class HiSparseScheduler:
         self._prefix.on_device_block_reused(block)
 
     # ------------------------------------------------------------------ lifecycle
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeClosedError("the HiSparseScheduler is closed.")
-
-    def _request(self, request_id: Hashable, what: str = "") -> Request:
-        self._check_open()
-        return self._requests.get(request_id, what)
-
     def _answers(self, count, *args) -> bool:
         """Whether a counting call accepts (``False`` for anything the real call refuses)."""
         self._check_open()
