@@ -78,6 +78,7 @@ from hisparse_triton.ops.resolve.contract import (
     check_resolve_args as _check_resolve_args,
 )
 from hisparse_triton.kernels.gather import _device_guard
+from hisparse_triton.kernels.launch_config import resolve_launch_warps
 from hisparse_triton.ops.resolve.workspace import (
     ResolveWorkspace,
     restore_resolve_state,
@@ -477,7 +478,7 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
     bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
     key64 = (num_host_blocks * block_size + 1) * block_k > 2**31
     tile = max(sort, bh)
-    warps = num_warps or (16 if tile >= 2048 else 8 if tile >= 1024 else 4)
+    warps = resolve_launch_warps(tile, num_warps)  # per warp size; HIP's limits checked
     in_regs = (GATHER_SEARCH if gather_search is None else bool(gather_search)) \
         and sort == block_k
     constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,
