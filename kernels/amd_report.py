@@ -36,7 +36,7 @@ import time
 from typing import Any, Optional
 
 __all__ = ["AMD_ARCH_LIMITS", "AmdCompiler", "amd_occupancy", "asm_usage", "format_amd_report",
-           "is_amd_arch"]
+           "is_amd_arch", "workgroup_handoff"]
 
 #: Per-CU limits of the CDNA targets (CDNA2 / CDNA3 / CDNA4 ISA guides and LLVM's AMDGPU
 #: subtarget tables): a unified 512-entry VGPR file per SIMD lane (architectural + AGPRs)
@@ -218,3 +218,40 @@ def format_amd_report(payload: dict[str, Any], title: Optional[str] = None) -> s
                      f"{r['scratch_bytes']:>4} {r['lds_bytes']:>6} {r['instructions']:>6} "
                      f"{r['waves_per_simd']:>6} {r['workgroups_per_cu']:>5} {r['limited_by']:<6}")
     return "\n".join(lines)
+
+
+_HANDOFF_IR = r'''
+target triple = "amdgcn-amd-amdhsa"
+define amdgpu_kernel void @handoff(ptr addrspace(1) %scratch, i32 %v) {
+  store i32 %v, ptr addrspace(1) %scratch
+  fence syncscope("workgroup") release
+  call void @llvm.amdgcn.s.barrier()
+  fence syncscope("workgroup") acquire
+  %w = load i32, ptr addrspace(1) %scratch
+  %x = add i32 %w, 1
+  store i32 %x, ptr addrspace(1) %scratch
+  ret void
+}
+declare void @llvm.amdgcn.s.barrier()
+'''
+
+
+def workgroup_handoff(arch: str, tgsplit: bool = False) -> list[str]:
+    """The instructions LLVM's AMDGPU backend (the one Triton ships) emits for a hand-off
+    between waves of one workgroup through global memory, from the writer's store to the
+    reader's load: ``store; fence syncscope("workgroup") release; s_barrier; fence
+    syncscope("workgroup") acquire; load`` (what HIP's ``__syncthreads()`` is), compiled for
+    ``arch`` without or with threadgroup-split mode. Without it the sequence is the bare
+    ``s_barrier`` that ``tl.debug_barrier()`` gives; with it the backend adds a wait for the
+    store and an L1 invalidation (docs/kernels.md, "Memory model")."""
+    from triton._C.libtriton import amd, llvm
+
+    llvm.init_targets()
+    asm = llvm.translate_to_asm(_HANDOFF_IR, amd.TARGET_TRIPLE, arch,
+                                "+tgsplit" if tgsplit else "", [], False, False)
+    body = asm.split("handoff:", 1)[1].split("s_endpgm", 1)[0]
+    code = [line.strip().split(";")[0].strip() for line in body.splitlines()
+            if re.match(r"\t[a-z]", line) and not line.startswith("\t.")]
+    start = next(i for i, line in enumerate(code) if line.startswith("global_store"))
+    end = next(i for i, line in enumerate(code) if line.startswith("global_load"))
+    return code[start:end + 1]

@@ -136,13 +136,16 @@ def check_launch(kernel: str, num_warps: int, device: Any = None,
 
 
 def resolve_num_warps(tile: int, warp_size: Optional[int]) -> int:
-    """Resolve's default ``num_warps`` for a tile of ``tile`` keys / positions: on warp size
-    32 (and in the interpreter, ``None``) 16 warps for tiles of 2,048 and more, 8 for 1,024,
-    else 4; on wave64 the same lanes per workgroup at most (half the waves, floor 4), chosen
-    with the gfx942 compile report (docs/kernels.md, "AMD GPUs")."""
+    """Resolve's default ``num_warps`` for a tile of ``tile`` keys / LRU positions: 16 warps
+    for tiles of 2,048 and more, 8 for 1,024, else 4, capped at ``MAX_WORKGROUP_LANES //
+    warp_size`` (``None``: the interpreter, no cap). On wave64 that is 16 waves = 1,024 lanes
+    for the production tiles, chosen with the gfx942 compile report at top-k 2,048: 87 VGPRs,
+    51 SGPR spills (into VGPR lanes), 5,554 instructions at 16 waves; 136 / 93 / 8,930 at 8;
+    229 / 167 / 15,942 at 4; one workgroup per CU at 16 and 8 waves (docs/kernels.md, "AMD
+    GPUs"). Fewer lanes per row only make each lane walk more of the tile."""
     warps = 16 if tile >= 2048 else 8 if tile >= 1024 else 4
-    if warp_size and warp_size > 32:
-        warps = max(4, warps * 32 // warp_size)
+    if warp_size:
+        warps = min(warps, max(1, MAX_WORKGROUP_LANES // warp_size))
     return warps
 
 
