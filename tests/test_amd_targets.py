@@ -265,3 +265,41 @@ def test_the_barrier_handoff_is_what_llvm_gives_for_workgroup_release_acquire():
             ["global_store_dword", "s_barrier", "global_load_dword"], plain
         split = workgroup_handoff(arch, tgsplit=True)
         assert "s_waitcnt vmcnt(0)" in split and "buffer_inv sc0" in split, split
+
+
+# --------------------------------------------------------------------- gpu_check on ROCm
+
+
+def test_the_environment_of_a_rocm_build_names_the_cus_and_hip(monkeypatch):
+    """``bench/gpu_check.py`` records the device through ``benchmarks.environment``: on a
+    ROCm build of torch (``torch.version.hip``; ``torch.cuda`` is HIP there) it names the
+    gfx target, the CU count and the HIP version, and its summary says HIP."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    envmod = importlib.import_module("hisparse_triton.benchmarks.environment")
+
+    props = SimpleNamespace(name="AMD Instinct MI300X", gcnArchName="gfx942:sramecc+:xnack-",
+                            multi_processor_count=304, warp_size=64, total_memory=192 << 30,
+                            L2_cache_size=4 << 20, major=9, minor=4)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    monkeypatch.setattr(envmod, "rocm_smi", lambda: {"Card series": "AMD Instinct MI300X"})
+    monkeypatch.setattr(envmod, "nvidia_smi", lambda: pytest.fail("nvidia-smi on ROCm"))
+    env = envmod.environment()
+    assert env["vendor"] == "amd" and env["gpu"] == "AMD Instinct MI300X"
+    assert env["cu_count"] == env["sm_count"] == 304 and env["gcn_arch"].startswith("gfx942")
+    assert env["hip_runtime"] == "6.4.43482" and env["gpu_count"] == 8
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_rocm", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check_rocm", gpu_check)  # (dataclasses need it)
+    spec.loader.exec_module(gpu_check)
+    line = gpu_check.summary_lines({"environment": env, "steps": {}, "wall_s": 1,
+                                    "budget_s": 2})[0]
+    assert "HIP 6.4.43482 (gfx942:sramecc+:xnack-, 304 CUs)" in line and "CUDA" not in line
