@@ -21,8 +21,8 @@ each to ``AmdCompiler``; this module only knows the AMD side. Per launch:
   (LLVM's own waves-per-SIMD estimate for the kernel's workgroup size);
 - ``instructions`` (machine instructions in the kernel's code: a size, not a time);
 - ``barriers`` (``s_barrier``), ``loads_nt`` / ``loads_plain`` and ``stores_nt`` /
-  ``stores_plain`` (global / buffer accesses with and without the non-temporal bit: where a
-  ``.cg`` / ``.cs`` hint went), ``cas_loops`` (compare-and-swap atomics: an atomic the
+  ``stores_plain`` (global / buffer accesses with and without the non-temporal bit, ``nt`` on
+  gfx942 / gfx950 and ``slc`` on gfx90a: where a ``.cg`` / ``.cs`` hint went), ``cas_loops`` (compare-and-swap atomics: an atomic the
   target lacks, emulated in a loop), ``buffer_ops`` (buffer instructions, used for tensors
   under 2 GiB);
 - ``tg_split``: the kernel descriptor's threadgroup-split bit (``.amdhsa_tg_split``); the
@@ -104,7 +104,9 @@ def asm_usage(asm: str) -> dict[str, Any]:
     code = asm.split(".Lfunc_end", 1)[0]
     tg = re.search(r"\.amdhsa_tg_split\s+(\d+)", asm)
     occ = re.search(r"^; Occupancy: (\d+)", asm, re.M)
-    mem = re.findall(r"^\t((?:global|buffer)_(load|store)\w*)[^\n]*?(\bnt\b)?$", code, re.M)
+    # non-temporal: the ``nt`` bit on gfx942 / gfx950, ``slc`` on gfx90a
+    mem = [(m.group(1), m.group(2), bool(re.search(r"\b(?:nt|slc)\b", m.group(3))))
+           for m in re.finditer(r"^\t((?:global|buffer)_(load|store)\w*)([^\n]*)$", code, re.M)]
     out = {
         "vgprs": field("vgpr_count"), "agprs": field("agpr_count"), "sgprs": field("sgpr_count"),
         "vgpr_spills": field("vgpr_spill_count"), "sgpr_spills": field("sgpr_spill_count"),
