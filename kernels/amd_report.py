@@ -21,10 +21,10 @@ each to ``AmdCompiler``; this module only knows the AMD side. Per launch:
   (LLVM's own waves-per-SIMD estimate for the kernel's workgroup size);
 - ``instructions`` (machine instructions in the kernel's code: a size, not a time);
 - ``barriers`` (``s_barrier``), ``loads_nt`` / ``loads_plain`` and ``stores_nt`` /
-  ``stores_plain`` (global / buffer accesses with and without the non-temporal bit, ``nt`` on
-  gfx942 / gfx950 and ``slc`` on gfx90a: where a ``.cg`` / ``.cs`` hint went), ``cas_loops`` (compare-and-swap atomics: an atomic the
-  target lacks, emulated in a loop), ``buffer_ops`` (buffer instructions, used for tensors
-  under 2 GiB);
+  ``stores_plain`` (global / buffer accesses with and without the non-temporal bit, ``nt``
+  on gfx942 / gfx950 and ``slc`` on gfx90a: where a ``.cg`` / ``.cs`` hint went),
+  ``cas_loops`` (compare-and-swap atomics: an atomic the target lacks, emulated in a loop),
+  ``buffer_ops`` (buffer instructions, used for tensors under 2 GiB);
 - ``tg_split``: the kernel descriptor's threadgroup-split bit (``.amdhsa_tg_split``); the
   report refuses a target in that mode (``launch_config.check_memory_model``).
 """

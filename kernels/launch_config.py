@@ -31,7 +31,7 @@ __all__ = ["MAX_WORKGROUP_LANES", "ThreadgroupSplitError", "check_launch", "chec
 MAX_WORKGROUP_LANES = 1024
 
 
-class ThreadgroupSplitError(RuntimeError):
+class ThreadgroupSplitError(ValueError):
     """The AMD target runs in threadgroup-split mode, which the kernels do not support."""
 
 

@@ -303,3 +303,11 @@ def test_the_environment_of_a_rocm_build_names_the_cus_and_hip(monkeypatch):
     line = gpu_check.summary_lines({"environment": env, "steps": {}, "wall_s": 1,
                                     "budget_s": 2})[0]
     assert "HIP 6.4.43482 (gfx942:sramecc+:xnack-, 304 CUs)" in line and "CUDA" not in line
+
+
+def test_the_cli_refuses_a_threadgroup_split_target_in_one_line(capfd):
+    from hisparse_triton.cli import main
+
+    assert main(["compile-report", "--arch", "gfx942:tgsplit+"]) == 1
+    err = capfd.readouterr().err
+    assert "threadgroup-split" in err and "Traceback" not in err

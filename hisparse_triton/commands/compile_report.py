@@ -1,7 +1,8 @@
 """``hisparse-triton compile-report``: compile every kernel launch the runtime can make for
 an NVIDIA (``sm_90``) or AMD (``gfx942``) architecture, on any machine (no GPU), and print
-registers, spills, shared memory / LDS, instruction count and occupancy per launch (``hisparse_triton.kernels.compile_report`` explains
-every column). Also ``python -m hisparse_triton.kernels.compile_report``."""
+registers, spills, shared memory / LDS, instruction count and occupancy per launch
+(``hisparse_triton.kernels.compile_report`` explains every column). Also
+``python -m hisparse_triton.kernels.compile_report``."""
 
 from __future__ import annotations
 
