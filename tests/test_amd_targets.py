@@ -96,7 +96,10 @@ def test_gfx942_report_of_the_copy_kernels_carries_the_cache_hints():
         assert r["error"] is None and not r["spills"] and r["num_warps"] == 4, r
     assert gather_info["loads_nt"] > 0 and gather_info["stores_nt"] == 0  # .cg loads -> nt
     assert backup_info["stores_nt"] > 0  # .cs stores into the host pool -> nt
-    assert gather_info["grid"][0] == 32 * 132  # no device: 132 SMs / CUs assumed
+    from hisparse_triton.kernels import gather
+
+    # no device to query: the default SM / CU count, GRID_PROGRAMS_PER_SM per CU
+    assert gather_info["grid"][0] == gather.GRID_PROGRAMS_PER_SM * gather.DEFAULT_SM_COUNT
 
 
 def test_asm_usage_reads_the_amdhsa_metadata():
