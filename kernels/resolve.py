@@ -16,11 +16,14 @@ contract, bit-identical to the reference and to each other:
 The dispatch is by shape only (``_launch``: the hash kernel wherever it applies, the sorted
 one elsewhere); ``_resolve(..., variant="sorted" | "hash")`` forces one (the sorted kernel's
 knobs ``sort_width`` / ``block_h`` / ``gather_search`` imply it). ``resolve_variants`` lists
-every variant a shape can launch (``ops.resolve.variants.time_resolve_variants`` times them). The launcher validates
-shapes, dtypes and devices only; it never reads tensor values, so it is CUDA-graph capturable
+every variant a shape can launch (``ops.resolve.variants.time_resolve_variants`` times them).
+The launcher validates shapes, dtypes and devices only; it never reads tensor values, so it is CUDA-graph capturable
 (with a workspace, a repeated call allocates nothing). ``BoundResolve`` (the runtime's decode
 path) launches through the compiled kernel's launcher after its first call
 (``kernels/direct_launch.py``).
+The warps come from ``kernels/launch_config.resolve_launch_warps`` (per warp size; HIP's
+limits checked). On AMD GPUs ``tl.debug_barrier()`` is a bare ``s_barrier``: the memory-model
+argument for the hand-offs is in ``kernels/resolve_sorted.py`` and docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from hisparse_triton.ops.resolve.contract import (
     ResolveResult,
     check_resolve_args as _check_resolve_args,
 )
+from hisparse_triton.kernels.launch_config import resolve_launch_warps
 from hisparse_triton.ops.resolve.workspace import (
     HASH_MAX_SLOTS,
     HASH_MAX_WIDTH,
@@ -135,9 +139,9 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
     key64 = (num_host_blocks * block_size + 1) * block_k > 2**31
     tile = max(sort, bh)
     if use_hash:  # 8 warps: 255 registers with its sorted fallback, no spills (16 spill)
-        warps = num_warps or (HASH_WARPS if tile >= 1024 else 4)
+        warps = resolve_launch_warps(tile, num_warps or (HASH_WARPS if tile >= 1024 else 4))
     else:
-        warps = num_warps or (16 if tile >= 2048 else 8 if tile >= 1024 else 4)
+        warps = resolve_launch_warps(tile, num_warps)  # per warp size; HIP's limits checked
     in_regs = (GATHER_SEARCH if gather_search is None else bool(gather_search)) \
         and sort == block_k
     constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,

@@ -56,6 +56,12 @@ written by atomics (slot owners, run winners) are read with ``.cg`` loads (from 
 atomics resolve). Triton emits loads as side-effecting inline PTX, so nothing is hoisted
 across a barrier. The two ``atomic_min`` see one writer per address in a valid state; they only
 make corrupted states (a slot named twice, two slots holding one row) deterministic.
+On AMD GPUs (gfx90a / gfx942 / gfx950) ``tl.debug_barrier()`` is a bare ``s_barrier``: the
+hand-offs are then ordered by the workgroup memory model in non-threadgroup-split mode (the
+waves share one CU's vector L1; LLVM lowers HIP's ``__syncthreads()`` to the same code), and a
+threadgroup-split target is refused (``kernels/launch_config.py``). docs/kernels.md, "Memory
+model", states the argument per hand-off for both vendors; no hint carries exactness (the hash
+kernel, ``kernels/resolve_hash.py``, hands off the same way).
 
 Safety: every access is masked to in-range indices computed in int64 (state rows outside
 ``[0, S)`` -> padding; pages ``< P``; slots ``< H``; new LRU positions are a bijection onto
