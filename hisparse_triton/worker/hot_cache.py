@@ -11,7 +11,8 @@ and two launches. When the gather raises, the resolve is undone (hot state and c
 
 Every call the worker makes into ``hisparse_triton.ops`` or ``hisparse_triton.kernels`` is in
 this module: ``kernel_backend``, ``new_workspace``, ``validate_tables``, ``copy_rows``,
-``launch_config_source`` and ``HotCache``.
+``MirrorCopy`` (the mirror's copies, direct launches on Triton), ``launch_config_source``
+and ``HotCache``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hisparse_triton.worker.tables import PlanTables
 if TYPE_CHECKING:  # pragma: no cover
     from hisparse_triton.ops import ResolveWorkspace
 
-__all__ = ["HotCache", "HotState", "check_topk", "copy_rows", "kernel_backend",
+__all__ = ["HotCache", "HotState", "MirrorCopy", "check_topk", "copy_rows", "kernel_backend",
            "launch_config_source", "load_ops", "new_workspace", "validate_tables"]
 
 
@@ -70,6 +71,37 @@ def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: to
               counts: Optional[torch.Tensor] = None, *, backend: Optional[str]) -> None:
     """``hisparse_triton.ops.copy_rows`` (the mirror's device -> host copy)."""
     load_ops().copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
+
+
+class MirrorCopy:
+    """``copy_rows(dst, src, src_rows, dst_rows, counts=None, *, backend)`` for plans that
+    are new tensors every call (the mirror's rows: views of a step's packed plan). On the
+    Triton backend, outside tracing, each table pair gets a ``BoundCopy`` and its
+    ``shaped`` call: checks and launch arguments once per plan layout, then direct launches
+    (no ``JITFunction.run`` per step); otherwise ``ops.copy_rows``. ``kernel``: the
+    worker's resolved backend (``"triton"`` or ``"torch"``)."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self._bound: dict[tuple[int, int], tuple] = {}
+
+    def __call__(self, dst: RowTable, src: RowTable, src_rows: torch.Tensor,
+                 dst_rows: torch.Tensor, counts: Optional[torch.Tensor] = None, *,
+                 backend: Optional[str]) -> None:
+        ops = load_ops()
+        if self.kernel != "triton" or not ops.is_eager((src_rows, dst_rows, counts)):
+            copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
+            return
+        key = (id(dst), id(src))
+        entry = self._bound.get(key)
+        if entry is None or entry[0] is not dst or entry[1] is not src:
+            from hisparse_triton.kernels.gather import BoundCopy
+
+            # the direction names the launch config, as ops.copy_rows does
+            kernel = "backup" if dst.pool.is_cpu and not src.pool.is_cpu else "gather"
+            entry = self._bound[key] = (dst, src, BoundCopy(dst, src, pages=False,
+                                                            kernel=kernel))
+        entry[2].shaped(src_rows, dst_rows, counts)
 
 
 def launch_config_source(kernel: str, device: torch.device) -> str:

@@ -243,7 +243,8 @@ class HiSparseWorker:
                                   self._device_pool, dev)
         self._hot = HotState(len(groups.index_groups), self.max_num_seqs,
                              self.device_buffer_size, dev)
-        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
+        self._mirror = HostMirror.build(groups, self._layers,
+                                        hot_cache.MirrorCopy(self._kernel_backend),
                                         backend=self.backend, draft_layers=self.draft_layers)
         self._tables = tables = PlanTables(self.plan_limits, dev, self._hot,
                                            mirror_parts=self._mirror.parts)
