@@ -155,3 +155,18 @@ def test_direct_launch_rejects_bad_arguments():
         DirectLaunch(gather.copy_rows_kernel, (), (), {})
     with pytest.raises(ValueError, match="dynamic argument 0"):
         DirectLaunch(gather.copy_rows_kernel, (1,), (3,), {}, dynamic=(0,))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
+def test_launch_path_host_cost_runs_the_real_launch_path():
+    """``bench --host``'s launch-path figures: a small step through Triton's real launch path
+    (stand-in driver, fresh process), with direct launches off and on; same launches."""
+    from hisparse_triton.benchmarks.step_cost import launch_path_host_cost
+
+    small = dict(top_k=64, device_buffer_size=128, prompt_len=64, layers=2)
+    before = launch_path_host_cost(4, 2, direct=False, **small)
+    after = launch_path_host_cost(4, 2, direct=True, **small)
+    assert "off" in before["launch_path"] and "on" in after["launch_path"]
+    assert before["step_launches"] == after["step_launches"] == 2 * 2 + 1
+    assert after["resolve_rows_launches"] == 2
+    assert after["step_ms"] > 0 and before["step_ms"] > 0

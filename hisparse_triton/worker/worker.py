@@ -40,7 +40,7 @@ from hisparse_triton.memory import MemoryRequest, check_memory
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
-from hisparse_triton.worker.hot_cache import HotCache, HotState, check_state_rows
+from hisparse_triton.worker.hot_cache import HotCache, HotState, StreamRows, check_state_rows
 from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
 from hisparse_triton.worker.mirror import HostMirror, count_bytes
@@ -78,6 +78,9 @@ class HiSparseWorker:
     - ``draft_layers``: sparse layers a speculative drafter writes after the main forward
       (e.g. the MTP block's attention): their rows are mirrored by ``mirror(draft=True)``,
       once the drafter ran, instead of by ``mirror()`` (see ``mirror``).
+    - ``gather_programs_per_sm``: the decode gathers' grid budget, programs per SM (default
+      ``hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM`` = 4; 0 = the copy kernel's own grid, 32
+      per SM): a gather leaves the rest of every SM to the compute kernels beside it.
     - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
       the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
@@ -104,7 +107,9 @@ class HiSparseWorker:
                  device_pool_tensor: Optional[torch.Tensor] = None,
                  host_pool_tensor: Optional[torch.Tensor] = None,
                  register_host_pool: bool = True,
-                 draft_layers: Sequence[str] = ()) -> None:
+                 draft_layers: Sequence[str] = (),
+                 gather_programs_per_sm: int = hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM
+                 ) -> None:
         max_num_seqs, tp_rank = check_options(
             kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
             host_ram_fraction, host_pool_secret, host_pool_group)
@@ -114,6 +119,7 @@ class HiSparseWorker:
                              "ranks of a node share a file the worker maps); plan with "
                              "shared_host_pool=False to hand in a host tensor.")
         self.device = parse_device(device)
+        self.gather_programs_per_sm = hot_cache.check_programs_per_sm(gather_programs_per_sm)
         # Everything this worker will allocate, checked together before anything is built.
         check_memory(self.memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
@@ -251,7 +257,8 @@ class HiSparseWorker:
         workspace = hot_cache.new_workspace(dev)
         self._index_groups: dict[str, HotCache] = {
             ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
-                                          self._kernel_backend)
+                                          self._kernel_backend,
+                                          gather_programs_per_sm=self.gather_programs_per_sm)
             for ig in groups.index_groups}
         hot_cache.validate_tables([*(t for c in self._index_groups.values() for t in c.tables),
                                    *self._mirror.tables], dev)
@@ -353,7 +360,8 @@ class HiSparseWorker:
                              max_decode_query_len=self.config.hisparse.max_decode_query_len)
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
-                     topk: torch.Tensor) -> torch.Tensor:
+                     topk: torch.Tensor, *,
+                     stream: Optional[object] = None) -> "torch.Tensor | StreamRows":
         """Resolve one index group's top-k positions into device rows; gather the misses.
 
         ``state_rows``: ``[R] int32`` (the scheduler's ``state_rows(ids)``), -1 = padding;
@@ -370,11 +378,20 @@ class HiSparseWorker:
         gathered host -> device into the hot rows of all of the index group's layers in one
         launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
         friendly). Only shapes are checked.
+
+        ``stream`` (side-stream mode): the resolve and the gathers run on ``stream`` (a
+        ``torch.cuda.Stream`` of this device; ``torch.cpu.Stream`` on a CPU worker) after the
+        work the current stream enqueued so far; the leader's rows are gathered first, then
+        the followers'. Returns ``StreamRows(rows, events)``: ``events[layer]`` is the event
+        the layer's attention waits on (``rows.wait(layer)``), so the followers' gather
+        overlaps the leader's attention and the current stream's other work. Persistent
+        events, no host sync: CUDA-graph capturable. On CPU the events are no-ops
+        (``HostEvent``) and the result is the same as without a stream.
         """
         self._check_open()
         cache = self._index_group(leader_layer)
         self.check_topk(topk)
-        return cache.resolve(state_rows, topk)
+        return cache.resolve(state_rows, topk, stream=stream)
 
     def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
         """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,
