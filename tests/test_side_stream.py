@@ -163,3 +163,10 @@ def test_bound_copy_with_a_tiny_budget_copies_exactly(monkeypatch, budget, sms):
                              programs_per_sm=budget)
     bound(s, d, c)
     assert torch.equal(dst.pool, expected)
+
+
+def test_split_gather_needs_a_process_group():
+    with pytest.raises(ValueError, match="process group"):
+        make_pair(backend="torch", split_gather=True)
+    with pytest.raises(ValueError, match="split_gather must be a bool"):
+        make_pair(backend="torch", split_gather="yes")

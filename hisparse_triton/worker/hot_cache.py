@@ -30,10 +30,12 @@ from hisparse_triton.worker.tables import PlanTables
 
 if TYPE_CHECKING:  # pragma: no cover
     from hisparse_triton.ops import ResolveWorkspace
+    from hisparse_triton.worker.split_gather import SplitGather
 
 __all__ = ["DEFAULT_GATHER_PROGRAMS_PER_SM", "HostEvent", "HotCache", "HotState", "MirrorCopy",
            "StreamRows", "check_programs_per_sm", "check_topk", "copy_rows", "kernel_backend",
-           "launch_config_source", "load_ops", "new_workspace", "validate_tables"]
+           "launch_config_source", "load_ops", "new_workspace", "split_copy",
+           "validate_tables"]
 
 
 #: Default grid budget of the decode path's gathers, programs per SM (``BoundCopy``'s
@@ -88,6 +90,18 @@ def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: to
               counts: Optional[torch.Tensor] = None, *, backend: Optional[str]) -> None:
     """``hisparse_triton.ops.copy_rows`` (the mirror's device -> host copy)."""
     load_ops().copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
+
+
+def split_copy(backend: str, device: torch.device):
+    """The copy a ``SplitGather`` runs: ``copy_rows(dst, src, src_rows, dst_rows, counts)``
+    on the worker's backend (``kernel_backend(backend, device)``)."""
+    kernel = kernel_backend(backend, device)
+
+    def copy(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+             counts: Optional[torch.Tensor] = None) -> None:
+        copy_rows(dst, src, src_rows, dst_rows, counts, backend=kernel)
+
+    return copy
 
 
 class HostEvent:
@@ -274,8 +288,11 @@ class HotCache:
                  block_size: int, num_device_blocks: int, num_host_blocks: int,
                  gather_programs_per_sm: int = 0,
                  split_tables: Optional[tuple[tuple[RowTable, RowTable],
-                                              tuple[RowTable, RowTable]]] = None) -> None:
+                                              tuple[RowTable, RowTable]]] = None,
+                 split_gather: Optional["SplitGather"] = None) -> None:
         self.group = group
+        #: the tensor-parallel ranks' split of every gather (``worker.split_gather``)
+        self.split_gather = split_gather
         self.gather_programs_per_sm = gather_programs_per_sm
         #: ``((leader device, host), (followers device, host))`` tables: the side-stream
         #: mode gathers the leader's rows first, then the followers' (None: no followers).
@@ -316,7 +333,8 @@ class HotCache:
     @classmethod
     def for_group(cls, group: IndexGroup, tables: PlanTables, layers: PoolLayers,
                   state: HotState, workspace: "ResolveWorkspace", kernel: str, *,
-                  gather_programs_per_sm: int = 0) -> "HotCache":
+                  gather_programs_per_sm: int = 0,
+                  split_gather: Optional["SplitGather"] = None) -> "HotCache":
         """The hot cache of ``group`` over a worker's tables, pools and hot state."""
         device_table, host_table, row_bytes = layers.row_tables(group.layers)
         split = None
@@ -330,7 +348,8 @@ class HotCache:
                    workspace=workspace, kernel=kernel, block_size=layers.block_size,
                    num_device_blocks=layers.num_device_blocks,
                    num_host_blocks=layers.num_host_blocks,
-                   gather_programs_per_sm=gather_programs_per_sm, split_tables=split)
+                   gather_programs_per_sm=gather_programs_per_sm, split_tables=split,
+                   split_gather=split_gather)
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -427,7 +446,13 @@ class HotCache:
                     self.hot_table, self.slot_host_rows, self.lru, **self.sizes,
                     counters=self.counters, out=out, workspace=self.workspace,
                     backend=self.kernel)
-            if split:
+            if self.split_gather is not None:   # the TP ranks split it; a collective
+                self.split_gather.gather(self.device_table, self.host_table, result.miss_src,
+                                         result.miss_dst, result.miss_count)
+                if split:
+                    for event in events[1:]:
+                        event.record()
+            elif split:
                 self._gather_split(result, events)
             elif self.bound_gather is not None and ops.is_eager((result.miss_src,)):
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)

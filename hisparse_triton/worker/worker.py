@@ -81,6 +81,12 @@ class HiSparseWorker:
     - ``gather_programs_per_sm``: the decode gathers' grid budget, programs per SM (default
       ``hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM`` = 4; 0 = the copy kernel's own grid, 32
       per SM): a gather leaves the rest of every SM to the compute kernels beside it.
+    - ``split_gather`` (opt-in), ``split_gather_group``: the tensor-parallel ranks of
+      ``split_gather_group`` (a ``torch.distributed`` group; None = the default group) split
+      every gather: each pulls 1/N of the missed rows from the host pool and the ranks
+      exchange them (``all_gather``), so every rank's hot buffers are identical
+      (``worker.split_gather``). Every rank must resolve the same index groups in the same
+      order (a collective per resolve); the host pool must hold the same rows on every rank.
     - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
       the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
@@ -108,8 +114,8 @@ class HiSparseWorker:
                  host_pool_tensor: Optional[torch.Tensor] = None,
                  register_host_pool: bool = True,
                  draft_layers: Sequence[str] = (),
-                 gather_programs_per_sm: int = hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM
-                 ) -> None:
+                 gather_programs_per_sm: int = hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM,
+                 split_gather: bool = False, split_gather_group: object = None) -> None:
         max_num_seqs, tp_rank = check_options(
             kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
             host_ram_fraction, host_pool_secret, host_pool_group)
@@ -120,6 +126,16 @@ class HiSparseWorker:
                              "shared_host_pool=False to hand in a host tensor.")
         self.device = parse_device(device)
         self.gather_programs_per_sm = hot_cache.check_programs_per_sm(gather_programs_per_sm)
+        if not isinstance(split_gather, bool):
+            raise ValueError(f"split_gather must be a bool, got {split_gather!r}.")
+        self._split_gather_group = split_gather_group
+        #: The TP ranks' split of every gather (``worker.split_gather``), or None.
+        self.split_gather = None
+        if split_gather:
+            from hisparse_triton.worker.split_gather import SplitGather
+
+            self.split_gather = SplitGather(split_gather_group, self.device,
+                                            hot_cache.split_copy(backend, self.device))
         # Everything this worker will allocate, checked together before anything is built.
         check_memory(self.memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
@@ -258,7 +274,8 @@ class HiSparseWorker:
         self._index_groups: dict[str, HotCache] = {
             ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
                                           self._kernel_backend,
-                                          gather_programs_per_sm=self.gather_programs_per_sm)
+                                          gather_programs_per_sm=self.gather_programs_per_sm,
+                                          split_gather=self.split_gather)
             for ig in groups.index_groups}
         hot_cache.validate_tables([*(t for c in self._index_groups.values() for t in c.tables),
                                    *self._mirror.tables], dev)
