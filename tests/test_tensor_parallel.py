@@ -116,7 +116,8 @@ def _check_rows(worker: HiSparseWorker, leader: str, script: dict, rows: torch.T
 
 
 def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir: str,
-               split: bool = False, backend: str = "torch", steps: int = STEPS) -> None:
+               split: bool = False, backend: str = "torch", steps: int = STEPS,
+               fraction: float = 0.25) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
@@ -128,12 +129,13 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         if rank == 0:  # rank 0 creates the pool first; the others get its secret
             worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
                                     backend=backend, tp_rank=0, host_pool_name=pool_name,
-                                    split_gather=split)
+                                    split_gather=split, split_gather_fraction=fraction)
         secret = broadcast_host_pool_secret(worker.host_pool_secret if rank == 0 else None)
         if rank != 0:
             worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
                                     backend=backend, tp_rank=rank, host_pool_name=pool_name,
-                                    host_pool_secret=secret, split_gather=split)
+                                    host_pool_secret=secret, split_gather=split,
+                                    split_gather_fraction=fraction)
         assert (worker.split_gather is not None) == split
         layer_index = {layer: i for i, layer in enumerate(worker.groups.device_layers)}
         rng = random.Random(1234)
@@ -175,11 +177,11 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
 
 
 def _run_two_ranks(tmp_path, split: bool = False, backend: str = "torch",
-                   steps: int = STEPS) -> list[list[int]]:
+                   steps: int = STEPS, fraction: float = 0.25) -> list[list[int]]:
     name = f"test-tp-{uuid.uuid4().hex}"
     try:
         mp.start_processes(_rank_main, args=(2, str(tmp_path / "pg"), name, str(tmp_path),
-                                             split, backend, steps),
+                                             split, backend, steps, fraction),
                            nprocs=2, join=True, start_method="spawn")
     except Exception:
         errors = [p.read_text() for p in tmp_path.glob("rank*.error")]
@@ -199,8 +201,11 @@ def test_two_ranks_one_scheduler_one_shared_host_pool(tmp_path):
     assert steps0 == steps1 == STEPS
 
 
-@pytest.mark.parametrize("backend,steps", [("torch", STEPS), ("triton", 30)])
-def test_two_ranks_split_the_gather_and_stay_exact(tmp_path, backend, steps):
+@pytest.mark.parametrize("backend,steps,fraction", [
+    ("torch", STEPS, 0.25),   # 1 split column per row and rank: most misses pulled by both
+    ("torch", STEPS, 1.0),    # every miss column split and exchanged
+    ("triton", 30, 0.5)])
+def test_two_ranks_split_the_gather_and_stay_exact(tmp_path, backend, steps, fraction):
     """``split_gather=True``: each rank pulls half of every step's missed rows and the ranks
     all_gather them (gloo); every row either rank resolves is checked against the dense
     content function, so both ranks' hot buffers are complete and identical."""
@@ -208,7 +213,7 @@ def test_two_ranks_split_the_gather_and_stay_exact(tmp_path, backend, steps):
             and not torch.cuda.is_available():
         pytest.skip("the Triton backend on CPU needs TRITON_INTERPRET=1")
     (checked0, misses0, hits0, _, steps0), (checked1, misses1, hits1, _, steps1) = \
-        _run_two_ranks(tmp_path, split=True, backend=backend, steps=steps)
+        _run_two_ranks(tmp_path, split=True, backend=backend, steps=steps, fraction=fraction)
     assert checked0 == checked1 > (2000 if steps == STEPS else 100)
     assert misses0 == misses1 > (50 if steps == STEPS else 5) and hits0 == hits1
     assert steps0 == steps1 == steps

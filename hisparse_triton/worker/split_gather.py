@@ -10,9 +10,14 @@ every rank copies all ``N`` shares into its hot rows, so every rank ends with id
 buffers. Per index group and call: one gather launch (host -> staging), one
 ``all_gather``, one copy launch (staging -> hot rows), no host sync.
 
-Shapes are fixed per ``[R, K]`` miss plan: the staging buffer holds ``R * ceil(K / N)``
-rows per layer (a rank's worst case), so the exchange moves that many rows from every rank
-whatever the step's miss count (it does not read the count on the host). The host pool
+Shapes are fixed per ``[R, K]`` miss plan (the count is never read on the host), so the
+exchange moves a fixed number of rows: ``C = ceil(fraction x K / N)`` columns per row and
+rank (``fraction``: ``split_gather_fraction``, default 0.25). The first ``N x C`` miss
+columns of a row are split (rank ``q`` pulls ``j % N == q``) and exchanged; a row with more
+misses than that has its remaining columns (``j >= N x C``) pulled by every rank itself, as
+without splitting, so the result is exact for any miss count. With ``fraction = 1`` every
+miss column is split (the exchange then carries ``R x ceil(K / N)`` rows per rank). The
+host pool
 must hold the same rows on every rank (a shared host pool, or private pools every rank
 mirrors). ``all_gather`` is a collective: every rank of the group resolves the same index
 groups in the same order, as tensor-parallel ranks do.
@@ -20,6 +25,7 @@ groups in the same order, as tensor-parallel ranks do.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -39,6 +45,9 @@ class _Exchange(NamedTuple):
     pack_dst: torch.Tensor         # [R, T_rank] int32: r * T + t
     unpack_src: torch.Tensor       # [R, K] int32: (j % N) * P + r * T + j // N
     share_counts: torch.Tensor     # [R] int32 scratch: this rank's columns below counts[r]
+    split_counts: torch.Tensor     # [R] int32 scratch: min(counts[r], split)
+    rest_counts: torch.Tensor      # [R] int32 scratch: counts[r] - split, at least 0
+    split: int                     # columns j < split are split over the ranks
 
 
 class SplitGather:
@@ -49,9 +58,14 @@ class SplitGather:
     counts)`` (the worker's backend). ``rank`` / ``world_size``: this rank's place in
     ``group``."""
 
-    def __init__(self, group: Any, device: torch.device,
-                 copy: Callable[..., None]) -> None:
+    def __init__(self, group: Any, device: torch.device, copy: Callable[..., None], *,
+                 fraction: float = 0.25) -> None:
         import torch.distributed as dist
+
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"split_gather_fraction must be in (0, 1], got {fraction!r}.")
+        self.fraction = float(fraction)
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("split_gather needs an initialised torch.distributed process "
@@ -68,7 +82,7 @@ class SplitGather:
             return found
         N, q, dev = self.world_size, self.rank, self.device
         L, rb = table.num_layers, table.row_bytes
-        T = -(-cols // N)                     # a rank's columns per row, at most
+        T = self.columns(cols)                # a rank's split columns per row
         P = rows * T                          # staging rows per layer
         share = L * P * rb                    # bytes of one rank's staging buffer
         with torch.inference_mode(False), torch.no_grad():
@@ -80,15 +94,23 @@ class SplitGather:
             gathered_table = RowTable.build(gathered, offsets, row_bytes=rb, block_size=P,
                                             block_stride=share, num_rows=N * P, device=dev)
             r = torch.arange(rows, dtype=torch.int32, device=dev)[:, None]
-            t_rank = len(range(q, cols, N))
+            split = min(cols, N * T)             # columns j < split are split
+            t_rank = len(range(q, split, N))
             pack_dst = (r * T + torch.arange(t_rank, dtype=torch.int32, device=dev)).contiguous()
-            j = torch.arange(cols, dtype=torch.int32, device=dev)[None, :]
-            unpack_src = ((j % N) * P + r * T + j // N).contiguous()
+            j = torch.arange(split, dtype=torch.int32, device=dev)[None, :]
+            unpack_src = ((j % N) * P + r * T + j // N).expand(rows, split).contiguous()
             found = _Exchange(staging, list(gathered.chunk(N)), staging_table, gathered_table,
                               pack_dst, unpack_src,
-                              torch.zeros(rows, dtype=torch.int32, device=dev))
+                              torch.zeros(rows, dtype=torch.int32, device=dev),
+                              torch.zeros(rows, dtype=torch.int32, device=dev),
+                              torch.zeros(rows, dtype=torch.int32, device=dev), split)
         self._exchanges[key] = found
         return found
+
+    def columns(self, cols: int) -> int:
+        """Split columns per row and rank of a ``K = cols`` plan: ``ceil(fraction x K /
+        N)``, at least 1."""
+        return max(1, math.ceil(self.fraction * cols / self.world_size - 1e-9))
 
     def staging_tables(self, rows: int, cols: int, table: RowTable) -> list[RowTable]:
         """The staging tables of a ``[rows, cols]`` plan over ``table``'s layers (built on
@@ -108,11 +130,21 @@ class SplitGather:
             return
         N, q = self.world_size, self.rank
         ex = self._exchange(rows, cols, device_table)
+        split = ex.split
         with torch.inference_mode(False), torch.no_grad():
-            # this rank's columns j = q, q + N, ... below counts[r]: ceil((count - q) / N)
+            # the split columns j < split: this rank's j = q, q + N, ... below counts[r]
+            # (ceil((min(count, split) - q) / N) of them), exchanged, then all copied in
+            torch.clamp(counts, max=split, out=ex.split_counts)
             share = ex.share_counts
-            torch.sub(counts, q - N + 1, out=share)
+            torch.sub(ex.split_counts, q - N + 1, out=share)
             share.div_(N, rounding_mode="floor").clamp_(min=0)
-            self._copy(ex.staging_table, host_table, src_rows[:, q::N], ex.pack_dst, share)
+            self._copy(ex.staging_table, host_table, src_rows[:, q:split:N], ex.pack_dst,
+                       share)
             dist.all_gather(ex.chunks, ex.staging, group=self.group)
-            self._copy(device_table, ex.gathered_table, ex.unpack_src, dst_rows, counts)
+            self._copy(device_table, ex.gathered_table, ex.unpack_src,
+                       dst_rows[:, :split], ex.split_counts)
+            if split < cols:  # columns past the split: every rank pulls them itself
+                torch.sub(counts, split, out=ex.rest_counts)
+                ex.rest_counts.clamp_(min=0)
+                self._copy(device_table, host_table, src_rows[:, split:], dst_rows[:, split:],
+                           ex.rest_counts)

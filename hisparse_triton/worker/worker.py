@@ -87,6 +87,9 @@ class HiSparseWorker:
       exchange them (``all_gather``), so every rank's hot buffers are identical
       (``worker.split_gather``). Every rank must resolve the same index groups in the same
       order (a collective per resolve); the host pool must hold the same rows on every rank.
+      ``split_gather_fraction`` (default 0.25): the share of a row's top-k columns the
+      exchange carries (fixed shapes: ``ceil(fraction x K / N)`` rows per row and rank);
+      misses past it are pulled by every rank itself (``worker.split_gather``).
     - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
       the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
@@ -115,7 +118,8 @@ class HiSparseWorker:
                  register_host_pool: bool = True,
                  draft_layers: Sequence[str] = (),
                  gather_programs_per_sm: int = hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM,
-                 split_gather: bool = False, split_gather_group: object = None) -> None:
+                 split_gather: bool = False, split_gather_group: object = None,
+                 split_gather_fraction: float = 0.25) -> None:
         max_num_seqs, tp_rank = check_options(
             kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
             host_ram_fraction, host_pool_secret, host_pool_group)
@@ -135,7 +139,8 @@ class HiSparseWorker:
             from hisparse_triton.worker.split_gather import SplitGather
 
             self.split_gather = SplitGather(split_gather_group, self.device,
-                                            hot_cache.split_copy(backend, self.device))
+                                            hot_cache.split_copy(backend, self.device),
+                                            fraction=split_gather_fraction)
         # Everything this worker will allocate, checked together before anything is built.
         check_memory(self.memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
