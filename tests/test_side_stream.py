@@ -170,3 +170,20 @@ def test_split_gather_needs_a_process_group():
         make_pair(backend="torch", split_gather=True)
     with pytest.raises(ValueError, match="split_gather must be a bool"):
         make_pair(backend="torch", split_gather="yes")
+
+
+def test_decode_checks_record_each_sections_error(monkeypatch):
+    """``bench/gpu_check.py``'s decode checks: on CPU the GPU sections skip with a reason,
+    the overlap step runs a smoke step, and a section that raises is recorded, not fatal."""
+    from hisparse_triton.benchmarks import decode_checks
+
+    def broken(device, quick):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(decode_checks.SECTIONS, "resolve_variants", broken)
+    report = decode_checks.run_checks("cpu", quick=True)
+    sections = report["sections"]
+    assert set(sections) == set(decode_checks.SECTIONS)
+    assert "boom" in sections["resolve_variants"]["error"]
+    assert "skipped" in sections["launch_path"] and "skipped" in sections["split_gather"]
+    assert sections["overlap_step"]["budget4"]["step_ms_side_stream"] > 0

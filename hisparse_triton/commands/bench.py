@@ -297,6 +297,13 @@ def run_decode_step(args: argparse.Namespace) -> int:
                                 prompt_len=4096 if not args.quick else 2560,
                                 steps=6 if args.quick else 12,
                                 preset=args.preset or "deepseek-v3.2-fp8", device=str(device))
+    from hisparse_triton.benchmarks.decode_checks import overlap_step
+
+    try:  # the same step with a stand-in compute kernel, without and with the side stream
+        result["overlap"] = overlap_step(device, args.quick,
+                                         batch=args.batch[0] if args.batch else 64)
+    except Exception as exc:  # the eager figures above still stand
+        result["overlap"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     lines = [f"decode step: {result['preset']}, batch {result['batch']}, {result['prompt_len']}"
              f"-token histories, {result['index_groups']} index groups, every request on the "
              f"host path (locality {result['locality']})",
@@ -307,6 +314,14 @@ def run_decode_step(args: argparse.Namespace) -> int:
              f"  one CUDA graph of every index group's resolve_rows: "
              f"{result.get('graph_resolves_ms')} ms per step, "
              f"{result.get('graph_resolve_us_per_group')} us per index group"]
+    for key, figures in sorted((result.get("overlap") or {}).items()):
+        if key.startswith("budget"):
+            lines.append(f"  with a stand-in compute kernel per layer, gather grid budget "
+                         f"{figures['gather_programs_per_sm']} per SM: "
+                         f"{figures['step_ms_serial']} ms serial, "
+                         f"{figures['step_ms_side_stream']} ms with the side stream")
+    if "error" in (result.get("overlap") or {}):
+        lines.append(f"  overlap: failed: {result['overlap']['error']}")
     print("\n".join(lines), file=report_stream(args.json))
     if args.json:
         write_json(json_document("bench-decode-step", 1, result), args.json)

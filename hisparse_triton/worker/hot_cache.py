@@ -330,6 +330,21 @@ class HotCache:
                               programs_per_sm=gather_programs_per_sm)
                     for dev, host in split_tables)
 
+    def set_gather_programs_per_sm(self, programs_per_sm: int) -> None:
+        """Change the gathers' grid budget (``BoundCopy``'s ``programs_per_sm``; 0 = none):
+        the bound gathers are made again and bind on their next call."""
+        self.gather_programs_per_sm = check_programs_per_sm(programs_per_sm)
+        if self.bound_gather is None:
+            return
+        from hisparse_triton.kernels.gather import BoundCopy
+
+        self.bound_gather = BoundCopy(self.device_table, self.host_table, pages=False,
+                                      kernel="gather", programs_per_sm=programs_per_sm)
+        if self.split_tables is not None:
+            self._split_gathers = tuple(
+                BoundCopy(dev, host, pages=False, kernel="gather",
+                          programs_per_sm=programs_per_sm) for dev, host in self.split_tables)
+
     @classmethod
     def for_group(cls, group: IndexGroup, tables: PlanTables, layers: PoolLayers,
                   state: HotState, workspace: "ResolveWorkspace", kernel: str, *,

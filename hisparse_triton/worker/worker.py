@@ -415,6 +415,16 @@ class HiSparseWorker:
         self.check_topk(topk)
         return cache.resolve(state_rows, topk, stream=stream)
 
+    def set_gather_programs_per_sm(self, programs_per_sm: int) -> None:
+        """Change the decode gathers' grid budget (programs per SM, 0 = none; see the
+        ``gather_programs_per_sm`` argument) of every index group; ``ValueError`` for a bad
+        value (nothing changes). Call it between steps (not inside a CUDA graph capture)."""
+        self._check_open()
+        value = hot_cache.check_programs_per_sm(programs_per_sm)
+        for cache in self._index_groups.values():
+            cache.set_gather_programs_per_sm(value)
+        self.gather_programs_per_sm = value
+
     def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
         """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,
         ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``) and that both are on this
