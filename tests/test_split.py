@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hisparse_triton.worker.worker as worker_module
+import hisparse_triton.worker.pool_open as pool_open
 from hisparse_triton import CapacityError, HiSparseRuntime, HostMemoryError
 from hisparse_triton.errors import ReservationExceededError
 from hisparse_triton.oracle import DenseOracle, SplitView
@@ -203,7 +204,7 @@ def test_everything_a_worker_allocates_is_checked_first(monkeypatch):
             made.append(self)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "HostPool", RecordingHostPool)
+    monkeypatch.setattr(pool_open, "HostPool", RecordingHostPool)
     with pytest.raises(HostMemoryError, match="per-request tables and hot state"):
         make_runtime(max_num_seqs=3)
     assert not made  # nothing was allocated
@@ -242,8 +243,8 @@ def test_failed_construction_releases_the_host_pool(monkeypatch):
         def __init__(self, *args, **kwargs):
             raise CapacityError("device pool does not fit", resource="device bytes")
 
-    monkeypatch.setattr(worker_module, "HostPool", RecordingHostPool)
-    monkeypatch.setattr(worker_module, "DevicePool", NoDevicePool)
+    monkeypatch.setattr(pool_open, "HostPool", RecordingHostPool)
+    monkeypatch.setattr(pool_open, "DevicePool", NoDevicePool)
     with pytest.raises(CapacityError, match="device pool does not fit"):
         make_runtime()
     assert len(made) == 1 and made[0].closed

@@ -16,7 +16,7 @@ main part and, with draft layers, a draft part.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from hisparse_triton.groups import PlanGroups
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.step_plan import StepPlan
 from hisparse_triton.worker.layers import PoolLayers
+
+if TYPE_CHECKING:
+    from hisparse_triton.worker.tables import PlanTables
 
 __all__ = ["CopyRows", "HostMirror", "MirrorSet"]
 
@@ -128,6 +131,23 @@ class HostMirror:
                            backend=self.backend)
                 moved += n * layers * mset.row_bytes
         return moved
+
+    def copy_due(self, tables: "PlanTables", *, draft: bool, writes_host: bool) -> None:
+        """Copy the mirror rows of every plan ``tables`` holds as due for this part (the
+        main layers, or the draft layers with ``draft``), in plan order; then count their
+        bytes and mark the part mirrored, together. ``writes_host=False`` (a rank that does
+        not write a shared pool) copies nothing and only marks them. A copy that raises
+        counts nothing and leaves every mirror due."""
+        due = [d for d in tables.due if draft in d.parts]
+        if not due:  # nothing to copy, or already mirrored
+            return
+        counts = (self.d2h_bytes, self.last)
+        for entry in due:  # in plan order; a copy that raises counts nothing
+            moved = (self.copy(entry.plan, tables.packed(entry), draft=draft)
+                     if writes_host else 0)
+            counts = count_bytes(counts, entry.plan.step, moved)
+        # One statement: the bytes are counted and the parts marked mirrored together.
+        (self.d2h_bytes, self.last), tables.due = counts, tables.mirrored(draft)
 
     def counted(self, step: int, moved: int) -> tuple[int, tuple[int, int]]:
         """``(d2h_bytes, last)`` once plan ``step``'s ``moved`` bytes are counted (the caller

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from hisparse_triton.config import EngineConfig
+from hisparse_triton.groups import PlanGroups
+from hisparse_triton.layout import underlying_layer_name
 from hisparse_triton.memory import check_fraction
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.worker import shared_pool
 
-__all__ = ["BACKENDS", "check_options", "parse_device", "plan_fingerprint"]
+__all__ = ["BACKENDS", "check_draft_layers", "check_options", "parse_device", "plan_fingerprint"]
 
 #: Accepted ``backend`` values.
 BACKENDS = ("auto", "triton", "torch")
@@ -107,3 +109,20 @@ def check_options(kv_cache_config: KVCacheConfig, config: EngineConfig, max_num_
 def _is_int(value: object) -> bool:
     """An int or a numpy integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_draft_layers(names: Sequence[str], groups: PlanGroups) -> frozenset[str]:
+    """``names`` (model or group-layer names) as source layer names; ``ValueError`` for a
+    string or for a name that is not a sparse (source) layer of the plan."""
+    if isinstance(names, str):
+        raise ValueError(f"draft_layers must be a sequence of layer names, got the "
+                         f"string {names!r}.")
+    found = set()
+    for name in names:
+        layer = underlying_layer_name(name)
+        if layer not in groups.source_layers:
+            raise ValueError(f"draft layer {name!r} is not a sparse (source) layer of this "
+                             f"plan: only layers whose KV the host pool holds are "
+                             f"mirrored.")
+        found.add(layer)
+    return frozenset(found)

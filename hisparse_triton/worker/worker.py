@@ -36,23 +36,24 @@ from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import RuntimeClosedError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.layout import underlying_layer_name
-from hisparse_triton.memory import MemoryRequest, check_memory
+from hisparse_triton.memory import check_memory
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
 from hisparse_triton.worker.hot_cache import HotCache, HotState, StreamRows, check_state_rows
 from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
-from hisparse_triton.worker.mirror import HostMirror, count_bytes
-from hisparse_triton.worker.options import BACKENDS, check_options, parse_device, plan_fingerprint
+from hisparse_triton.worker.mirror import HostMirror
+from hisparse_triton.worker.options import (BACKENDS, check_draft_layers, check_options,
+                                            parse_device, plan_fingerprint)
 from hisparse_triton.worker.placement import array_on_device, check_readable
 from hisparse_triton.worker.pools import DevicePool, HostPool
+from hisparse_triton.worker.pool_open import open_device_pool, open_host_pool
+from hisparse_triton.worker.sizing import bookkeeping_bytes, memory_requests
 from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerStats
 from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables
 
 logger = logging.getLogger(__name__)
-
-_INT32_MAX = 2**31 - 1
 
 __all__ = ["BACKENDS", "STAGING_SLOTS", "HiSparseWorker", "StatsSnapshot", "WorkerStats",
            "parse_device", "plan_fingerprint"]
@@ -142,7 +143,7 @@ class HiSparseWorker:
                                             hot_cache.split_copy(backend, self.device),
                                             fraction=split_gather_fraction)
         # Everything this worker will allocate, checked together before anything is built.
-        check_memory(self.memory_requests(
+        check_memory(memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
             tp_rank=tp_rank, device_pool_given=device_pool_tensor is not None,
             host_pool_given=host_pool_tensor is not None), max_ram_fraction=host_ram_fraction)
@@ -154,7 +155,7 @@ class HiSparseWorker:
         self.max_num_seqs, self.max_model_len = max_num_seqs, config.max_model_len
         self.device_buffer_size = int(config.hisparse.device_buffer_size)
         self.groups = PlanGroups.from_config(kv_cache_config, config)
-        self.draft_layers = self._check_draft_layers(draft_layers)
+        self.draft_layers = check_draft_layers(draft_layers, self.groups)
         self.block_size = self.groups.block_size
         self.layout = TableLayout.build(self.groups, max_num_seqs)
         self.num_device_blocks = kv_cache_config.num_blocks
@@ -168,27 +169,17 @@ class HiSparseWorker:
         self._closed = False
         self._host_pool: Optional[HostPool] = None
         self._device_pool: Optional[DevicePool] = None
-        host_bytes = host_pool_bytes(kv_cache_config)
         # The runtime's tensors are ordinary tensors whatever the caller's mode: built
         # outside inference mode and without autograd, so in-place updates work from both.
         with torch.inference_mode(False), torch.no_grad():
-            if host_pool_tensor is not None:
-                self._host_pool = HostPool.adopt(host_pool_tensor, host_bytes,
-                                                 register=register_host_pool,
-                                                 device=self.device)
-            else:
-                self._host_pool = HostPool(
-                    host_bytes, pin=self.device.type == "cuda",
-                    max_ram_fraction=host_ram_fraction, device=self.device,
-                    shared_name=host_pool_name, create=tp_rank == 0,
-                    fingerprint=plan_fingerprint(kv_cache_config), secret=host_pool_secret,
-                    group=host_pool_group)
+            self._host_pool = open_host_pool(
+                kv_cache_config, self.device, tensor=host_pool_tensor,
+                register=register_host_pool, max_ram_fraction=host_ram_fraction,
+                shared_name=host_pool_name, create=tp_rank == 0, secret=host_pool_secret,
+                group=host_pool_group)
             try:  # a failure below must not leave the (pinned) host pool to the GC
-                self._device_pool = (
-                    DevicePool.adopt(device_pool_tensor, self.num_device_blocks,
-                                     self.bytes_per_block, self.device)
-                    if device_pool_tensor is not None else
-                    DevicePool(self.num_device_blocks, self.bytes_per_block, self.device))
+                self._device_pool = open_device_pool(kv_cache_config, self.device,
+                                                     tensor=device_pool_tensor)
                 self._build_parts()
             except BaseException:
                 self.close()
@@ -196,73 +187,23 @@ class HiSparseWorker:
         logger.info("HiSparseWorker rank %d on %s: %d device blocks x %d B, %d host blocks "
                     "(%.2f GiB%s), %d index groups, backend %s (%s); %s", tp_rank, self.device,
                     self.num_device_blocks, self.bytes_per_block, self.num_host_blocks,
-                    host_bytes / (1 << 30), ", shared" if self.shared_host_pool else "",
+                    host_pool_bytes(kv_cache_config) / (1 << 30), ", shared" if self.shared_host_pool else "",
                     len(self.groups.index_groups), backend, self._kernel_backend,
                     hot_cache.launch_config_source(self._kernel_backend, self.device))
-
-    def _check_draft_layers(self, names: Sequence[str]) -> frozenset[str]:
-        """``names`` (model or group-layer names) as source layer names; ``ValueError`` for
-        one that is not a sparse (source) layer of the plan."""
-        if isinstance(names, str):
-            raise ValueError(f"draft_layers must be a sequence of layer names, got the "
-                             f"string {names!r}.")
-        found = set()
-        for name in names:
-            layer = underlying_layer_name(name)
-            if layer not in self.groups.source_layers:
-                raise ValueError(f"draft layer {name!r} is not a sparse (source) layer of this "
-                                 f"plan: only layers whose KV the host pool holds are "
-                                 f"mirrored.")
-            found.add(layer)
-        return frozenset(found)
 
     @property
     def table_bytes(self) -> int:
         """Device bytes of the per-request tables, hot state and counters."""
-        return self.bookkeeping_bytes(self.layout, len(self.groups.index_groups),
-                                      self.max_num_seqs, self.device_buffer_size)
+        return bookkeeping_bytes(self.layout, len(self.groups.index_groups), self.max_num_seqs,
+                                 self.device_buffer_size)
 
-    @staticmethod
-    def bookkeeping_bytes(layout: TableLayout, num_index_groups: int, max_num_seqs: int,
-                          slots: int) -> int:
-        """Device bytes of the table arena, the hot state and the counters: all the
-        worker's bookkeeping (none of it grows with the pools' block counts)."""
-        return PlanTables.nbytes(layout) + HotState.nbytes(num_index_groups, max_num_seqs,
-                                                           slots)
-
-    @classmethod
-    def memory_requests(cls, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
-                        max_num_seqs: int, device: torch.device | str | None = None,
-                        tp_rank: int = 0, device_pool_given: bool = False,
-                        host_pool_given: bool = False) -> list[MemoryRequest]:
-        """Everything a worker for this plan allocates, for ``memory.check_memory``: the host
-        pool (nothing on an attaching rank or for a caller's tensor), the device pool
-        (nothing for a caller's tensor), and the tables and hot state. Builds nothing that
-        grows with the pools, so a caller (the in-process runtime, before its scheduler's
-        block lists) can check a plan before anything is allocated. ``ValueError`` when a
-        pool has more rows than int32 row ids address."""
-        device = parse_device(device)
-        groups = PlanGroups.from_config(kv_cache_config, config)
-        B = groups.block_size
-        for what, blocks in (("device", kv_cache_config.num_blocks),
-                             ("host", kv_cache_config.hisparse_host_num_blocks)):
-            if blocks * B > _INT32_MAX:
-                raise ValueError(f"the {what} pool's {blocks} blocks x {B} rows exceed the "
-                                 f"{_INT32_MAX} row ids int32 tables address; plan fewer "
-                                 f"blocks.")
-        if kv_cache_config.hisparse_host_num_blocks < 2:
-            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
-                             f"page), the plan has {kv_cache_config.hisparse_host_num_blocks}.")
-        layout = TableLayout.build(groups, max_num_seqs)
-        shared = bool(kv_cache_config.hisparse_shared_host_pool)
-        host = [] if host_pool_given else HostPool.memory_requests(
-            host_pool_bytes(kv_cache_config), shared=shared, create=tp_rank == 0)
-        dev = [] if device_pool_given else DevicePool.memory_requests(
-            kv_cache_config.num_blocks, kv_cache_config.bytes_per_block, device)
-        tables = cls.bookkeeping_bytes(layout, len(groups.index_groups), max_num_seqs,
-                                       int(config.hisparse.device_buffer_size))
-        return [*host, *dev, MemoryRequest("per-request tables and hot state", tables, device,
-                                           hint="max_num_seqs or device_buffer_size")]
+    #: ``bookkeeping_bytes(layout, num_index_groups, max_num_seqs, slots)``: device bytes of
+    #: the tables, hot state and counters (``worker.sizing``).
+    bookkeeping_bytes = staticmethod(bookkeeping_bytes)
+    #: ``memory_requests(kv_cache_config, config, *, max_num_seqs, device, tp_rank,
+    #: device_pool_given, host_pool_given)``: everything a worker for the plan allocates
+    #: (``worker.sizing``), checked before anything is built.
+    memory_requests = staticmethod(memory_requests)
 
     def _build_parts(self) -> None:
         dev, groups = self.device, self.groups
@@ -335,16 +276,7 @@ class HiSparseWorker:
             raise ValueError("mirror(draft=True): this worker has no draft layers (pass "
                              "draft_layers when building it).")
         tables.check_last(plan)
-        due = [d for d in tables.due if draft in d.parts]
-        if not due:  # nothing to copy, or already mirrored
-            return
-        counts = (mirror.d2h_bytes, mirror.last)
-        for entry in due:  # in plan order; a copy that raises counts nothing
-            moved = (mirror.copy(entry.plan, tables.packed(entry), draft=draft)
-                     if self.mirrors_to_host else 0)
-            counts = count_bytes(counts, entry.plan.step, moved)
-        # One statement: the bytes are counted and the parts marked mirrored together.
-        (mirror.d2h_bytes, mirror.last), tables.due = counts, tables.mirrored(draft)
+        mirror.copy_due(tables, draft=draft, writes_host=self.mirrors_to_host)
 
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
