@@ -118,7 +118,15 @@ def test_host_event_has_the_cuda_event_api():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device: the side stream's overlap and "
                                          "graph capture")
 def test_side_stream_mode_captures_in_a_cuda_graph():
-    scheduler, worker = make_pair(backend="auto")
+    from hisparse_triton.scheduler import HiSparseScheduler
+    from hisparse_triton.worker import HiSparseWorker
+    from worker_helpers import make_plan
+
+    plan = make_plan(2)
+    scheduler = HiSparseScheduler(plan.kv_cache_config, plan.config, max_num_seqs=2,
+                                  free_block_watermark=1.0)
+    worker = HiSparseWorker(plan.kv_cache_config, plan.config, max_num_seqs=2,
+                            device="cuda", backend="triton")
     try:
         gen = torch.Generator().manual_seed(3)
         prefill(scheduler, worker, "a", 13, gen)
