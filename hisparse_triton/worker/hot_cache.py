@@ -453,7 +453,10 @@ class HotCache:
         saved = self._save_rows(state_rows) if self._reference else None
         result = None
         try:
-            if self.bound is not None and ops.is_eager((topk, state_rows)):
+            # (eager: no tracing, no dispatch mode, plain tensors; the miss plan is then the
+            # workspace's plain tensors too, so the gather needs no second check)
+            eager = self.bound is not None and ops.is_eager((topk, state_rows))
+            if eager:
                 result = self.bound(topk, state_rows, out)
             else:
                 result = ops.resolve(
@@ -469,7 +472,7 @@ class HotCache:
                         event.record()
             elif split:
                 self._gather_split(result, events)
-            elif self.bound_gather is not None and ops.is_eager((result.miss_src,)):
+            elif self.bound_gather is not None and (eager or ops.is_eager((result.miss_src,))):
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
             else:
                 ops.copy_rows(self.device_table, self.host_table, result.miss_src,
