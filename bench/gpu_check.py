@@ -23,7 +23,8 @@ step that cannot start inside the budget is recorded as skipped):
    (``hisparse_triton.benchmarks.decode_checks``): launch path (direct vs normal), resolve
    variants, a step with and without the side-stream overlap (grid capped vs not), the
    split gather (2+ GPUs, else skipped with the reason), the vLLM ops; each section records
-   its own error; ``device_info()`` records the devices (SM / CU counts);
+   its own error; ``device_info()`` records the devices (SM / CU counts); then
+   ``decode-step`` (below, without its overlap runs: decode-checks has them);
 0. make ``hisparse_triton.kernels`` importable (``pip install --no-deps --no-build-isolation
    --no-index -e .`` when it is not: offline, setuptools only);
 1. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
@@ -31,7 +32,7 @@ step that cannot start inside the budget is recorded as skipped):
    contiguous pinned copy, all in one run;
 2. ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
    replay, torch reference);
-   ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
+   (run second) ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
    index groups, every request on the host path): eager device / host time, the 61
    resolves replayed from one CUDA graph, misses and GB/s gathered per step;
 3. ``tests``: ``pytest tests`` on CUDA (pytest-xdist workers when installed: the first
@@ -95,7 +96,9 @@ class Step:
 
 
 STEPS = (
-    Step("decode-checks", "decode-checks", (), 110, ("--quick",), 70),
+    Step("decode-checks", "decode-checks", (), 100, ("--quick",), 70),
+    Step("decode-step", "decode", ("--decode-step", "--no-overlap"), 60,
+         ("--decode-step", "--quick", "--no-overlap"), 40),
     Step("bench-targets", "bench",
          (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,eager,contiguous",
           "--miss-ratios", "1,0.3,0.067"), 110,
@@ -108,7 +111,6 @@ STEPS = (
          75,
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
           "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 35),
-    Step("decode-step", "decode", ("--decode-step",), 60, ("--decode-step", "--quick"), 40),
     Step("tests", "tests", ("tests",), 150,
          ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
           "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",

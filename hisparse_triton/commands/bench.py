@@ -121,6 +121,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "the same step with Triton's real Python launch path against a "
                              "stand-in sm_90 driver, before (HISPARSE_TRITON_DIRECT_LAUNCH=0) "
                              "and after (direct launches)")
+    timing.add_argument("--no-overlap", action="store_true",
+                        help="with --decode-step: skip the step with a stand-in compute kernel "
+                             "per layer, serial vs side stream (gpu_check runs it in its "
+                             "decode-checks step)")
     timing.add_argument("--no-launch-path", action="store_true",
                         help="with --host: skip the real-launch-path runs (they compile the "
                              "kernels for sm_90 on first use, about a minute)")
@@ -297,13 +301,16 @@ def run_decode_step(args: argparse.Namespace) -> int:
                                 prompt_len=4096 if not args.quick else 2560,
                                 steps=6 if args.quick else 12,
                                 preset=args.preset or "deepseek-v3.2-fp8", device=str(device))
-    from hisparse_triton.benchmarks.decode_checks import overlap_step
+    if args.json:  # the eager figures are kept even if the overlap runs are cut short
+        write_json(json_document("bench-decode-step", 1, result), args.json)
+    if not args.no_overlap:
+        from hisparse_triton.benchmarks.decode_checks import overlap_step
 
-    try:  # the same step with a stand-in compute kernel, without and with the side stream
-        result["overlap"] = overlap_step(device, args.quick,
-                                         batch=args.batch[0] if args.batch else 64)
-    except Exception as exc:  # the eager figures above still stand
-        result["overlap"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        try:  # the same step with a stand-in compute kernel, without and with the side stream
+            result["overlap"] = overlap_step(device, args.quick,
+                                             batch=args.batch[0] if args.batch else 64)
+        except Exception as exc:  # the eager figures above still stand
+            result["overlap"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     lines = [f"decode step: {result['preset']}, batch {result['batch']}, {result['prompt_len']}"
              f"-token histories, {result['index_groups']} index groups, every request on the "
              f"host path (locality {result['locality']})",
