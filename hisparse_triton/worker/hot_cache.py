@@ -94,12 +94,14 @@ def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: to
 
 def split_copy(backend: str, device: torch.device):
     """The copy a ``SplitGather`` runs: ``copy_rows(dst, src, src_rows, dst_rows, counts)``
-    on the worker's backend (``kernel_backend(backend, device)``)."""
+    on the worker's backend (``kernel_backend(backend, device)``); on Triton through a
+    ``MirrorCopy`` (direct launches bound per table pair and plan layout)."""
     kernel = kernel_backend(backend, device)
+    copier = MirrorCopy(kernel)
 
     def copy(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,
              counts: Optional[torch.Tensor] = None) -> None:
-        copy_rows(dst, src, src_rows, dst_rows, counts, backend=kernel)
+        copier(dst, src, src_rows, dst_rows, counts, backend=kernel)
 
     return copy
 
