@@ -394,7 +394,7 @@ class HotCache:
         after what the current stream enqueued so far, the leader's rows gathered first and
         the followers' after, and return ``StreamRows(rows, events)``: ``events[layer]`` is
         what that layer's attention waits on (``events[layer].wait()`` on its stream). No
-        host sync, no allocation after the first call (persistent events): capturable in a
+        host sync, no device allocation after the first call (persistent events): capturable in a
         CUDA graph. On a CPU worker ``stream`` is a ``torch.cpu.Stream``, the work runs in
         order and the events are ``HostEvent`` no-ops (same API)."""
         if stream is None:
