@@ -119,9 +119,43 @@ def _pinned(table: Any, device: torch.device) -> Any:
 
 # ----------------------------------------------------------------------------- resolve
 def resolve_variants(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Device us per resolve call for every variant the resolve module lists."""
+    """Device us per resolve call for every variant the resolve family offers: its own
+    checked timer (``ops.resolve.variants.time_resolve_variants`` over
+    ``kernels.resolve.resolve_variants``) when it has one, else every name of
+    ``VARIANTS`` / ``RESOLVE_VARIANTS`` passed to ``ops.resolve`` as ``variant=``."""
     if device.type != "cuda":
         return {"skipped": "device timing needs CUDA"}
+    try:
+        from hisparse_triton.ops.resolve.variants import time_resolve_variants
+    except ImportError:
+        return _resolve_variants_by_name(device, quick)
+    from hisparse_triton.benchmarks.timing import L2Flush, event_time
+    from hisparse_triton.benchmarks.workloads import ResolveWorkload
+
+    flush = L2Flush(device, 64 << 20)
+    results: dict[str, Any] = {"timer": "ops.resolve.variants.time_resolve_variants"}
+    for R in ((1, 64) if quick else (1, 8, 64)):
+        for miss in (1.0, 0.134):
+            key = f"R{R}_miss{miss:g}"
+            try:
+                work = ResolveWorkload(R, 2048, 4096, 32768, miss, device)
+
+                def timer(call, work=work):
+                    return round(event_time(call, work.restore, flush, warmup_ms=10,
+                                            rep_ms=30 if quick else 80).median_ms * 1e3, 2)
+
+                results[key] = {f"{name}_us": t for name, t in
+                                time_resolve_variants(work, timer).items()}
+            except Exception as exc:  # one shape failing keeps the others
+                results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    results["note"] = ("K=2048, H=4096, 32768-token histories; each variant checked against "
+                       "the torch reference first; event time with the state restored and "
+                       "L2 flushed before each call")
+    return results
+
+
+def _resolve_variants_by_name(device: torch.device, quick: bool) -> dict[str, Any]:
+    """``resolve_variants`` without the resolve family's timer (see there)."""
     import inspect
 
     import triton.testing
