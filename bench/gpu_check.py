@@ -297,8 +297,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
     env = report.get("environment", {})
     lines = [f"gpu_check on {env.get('gpu') or 'CPU'}: driver {env.get('driver')}, torch "
-             f"{env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda_runtime')}"
-             f"; {report.get('wall_s')} s of budget {report.get('budget_s')} s"]
+             f"{env.get('torch')}, triton {env.get('triton')}, "
+             + (f"HIP {env.get('hip_runtime')} ({env.get('gcn_arch')}, {env.get('cu_count')} CUs)"
+                if env.get("hip_runtime") else f"CUDA {env.get('cuda_runtime')}")
+             + f"; {report.get('wall_s')} s of budget {report.get('budget_s')} s"]
     for name, s in report.get("steps", {}).items():
         state = ("skipped: " + s["skipped"]) if s.get("skipped") else \
             "ok" if s.get("rc") == 0 else "TIMEOUT" if s.get("timed_out") else \

@@ -49,13 +49,17 @@ selections go through the runtime's prefill staging (``resolve_prefill``: rows w
 copy in place, host-only rows staged into a region the scheduler keeps free, hot buffers
 untouched), a shared prompt prefix reused from the prefix cache, and speculative decoding
 with ``Q`` query tokens per decode step (the last accepted token and ``Q - 1`` draft tokens
-from a perfect drafter, the dense greedy continuation): their top-k selections resolve as
-ONE ``[R, Q, K]`` union per index group and every draft is accepted.
+from a drafter, the dense greedy continuation): their top-k selections resolve as ONE
+``[R, Q, K]`` union per index group. With ``--mtp Q`` the drafter is wrong at random
+(``--draft-error``): the model's outputs accept 0..Q drafts per step and the rejected ones
+are rolled back (``truncate``, after the forward, before the step commits), still
+bit-identical to the dense one-token-at-a-time run; without it every draft must be accepted.
 
 Run it::
 
     python examples/tiny_dsa.py --requests 4 --check
     python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 --check
+    python examples/tiny_dsa.py --mtp 3 --free-block-watermark 1 --check
     python examples/tiny_dsa.py --requests 1 --prompt-len 2048 2048 --max-model-len 2052 \
         --chunk-size 128 --max-num-batched-tokens 128 --device-blocks 180 --check
 """
@@ -219,6 +223,11 @@ class KVStore(Protocol):
                topk: torch.Tensor) -> Selection:
         """Select ``topk`` (``[R, Q, K] int64`` positions, -1 = none) for the index group
         led by ``leader``; ``None`` requests are padding rows."""
+        ...
+
+    def truncate(self, request: Hashable, new_len: int) -> None:
+        """Keep the request's first ``new_len`` tokens (rejected drafts dropped; after the
+        forward that verified them, before ``commit``)."""
         ...
 
     def commit(self) -> None:
@@ -498,6 +507,9 @@ class DenseStore:
                topk: torch.Tensor) -> Selection:
         return _DenseSelection(self, requests, topk)
 
+    def truncate(self, request: Hashable, new_len: int) -> None:
+        self._len[request] = new_len   # later writes overwrite the dropped rows
+
     def commit(self) -> None:
         self._appended = dict.fromkeys(self._appended, 0)
 
@@ -643,6 +655,7 @@ class RuntimeLike(Protocol):
     def resolve_prefill(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
                         topk: torch.Tensor) -> torch.Tensor: ...
     def commit(self) -> None: ...
+    def truncate(self, request_id: Hashable, new_len: int) -> None: ...
     def free_request(self, request_id: Hashable) -> None: ...
 
 
@@ -690,6 +703,10 @@ class HiSparseStore(_PoolStore):
     def _resolve_prefill(self, leader: str, tokens: Sequence[Hashable],
                          topk: torch.Tensor) -> torch.Tensor:
         return self.runtime.resolve_prefill(leader, tokens, topk)
+
+    def truncate(self, request: Hashable, new_len: int) -> None:
+        self.runtime.truncate(request, new_len)   # before commit(): not durable yet
+        self._len[request] = new_len
 
     def commit(self) -> None:
         self.runtime.commit()
@@ -817,6 +834,13 @@ class SplitStore(_PoolStore):
         self._appended.setdefault(request, []).append(entry)
         self._len[request] += num_tokens
 
+    def truncate(self, request: Hashable, new_len: int) -> None:
+        """Rank 0's scheduler rolls back (the next plan carries it to every rank); its
+        tokens are in this step's plan, not durable until the next ``step()``."""
+        if self.leads:
+            self.scheduler.truncate(request, new_len)
+        self._len[request] = new_len
+
     def free(self, request: Hashable) -> None:
         if self.leads:
             self.scheduler.free_request(request)
@@ -899,7 +923,8 @@ def dense_store_for(config: TinyDSAConfig, device: torch.device | str = "cpu") -
 
 # ============================================================================ decoding
 class DraftRejectedError(RuntimeError):
-    """The model did not accept a draft token (this example does not roll back KV)."""
+    """The model did not accept a draft token of a drafter declared perfect (decoding
+    without ``rollback``)."""
 
 
 @dataclass
@@ -925,24 +950,32 @@ class GenRequest:
             raise ValueError(f"{self.request_id}: speculative decoding without drafts.")
         return [self.tokens[-1], *(drafts[n:n + queries - 1] if queries > 1 else [])]
 
-    def accept(self, fed: Sequence[int], logits: torch.Tensor) -> None:
+    def accept(self, fed: Sequence[int], logits: torch.Tensor, *,
+               rollback: bool = False) -> int:
         """Take this step's outputs (``logits [len(fed), vocab]``): nothing mid-prefill, one
-        token after the last prompt chunk, one token per query when decoding (every draft
-        must be what the model chooses)."""
+        token after the last prompt chunk, one token per query when decoding. A draft the
+        model does not choose ends the step's outputs: with ``rollback`` the drafts after
+        the model's choice are rejected (returns how many: their KV must be dropped),
+        without it ``DraftRejectedError``."""
         self.computed += len(fed)
         if self.computed < len(self.prompt):
-            return
+            return 0
         decoding = self.computed - len(fed) >= len(self.prompt)
         outputs = range(len(fed)) if decoding else [len(fed) - 1]
         for j in outputs:
             token = int(logits[j].argmax())
-            if decoding and j + 1 < len(fed) and token != fed[j + 1]:
-                raise DraftRejectedError(
-                    f"{self.request_id}: draft token {fed[j + 1]} at output {len(self.tokens)} "
-                    f"was rejected (the model chose {token}); this example accepts only a "
-                    f"perfect drafter.")
             self.logits.append(logits[j].cpu())
             self.tokens.append(token)
+            if decoding and j + 1 < len(fed) and token != fed[j + 1]:
+                if not rollback:
+                    raise DraftRejectedError(
+                        f"{self.request_id}: draft token {fed[j + 1]} at output "
+                        f"{len(self.tokens) - 1} was rejected (the model chose {token}); "
+                        f"without --mtp this example accepts only a perfect drafter.")
+                rejected = len(fed) - (j + 1)
+                self.computed -= rejected
+                return rejected
+        return 0
 
 
 @dataclass(frozen=True)
@@ -995,18 +1028,21 @@ class Workload:
 class DecodeResult:
     """Per request: generated tokens and their ``[n, vocab] float32`` logits; ``steps``
     model steps, ``cached_tokens`` prompt tokens the store reported cached (not computed),
-    ``computed_tokens`` tokens run through the model."""
+    ``computed_tokens`` tokens run through the model, ``rejected_tokens`` draft tokens
+    rolled back."""
 
     tokens: dict[str, list[int]]
     logits: dict[str, torch.Tensor]
     steps: int
     cached_tokens: int = 0
     computed_tokens: int = 0
+    rejected_tokens: int = 0
 
 
 def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_size: int = 32,
                   max_running: Optional[int] = None, spec_tokens: int = 1,
-                  drafts: Optional[dict[str, list[int]]] = None) -> DecodeResult:
+                  drafts: Optional[dict[str, list[int]]] = None,
+                  rollback: bool = False) -> DecodeResult:
     """Greedy decoding of ``workload`` through ``store`` (continuous batching).
 
     A request is admitted (``store.add`` with its prompt's token ids; it starts after the
@@ -1014,8 +1050,11 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
     freed after its ``max_new_tokens``-th token. Each step every running request computes
     either its next prefill chunk (at most ``chunk_size`` tokens) or, decoding, its last
     token and up to ``spec_tokens - 1`` tokens of ``drafts[request]`` (speculative
-    decoding; ``DraftRejectedError`` when the model disagrees with a draft); then
-    ``store.begin()``, the forward, ``store.commit()``.
+    decoding); then ``store.begin()``, the forward, the outputs, ``store.commit()``. When
+    the model disagrees with a draft, its choice is the step's last token and, with
+    ``rollback``, the later drafts are dropped (``store.truncate`` before ``commit``: they
+    are not durable yet), else ``DraftRejectedError``. ``DecodeResult.rejected_tokens``
+    counts them.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
@@ -1030,7 +1069,7 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
         raise ValueError(f"max_running must be >= 1, got {max_running}.")
     running: list[GenRequest] = []
     done: list[GenRequest] = []
-    steps = cached_total = computed_total = 0
+    steps = cached_total = computed_total = rejected_total = 0
     while waiting or running:
         while waiting and len(running) < max_running:
             request = waiting.pop(0)
@@ -1051,11 +1090,14 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
         store.begin()
         logits = model.forward(store, [r.request_id for r in running], fed,
                                [r.computed for r in running])
+        for r, (request, tokens) in enumerate(zip(running, fed)):
+            rejected = request.accept(tokens, logits[r, :len(tokens)], rollback=rollback)
+            if rejected:
+                store.truncate(request.request_id, request.computed)
+                rejected_total += rejected
         store.commit()
         steps += 1
         computed_total += sum(len(tokens) for tokens in fed)
-        for r, (request, tokens) in enumerate(zip(running, fed)):
-            request.accept(tokens, logits[r, :len(tokens)])
         for request in [r for r in running if len(r.tokens) >= r.max_new_tokens]:
             store.free(request.request_id)
             running.remove(request)
@@ -1063,7 +1105,7 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
     return DecodeResult(tokens={r.request_id: r.tokens for r in done},
                         logits={r.request_id: torch.stack(r.logits) for r in done},
                         steps=steps, cached_tokens=cached_total,
-                        computed_tokens=computed_total)
+                        computed_tokens=computed_total, rejected_tokens=rejected_total)
 
 
 # ============================================================================ set-up
@@ -1074,7 +1116,9 @@ class RunSpec:
     ``max_num_batched_tokens``: the engine's chunk limit (the runtime refuses more
     uncommitted tokens per request; at least ``chunk_size`` and ``spec_tokens``).
     ``spec_tokens``: query tokens per decode step (the hot buffer holds ``spec_tokens + 1``
-    top-k selections). ``free_block_watermark`` None: the runtime's default.
+    top-k selections). ``draft_error``: the chance that a draft token is wrong (``--mtp``:
+    a drafter wrong at random; rejected drafts are rolled back); 0: a perfect drafter.
+    ``free_block_watermark`` None: the runtime's default.
     ``max_model_len``: the model's context (default: the preset's 1024 tokens).
     ``device_blocks``: the blocks requests may use (default: sized for the workload); the
     prefill staging region comes on top of them.
@@ -1088,6 +1132,7 @@ class RunSpec:
     max_running: Optional[int] = None
     shared_prefix_len: int = 0
     spec_tokens: int = 1
+    draft_error: float = 0.0
     max_num_batched_tokens: Optional[int] = None
     device_blocks: Optional[int] = None
     offload_threshold_pages: Optional[int] = None
@@ -1204,22 +1249,40 @@ def all_gpu_blocks(kv_cache_config: Any, spec: RunSpec) -> int:
                for group in groups for length in longest)
 
 
+def noisy_drafts(drafts: dict[str, list[int]], error: float, vocab_size: int,
+                 seed: int = 0) -> dict[str, list[int]]:
+    """``drafts`` with each token replaced, with probability ``error``, by another one (a
+    drafter that is wrong at random; fixed by ``seed``)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    out = {}
+    for request, tokens in sorted(drafts.items()):
+        wrong = (torch.rand(len(tokens), generator=gen) < error).tolist()
+        shift = torch.randint(1, vocab_size, (len(tokens),), generator=gen).tolist()
+        out[request] = [(t + d) % vocab_size if w else t
+                        for t, w, d in zip(tokens, wrong, shift)]
+    return out
+
+
 def run(spec: RunSpec, store: KVStore,
         drafts: Optional[dict[str, list[int]]] = None) -> DecodeResult:
     """Decode ``spec``'s workload with ``spec``'s model through ``store``. With
-    ``spec.spec_tokens > 1`` the drafts default to the dense greedy continuation."""
+    ``spec.spec_tokens > 1`` the drafts default to the dense greedy continuation, wrong at
+    random with ``spec.draft_error`` (then rejected drafts are rolled back)."""
     if spec.spec_tokens > 1 and drafts is None:
         drafts = run_dense(spec).tokens
+    if drafts is not None and spec.draft_error > 0:
+        drafts = noisy_drafts(drafts, spec.draft_error, spec.model_config().vocab_size,
+                              spec.seed)
     model = TinyDSA(spec.model_config(), seed=spec.seed, device=spec.device)
     return greedy_decode(model, store, spec.workload(), chunk_size=spec.chunk_size,
                          max_running=spec.max_running, spec_tokens=spec.spec_tokens,
-                         drafts=drafts)
+                         drafts=drafts, rollback=spec.draft_error > 0)
 
 
 def run_dense(spec: RunSpec) -> DecodeResult:
     """The reference: every row dense, every prompt token computed, one query token per
     decode step."""
-    plain = dataclasses.replace(spec, spec_tokens=1)
+    plain = dataclasses.replace(spec, spec_tokens=1, draft_error=0.0)
     return run(plain, dense_store_for(spec.model_config(), spec.device))
 
 
@@ -1358,7 +1421,8 @@ def _report(spec: RunSpec, kv_cache_config: Any, ranks: list[tuple[str, DecodeRe
         print(f"  {request}: {tokens}")
     pool, all_gpu = kv_cache_config.num_blocks, all_gpu_blocks(kv_cache_config, spec)
     print(f"{first.steps} steps in {elapsed:.2f} s ({first.computed_tokens} tokens computed, "
-          f"{first.cached_tokens} prompt tokens reused from the prefix cache); device pool "
+          f"{first.cached_tokens} prompt tokens reused from the prefix cache, "
+          f"{first.rejected_tokens} draft tokens rolled back); device pool "
           f"{pool} blocks (every row on the GPU would take {all_gpu})")
     for name, _, worker, scheduler in ranks:
         total = worker["hits"] + worker["misses"]
@@ -1421,6 +1485,13 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser.add_argument("--spec-tokens", type=bounded_int(1, 8), default=1,
                         help="query tokens per decode step: the last token and drafts from a "
                              "perfect drafter (default 1)")
+    parser.add_argument("--mtp", type=bounded_int(1, 7), default=None, metavar="Q",
+                        help="speculative decoding with Q draft tokens per step from a "
+                             "drafter wrong at random (--draft-error); rejected drafts are "
+                             "rolled back (truncate). Sets --spec-tokens to Q + 1")
+    parser.add_argument("--draft-error", type=bounded_number(0.0, 1.0), default=0.3,
+                        help="with --mtp: the chance that a draft token is wrong "
+                             "(default 0.3)")
     parser.add_argument("--device-blocks", type=positive_int, default=None,
                         help="device pool blocks (default: sized for the workload)")
     parser.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
@@ -1449,7 +1520,9 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     spec = RunSpec(num_requests=args.requests, num_layers=args.layers,
                    prompt_len_range=tuple(args.prompt_len), max_new_tokens=args.max_new_tokens,
                    chunk_size=args.chunk_size, max_running=args.max_running,
-                   shared_prefix_len=args.shared_prefix_len, spec_tokens=args.spec_tokens,
+                   shared_prefix_len=args.shared_prefix_len,
+                   spec_tokens=args.spec_tokens if args.mtp is None else args.mtp + 1,
+                   draft_error=0.0 if args.mtp is None else args.draft_error,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    device_blocks=args.device_blocks,
                    offload_threshold_pages=args.offload_threshold_pages,

@@ -106,14 +106,23 @@ class SlidingWindowGroup(RegularGroup):
     """A sliding-window group: pages that left every future query's window are released."""
 
     @property
-    def window(self) -> int:
+    def window_spec(self) -> SlidingWindowSpec:
+        """The group's ``SlidingWindowSpec`` (a ``UniformTypeKVCacheSpecs``' first spec)."""
         spec = self.spec.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.first_spec
         assert isinstance(spec, SlidingWindowSpec)
-        return spec.sliding_window
+        return spec
+
+    @property
+    def window(self) -> int:
+        return self.window_spec.sliding_window
 
     def releasable_pages(self, committed_len: int) -> int:
-        # Future queries start at position committed_len and see the last `window` tokens.
-        return max(0, committed_len - self.window) // self.block_size
+        # Future queries start at position committed_len and see the last `window` tokens
+        # (committed_len - window + 1 on); the spec keeps extra_retained_tokens more.
+        retained = self.window_spec.num_retained_tokens
+        return max(0, committed_len - retained) // self.block_size
 
 
 class ResidentGroup(DeviceGroup):
@@ -148,7 +157,11 @@ def group_class(spec: KVCacheGroupSpec) -> type[DeviceGroup]:
     """The ``DeviceGroup`` class that handles ``spec`` (``ValueError`` for an unknown type)."""
     if spec.role is KVCacheGroupRole.HISPARSE_INDEXER:
         return IndexerGroup
-    for klass in type(spec.kv_cache_spec).__mro__:
+    kv_spec = spec.kv_cache_spec
+    if isinstance(kv_spec, UniformTypeKVCacheSpecs) \
+            and isinstance(kv_spec.first_spec, SlidingWindowSpec):
+        kv_spec = kv_spec.first_spec     # its layers share one kind: windows of one size
+    for klass in type(kv_spec).__mro__:
         if klass in GROUP_KIND_BY_SPEC:
             return GROUP_KIND_BY_SPEC[klass]
     raise ValueError(f"no device group kind handles spec type "

@@ -20,12 +20,16 @@ from __future__ import annotations
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
-import torch
 
 from hisparse_triton.errors import CapacityError, HostMemoryError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+# torch is imported where a device is handled, so the torch-free scheduler can use the RAM
+# probe (``available_ram_bytes``) without importing it.
 
 __all__ = ["MemoryRequest", "available_ram_bytes", "cgroup_available_bytes", "check_fraction",
            "check_memory", "format_bytes", "format_fraction"]
@@ -54,6 +58,8 @@ class MemoryRequest:
             raise ValueError(f"MemoryRequest.nbytes of {self.what!r} must be an int >= 0, "
                              f"got {self.nbytes!r}.")
         object.__setattr__(self, "nbytes", int(self.nbytes))
+        import torch
+
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -186,6 +192,8 @@ def _itemize(requests: Sequence[MemoryRequest]) -> tuple[str, str]:
 
 
 def _cuda_device(device: torch.device) -> torch.device:
+    import torch
+
     if not torch.cuda.is_available():
         raise ValueError(f"memory requested on {device}, but CUDA is not available on this "
                          f"machine.")
@@ -228,6 +236,8 @@ def check_memory(requests: Sequence[MemoryRequest], *, max_ram_fraction: float =
                 available=available)
     for device, on_device in by_gpu.items():
         needed = sum(r.nbytes for r in on_device)
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         if needed > free:
             items, advice = _itemize(on_device)

@@ -45,13 +45,30 @@ request (which may evict them). So a step is: ``append_slots`` -> write KV -> ``
 
 Every call is all-or-nothing: a call that raises (bad input, a full pool, or torch itself
 failing) leaves the scheduler's and the worker's tables as they were.
+
+Shared-pool contract (the caller's duty; nothing checks it across processes):
+
+1. construct rank 0's runtime before the others attach (an attach to a missing pool
+   raises ``SharedHostPoolError``); close rank 0 last or not: attached ranks keep their
+   mapping, the file is unlinked by rank 0's ``close()``;
+2. every rank calls ``add_request``/``append_slots``/``commit``/``free_request`` with the
+   same arguments in the same order (SPMD, the ranks advance in lockstep), so all ranks
+   allocate the same host blocks; every rank writes the same KV bytes into its own
+   device pool;
+3. after ``commit()``, the ranks synchronise before ANY rank resolves rows that commit
+   mirrored (rank 0's stream must have finished the mirror: e.g. the step's collective
+   on that stream, or ``torch.cuda.synchronize()`` + a barrier); a rank that resolves
+   earlier may gather host rows rank 0 has not written yet.
+A serving stack with several ranks runs ONE scheduler and broadcasts its plans to the
+workers instead (``docs/runtime.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -96,6 +113,45 @@ def _combine(s: SchedulerStats, w: WorkerStats) -> HiSparseStats:
     return HiSparseStats(**dataclasses.asdict(s), **dataclasses.asdict(w))
 
 
+def _worker_read(name: str, doc: str) -> Callable:
+    """A facade method that is the worker's ``name`` (same signature) on an open runtime."""
+    method = getattr(HiSparseWorker, name)
+
+    @functools.wraps(method)
+    def read(self: "HiSparseRuntime", *args, **kwargs):
+        self._check_open()
+        return getattr(self.worker, name)(*args, **kwargs)
+    read.__doc__ = doc
+    return read
+
+
+def _prefill_state_rows(scheduler: HiSparseScheduler, request_ids: Sequence[Optional[Hashable]],
+                        topk: torch.Tensor) -> torch.Tensor:
+    """``[T] int32`` CPU state rows of a prefill chunk's query tokens (-1 = padding);
+    ``ValueError`` / ``UnknownRequestError`` for bad ids or a ``topk`` that does not fit."""
+    check_id_list(request_ids)
+    if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != len(request_ids):
+        raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request ids "
+                         f"were given (one per query token).")
+    rows = {rid: scheduler.state_row(rid) for rid in dict.fromkeys(request_ids)
+            if rid is not None}
+    state_rows = torch.tensor([rows[rid] if rid is not None else -1 for rid in request_ids],
+                              dtype=torch.int32)
+    check_prefill_topk(topk, state_rows)
+    return state_rows
+
+
+def _check_drafts_mirrored(worker: HiSparseWorker) -> None:
+    """``ValueError`` when a plan's draft-layer rows were never copied: ``commit()`` makes
+    the tokens durable and may hand their blocks to others, so the draft part must be
+    mirrored first."""
+    due = worker.draft_mirror_due
+    if due is not None:
+        raise ValueError(f"commit(): the draft layers' rows of plan {due} were not "
+                         f"mirrored: once the drafter wrote their KV (after the main forward "
+                         f"and truncate), call mirror_draft(), then commit().")
+
+
 def _delegate(half: str, name: str, doc: str = "") -> property:
     """A read-only attribute of the facade that is ``self.<half>.<name>``."""
     return property(lambda self: getattr(getattr(self, half), name), doc=doc or None)
@@ -125,22 +181,11 @@ class HiSparseRuntime:
       and count no ``d2h_bytes``, but their bookkeeping is identical. ``host_pool_secret``:
       required on the other ranks: rank 0's ``worker.host_pool_secret``;
       ``host_pool_group``: see ``HiSparseWorker``.
+    - ``draft_layers``: sparse layers a speculative drafter writes after the main forward
+      (and after ``truncate``): ``mirror_draft()`` copies their rows once the drafter ran,
+      before ``commit()`` (which refuses to end a step whose draft rows were not copied).
 
-    Shared-pool contract (the caller's duty; nothing checks it across processes):
-
-    1. construct rank 0's runtime before the others attach (an attach to a missing pool
-       raises ``SharedHostPoolError``); close rank 0 last or not: attached ranks keep their
-       mapping, the file is unlinked by rank 0's ``close()``;
-    2. every rank calls ``add_request``/``append_slots``/``commit``/``free_request`` with the
-       same arguments in the same order (SPMD, the ranks advance in lockstep), so all ranks
-       allocate the same host blocks; every rank writes the same KV bytes into its own
-       device pool;
-    3. after ``commit()``, the ranks synchronise before ANY rank resolves rows that commit
-       mirrored (rank 0's stream must have finished the mirror: e.g. the step's collective
-       on that stream, or ``torch.cuda.synchronize()`` + a barrier); a rank that resolves
-       earlier may gather host rows rank 0 has not written yet.
-    A serving stack with several ranks runs ONE scheduler and broadcasts its plans to the
-    workers instead (``docs/runtime.md``).
+    Shared host pools: see the shared-pool contract in the module docstring.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
@@ -150,7 +195,8 @@ class HiSparseRuntime:
                  host_pool_name: Optional[str] = None,
                  free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
                  host_pool_secret: Optional[str] = None,
-                 host_pool_group: Optional[str | int] = None) -> None:
+                 host_pool_group: Optional[str | int] = None,
+                 draft_layers: Sequence[str] = ()) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseRuntime needs an EngineConfig with hisparse set.")
         self._closed = True  # until both halves exist
@@ -161,12 +207,14 @@ class HiSparseRuntime:
                                      host_pool_name=host_pool_name,
                                      host_ram_fraction=host_ram_fraction,
                                      host_pool_secret=host_pool_secret,
-                                     host_pool_group=host_pool_group)
+                                     host_pool_group=host_pool_group,
+                                     draft_layers=draft_layers)
         try:
             self.scheduler = HiSparseScheduler(
                 kv_cache_config, config, max_num_seqs=max_num_seqs,
                 free_block_watermark=free_block_watermark,
-                offload_threshold_pages=offload_threshold_pages)
+                offload_threshold_pages=offload_threshold_pages,
+                host_ram_fraction=host_ram_fraction)
         except BaseException:
             self.worker.close()
             raise
@@ -203,23 +251,16 @@ class HiSparseRuntime:
     leaders = _delegate("scheduler", "leaders",
                         "Index-group leader layers (what ``resolve`` takes), in model order.")
 
-    def index_group(self, leader_layer: str) -> tuple[str, ...]:
-        """The sparse layers (leader first) whose hot rows ``resolve(leader_layer)`` fills."""
-        self._check_open()
-        return self.worker.index_group(leader_layer)
-
-    def hot_slots(self, leader_layer: str) -> torch.Tensor:
-        """``[max_num_seqs, H] int32`` host row held by each hot slot of the index group,
-        by state row (-1 = empty): a live view for inspection (``HiSparseWorker.hot_slots``),
-        as of the last plan handed to the worker (a read never makes a plan)."""
-        self._check_open()
-        return self.worker.hot_slots(leader_layer)
-
-    def hot_order(self, leader_layer: str) -> torch.Tensor:
-        """``[max_num_seqs, H] int32`` slot ids of the index group by state row, least
-        recently used first: a live view for inspection (``HiSparseWorker.hot_order``)."""
-        self._check_open()
-        return self.worker.hot_order(leader_layer)
+    index_group = _worker_read(
+        "index_group", "The sparse layers (leader first) whose hot rows "
+        "``resolve(leader_layer)`` fills.")
+    hot_slots = _worker_read(
+        "hot_slots", "``[max_num_seqs, H] int32`` host row held by each hot slot of the index "
+        "group, by state row (-1 = empty): a live view for inspection, as of the last plan "
+        "handed to the worker (a read never makes a plan).")
+    hot_order = _worker_read(
+        "hot_order", "``[max_num_seqs, H] int32`` slot ids of the index group by state row, "
+        "least recently used first: a live view for inspection.")
 
     # ------------------------------------------------------------------ request state
     def has_request(self, request_id: Hashable) -> bool:
@@ -251,43 +292,26 @@ class HiSparseRuntime:
         return self.scheduler.block_table(request_id, layer_name)
 
     # ------------------------------------------------------------------ layer access
-    def device_cache(self, layer_name: str) -> torch.Tensor:
-        """``[num_blocks, block_size, row_bytes] uint8`` view of a device layer.
-
-        ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
-        views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
-        Row ``r`` of ``append_slots``/``resolve`` is ``view[r // B, r % B]`` with ``B =
-        view.shape[1]`` (the view is strided: see ``HiSparseWorker.device_cache``).
-        """
-        self._check_open()
-        return self.worker.device_cache(layer_name)
-
-    def device_rows(self, layer_name: str) -> torch.Tensor:
-        """``[num_rows, row_bytes] uint8`` flat view of a sparse layer for a row-aligned plan
-        (``HiSparseWorker.device_rows``; ``ValueError`` for a plan that is not)."""
-        self._check_open()
-        return self.worker.device_rows(layer_name)
-
-    def host_cache(self, layer_name: str) -> torch.Tensor:
-        """``[host_num_blocks, block_size, row_bytes] uint8`` view of a source layer's host rows.
-
-        On CUDA, reading it on the CPU right after ``commit()`` needs a
-        ``torch.cuda.synchronize()`` first (the mirror runs asynchronously).
-        """
-        self._check_open()
-        return self.worker.host_cache(layer_name)
-
-    def block_tables(self, layer_name: str) -> torch.Tensor:
-        """``[max_num_seqs, pages] int32`` device block table of a layer's group, by state row.
-
-        Indexer / regular layers: every page; sparse layers: resident pages (0 = the page
-        left the GPU); ``.hisparse_hot`` names: the hot region. Index it with
-        ``state_rows(...)``. The tensor is updated in place by every plan the worker applies;
-        a read never makes a plan: call ``flush()`` first to see changes made since the last
-        resolve or commit.
-        """
-        self._check_open()
-        return self.worker.block_tables(layer_name)
+    device_cache = _worker_read(
+        "device_cache", "``[num_blocks, block_size, row_bytes] uint8`` view of a device layer "
+        "(an indexer or regular layer, a sparse layer: its resident and hot views are these "
+        "bytes, or a ``.hisparse_resident``/``.hisparse_hot`` name). Row ``r`` of "
+        "``append_slots``/``resolve`` is ``view[r // B, r % B]`` with ``B = view.shape[1]`` "
+        "(the view is strided: see ``HiSparseWorker.device_cache``).")
+    device_rows = _worker_read(
+        "device_rows", "``[num_rows, row_bytes] uint8`` flat view of a sparse layer for a "
+        "row-aligned plan (``ValueError`` for a plan that is not).")
+    host_cache = _worker_read(
+        "host_cache", "``[host_num_blocks, block_size, row_bytes] uint8`` view of a source "
+        "layer's host rows. On CUDA, reading it on the CPU right after ``commit()`` needs a "
+        "``torch.cuda.synchronize()`` first (the mirror runs asynchronously).")
+    block_tables = _worker_read(
+        "block_tables", "``[max_num_seqs, pages] int32`` device block table of a layer's "
+        "group, by state row (indexer / regular layers: every page; sparse layers: resident "
+        "pages, 0 = the page left the GPU; ``.hisparse_hot`` names: the hot region); index it "
+        "with ``state_rows(...)``. Updated in place by every plan the worker applies; a read "
+        "never makes a plan: ``flush()`` first to see changes made since the last resolve or "
+        "commit.")
 
     # ------------------------------------------------------------------ lifecycle
     def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
@@ -311,22 +335,43 @@ class HiSparseRuntime:
         self._check_open()
         return self.scheduler.reset_prefix_cache()
 
-    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]:
+    def append_slots(self, request_id: Hashable, num_tokens: int,
+                     token_ids: Optional[Sequence[int]] = None) -> dict[str, torch.Tensor]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
 
         Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
         (sparse layers under their model name: their resident rows; indexer and regular
         layers). Layers of one group share one tensor; different groups get different rows.
+        ``token_ids``: the appended tokens' ids: a request added with ``token_ids`` then
+        publishes its generated pages for prefix reuse too (``HiSparseScheduler.append_slots``).
         ``ReservationExceededError`` past ``prompt_len + max_new_tokens``;
         ``CapacityError`` when the device pool is full. Nothing changes on error.
         """
         self._check_open()
         with self._journal.transaction():
-            per_group = self.scheduler.append_group_rows(request_id, num_tokens)
+            per_group = self.scheduler.append_group_rows(request_id, num_tokens, token_ids)
             # One copy for all groups: their rows stacked, one view per group.
             views = self.worker.to_device(np.stack(per_group), torch.int64).unbind(0)
             return {name: view for view, names in zip(views, self._row_names)
                     for name in names}
+
+    def truncate(self, request_id: Hashable, new_len: int) -> None:
+        """Keep the request's first ``new_len`` tokens, drop the rest (rejected drafts):
+        call it after the forward that verified them, before ``commit()`` (committed tokens
+        are durable and refused). See ``HiSparseScheduler.truncate``; the changes reach the
+        worker with the next plan (the next resolve or commit)."""
+        self._check_open()
+        self.scheduler.truncate(request_id, new_len)
+
+    def mirror_draft(self) -> None:
+        """Copy the draft layers' rows of the step's tokens to the host: call it once the
+        drafter wrote their KV (after the main forward and ``truncate``), before
+        ``commit()``. ``ValueError`` without ``draft_layers``."""
+        self._check_open()
+        if not self.worker.draft_layers:
+            raise ValueError("mirror_draft(): this runtime has no draft layers (pass "
+                             "draft_layers when building it).")
+        self._with_plan(lambda: self.worker.mirror(draft=True))
 
     def commit(self) -> None:
         """End the step: mirror its new rows to host; release pages that are done.
@@ -337,25 +382,31 @@ class HiSparseRuntime:
            window) a request takes its hot region and unpins its committed pages outside the
            last ``ACTIVE_TAIL_PAGES``: their blocks go back to the pool but stay readable
            until reused (see ``HiSparseScheduler`` for the residency rules). Full prompt
-           pages are published for prefix reuse. Sliding-window groups release pages that
+           (and generated, with ``token_ids``) pages are published for prefix reuse. Sliding-window groups release pages that
            left every future query's window. Their table changes wait for the next plan.
         3. One copy per row size moves every new row of every source layer from its resident
            page to the host pool (write-through), for every plan of the step.
 
         Call it once per step, after the step's attention has read the rows ``resolve``
-        returned: released blocks are handed to other requests from here on.
-
-        With a shared host pool only rank 0 (``mirrors_to_host``) copies in step 3; the
-        other ranks skip the copy (their rows are the same bytes) and do steps 1-2 alike.
-        The ranks must synchronise before resolving rows this commit mirrored (see the
-        class docstring).
+        returned: released blocks are handed to other requests from here on. With a shared
+        host pool only rank 0 (``mirrors_to_host``) copies in step 3 (the shared-pool
+        contract in the module docstring).
         """
         self._check_open()
+
+        def work() -> None:
+            _check_drafts_mirrored(self.worker)
+            self.scheduler.commit_mirrors()
+            self.worker.mirror()
+        self._with_plan(work)
+
+    def _with_plan(self, work: Callable[[], None]) -> None:
+        """Hand the pending changes over, then ``work()``; if it raises, the plan is
+        reverted and the scheduler's changes undone."""
         with self._journal.transaction():
             plan = self._hand_over()
             try:
-                self.scheduler.commit_mirrors()
-                self.worker.mirror()
+                work()
             except BaseException:
                 if plan is not None:
                     self.worker.revert(plan)
@@ -440,16 +491,7 @@ class HiSparseRuntime:
         """
         self._check_open()
         self.worker.index_group(leader_layer)
-        check_id_list(request_ids)
-        if isinstance(topk, torch.Tensor) and topk.dim() == 2 \
-                and topk.shape[0] != len(request_ids):
-            raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request "
-                             f"ids were given (one per query token).")
-        rows = {rid: self.scheduler.state_row(rid) for rid in dict.fromkeys(request_ids)
-                if rid is not None}
-        state_rows = torch.tensor([rows[rid] if rid is not None else -1
-                                   for rid in request_ids], dtype=torch.int32)
-        check_prefill_topk(topk, state_rows)
+        state_rows = _prefill_state_rows(self.scheduler, request_ids, topk)
         state_rows = self.worker.to_device(state_rows.numpy(), torch.int32)
         if self.scheduler.has_pending_changes:
             self._hand_over()
@@ -495,16 +537,8 @@ class HiSparseRuntime:
         self.worker.reset_stats()
 
     def _debug_snapshot(self) -> dict:
-        """Every piece of mutable state, as comparable CPU values (tests: "a failed call
-        changes nothing"): the scheduler's (pending table changes included) and the
-        worker's. Copies every device table (a device sync on CUDA); makes no plan."""
-        scheduler, worker = self.scheduler._debug_snapshot(), self.worker._debug_snapshot()
-        next_step, d2h_bytes, plans, mirror_due = worker.pop("misc")
-        state = {**{("scheduler", k): v for k, v in scheduler.items() if k != "misc"},
-                 **{("worker", k): v for k, v in worker.items()}}
-        # "misc"[2] is the d2h byte counter (the one entry TP ranks do not share).
-        state["misc"] = (scheduler["misc"], (next_step, plans, mirror_due), d2h_bytes)
-        return state
+        """Every piece of mutable state, as comparable CPU values (``_runtime_snapshot``)."""
+        return _runtime_snapshot(self)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -534,6 +568,19 @@ class HiSparseRuntime:
                 f"{len(self.index_groups)} index groups, {self.num_device_blocks} device / "
                 f"{self.num_host_blocks} host blocks, device={self.device}, "
                 f"backend={self.backend!r}, {state})")
+
+
+def _runtime_snapshot(rt: HiSparseRuntime) -> dict:
+    """Every piece of ``rt``'s mutable state, as comparable CPU values (tests: "a failed call
+    changes nothing"): the scheduler's (pending table changes included) and the worker's.
+    Copies every device table (a device sync on CUDA); makes no plan."""
+    scheduler, worker = rt.scheduler._debug_snapshot(), rt.worker._debug_snapshot()
+    next_step, d2h_bytes, plans, mirror_due = worker.pop("misc")
+    state = {**{("scheduler", k): v for k, v in scheduler.items() if k != "misc"},
+             **{("worker", k): v for k, v in worker.items()}}
+    # "misc"[2] is the d2h byte counter (the one entry TP ranks do not share).
+    state["misc"] = (scheduler["misc"], (next_step, plans, mirror_due), d2h_bytes)
+    return state
 
 
 __all__ = ["BACKENDS", "HiSparseError", "HiSparseRuntime", "HiSparseStats"]

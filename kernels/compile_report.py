@@ -1,6 +1,9 @@
-"""Compile every kernel launch the runtime can make for an NVIDIA GPU, on any machine.
+"""Compile every kernel launch the runtime can make for an NVIDIA or AMD GPU, on any machine.
 
-    python -m hisparse_triton.kernels.compile_report --arch sm_90 [--json PATH|-]
+    python -m hisparse_triton.kernels.compile_report --arch sm_90|gfx942 [--json PATH|-]
+
+(AMD targets ``gfx90a`` / ``gfx942`` / ``gfx950``: the same variants and schema, with the
+vendor fields ``kernels.amd_report`` documents; the NVIDIA fields follow.)
 
 No GPU is needed: the report runs the real launchers (``kernels.resolve.resolve``,
 ``kernels.gather.gather_rows`` / ``restore_pages``, ``kernels.backup.backup_rows`` /
@@ -47,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hisparse_triton.kernels.launches import record_launches
 
-__all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "compile_report", "main", "occupancy",
+__all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main", "occupancy",
            "report_in_subprocess"]
 
 #: Per-SM limits of the architectures the report knows (CUDA occupancy calculator values).
@@ -285,12 +288,14 @@ def _grid(grid: Any) -> list[int]:
     return [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
 
 
-def compile_report(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"),
+def compile_report(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", "copy"),
                    widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
                    progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Record and compile every launch of ``groups`` (``"resolve"``, ``"copy"``); resolve at
     the top-k ``widths`` (plus, with ``small_host``, a host pool small enough for int32 sort
-    keys). Returns the report payload (``{"arch", "triton", "launches"}``).
+    keys). ``arch``: ``90`` (``sm_90``) ... or an AMD target ``"gfx942"`` (``amd_report``).
+    Returns the report payload (``{"arch", "vendor", "warp_size", "triton", "launches"}``,
+    AMD adds ``"limits"``).
 
     Must run without ``TRITON_INTERPRET=1`` (the interpreter replaces the kernels by Python
     functions): use ``report_in_subprocess`` from an interpreted process.
@@ -298,16 +303,20 @@ def compile_report(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_report needs the compiled kernels: unset TRITON_INTERPRET "
                            "(or call report_in_subprocess).")
-    if arch not in ARCH_LIMITS:
+    from hisparse_triton.kernels import amd_report
+
+    amd = amd_report.is_amd_arch(arch)
+    if not amd and arch not in ARCH_LIMITS:
         raise ValueError(f"unknown arch sm_{arch}; known: "
-                         f"{', '.join(f'sm_{a}' for a in ARCH_LIMITS)}.")
+                         f"{', '.join(f'sm_{a}' for a in ARCH_LIMITS)}, "
+                         f"{', '.join(amd_report.AMD_ARCH_LIMITS)}.")
     import triton
 
-    compiler = _Compiler(arch)
+    compiler = amd_report.AmdCompiler(arch) if amd else _Compiler(arch)
     calls = (_resolve_calls(widths, small_host) if "resolve" in groups else []) \
         + (_copy_calls() if "copy" in groups else [])
     tag = ["?"]
-    with record_launches(tag=tag) as launches:
+    with record_launches(tag=tag) as launches, _planned_for(compiler):
         for what, call in calls:
             tag[0] = what
             call()
@@ -320,16 +329,31 @@ def compile_report(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"
         info = compiler.compile(launch.kernel, launch.args, dict(launch.kwargs))
         records.append({"variant": launch.tag, "kernel": name, "grid": _grid(launch.grid),
                         **info})
-    return {"arch": f"sm_{arch}", "triton": triton.__version__, "launches": records}
+    target = compiler.payload() if amd else {"arch": f"sm_{arch}", "vendor": "nvidia",
+                                              "warp_size": 32}
+    return {**target, "triton": triton.__version__, "launches": records}
 
 
-def report_in_subprocess(arch: int = 90, *, groups: Sequence[str] = ("resolve", "copy"),
+def _planned_for(compiler: Any):
+    """The launchers plan for the compiler's target (warp size, limits) while recording."""
+    from hisparse_triton.kernels.launch_config import target_override
+
+    return target_override(compiler.target)
+
+
+def arch_flag(arch: int | str) -> str:
+    """The ``--arch`` value of ``arch`` (``90`` -> ``sm_90``, ``"gfx942"`` unchanged)."""
+    return arch if isinstance(arch, str) else f"sm_{arch}"
+
+
+def report_in_subprocess(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", "copy"),
                          widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
                          timeout: float = 1800) -> dict[str, Any]:
     """``compile_report`` in a fresh interpreter without ``TRITON_INTERPRET`` (usable from
     tests that run the kernels in the interpreter). Returns the JSON document."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "hisparse_triton.kernels.compile_report", f"--arch=sm_{arch}",
+    cmd = [sys.executable, "-m", "hisparse_triton.kernels.compile_report",
+           f"--arch={arch_flag(arch)}",
            "--json", "-", "--kernels", ",".join(groups),
            "--widths", ",".join(str(w) for w in widths)] + ([] if small_host
                                                             else ["--no-small-host"])
@@ -340,6 +364,10 @@ def report_in_subprocess(arch: int = 90, *, groups: Sequence[str] = ("resolve", 
 
 
 def format_report(payload: dict[str, Any]) -> str:
+    if payload.get("vendor") == "amd":
+        from hisparse_triton.kernels.amd_report import format_amd_report
+
+        return format_amd_report(payload)
     head = (f"{'variant':<40} {'kernel':<28} {'grid':<14} {'warps':>5} {'regs':>4} "
             f"{'spill':>5} {'smem':>7} {'sass':>6} {'cta/SM':>6}")
     lines = [f"compile report for {payload['arch']} (triton {payload['triton']})", head]

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from hisparse_triton.kernels.direct_launch import DirectLaunch
+from hisparse_triton.kernels.launch_config import check_launch
 from hisparse_triton.ops.copy.contract import check_copy_args, table_alignment
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
@@ -255,6 +256,7 @@ def _prepare(dst: RowTable, src: RowTable, device: torch.device, rows: int, cols
                          device=device, programs_per_sm=programs_per_sm)
     word = shape.word_bytes
     config = shape.config
+    check_launch(f"{kernel} (copy_rows_kernel)", config.num_warps, device)  # warp size, limits
     return _Prepared(
         shape.grid,
         (dst.word_view(word), src.word_view(word), dst.device_offsets(device),

@@ -56,6 +56,11 @@ written by atomics (slot owners, run winners) are read with ``.cg`` loads (from 
 atomics resolve). Triton emits loads as side-effecting inline PTX, so nothing is hoisted
 across a barrier. The two ``atomic_min`` see one writer per address in a valid state; they only
 make corrupted states (a slot named twice, two slots holding one row) deterministic.
+On AMD GPUs (gfx90a / gfx942 / gfx950) ``tl.debug_barrier()`` is a bare ``s_barrier``: the
+hand-offs are then ordered by the workgroup memory model in non-threadgroup-split mode (the
+waves share one CU's vector L1; LLVM lowers HIP's ``__syncthreads()`` to the same code), and a
+threadgroup-split target is refused (``kernels/launch_config.py``). docs/kernels.md, "Memory
+model", states the argument per hand-off for both vendors; no hint carries exactness.
 
 Safety: every access is masked to in-range indices computed in int64 (state rows outside
 ``[0, S)`` -> padding; pages ``< P``; slots ``< H``; new LRU positions are a bijection onto
@@ -78,6 +83,7 @@ from hisparse_triton.ops.resolve.contract import (
     check_resolve_args as _check_resolve_args,
 )
 from hisparse_triton.kernels.gather import _device_guard
+from hisparse_triton.kernels.launch_config import resolve_launch_warps
 from hisparse_triton.ops.resolve.workspace import (
     ResolveWorkspace,
     restore_resolve_state,
@@ -477,7 +483,7 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
     bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
     key64 = (num_host_blocks * block_size + 1) * block_k > 2**31
     tile = max(sort, bh)
-    warps = num_warps or (16 if tile >= 2048 else 8 if tile >= 1024 else 4)
+    warps = resolve_launch_warps(tile, num_warps)  # per warp size; HIP's limits checked
     in_regs = (GATHER_SEARCH if gather_search is None else bool(gather_search)) \
         and sort == block_k
     constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,

@@ -16,9 +16,42 @@ def test_a_freed_block_with_readers_is_cached_until_reused():
     pool.free([b, a])
     assert pool.num_free == 2 and pool.num_cached == 1 and pool.num_truly_free == 1
     assert pool.is_cached(b) and not pool.is_cached(a)
-    assert pool.allocate(1) == [b] and reused == [b]   # FIFO: b first; its readers are told
+    # b was freed first, but a truly free block is reused before any cached one
+    assert pool.allocate(1) == [a] and reused == []    # a had no reader: no call
+    assert pool.allocate(1) == [b] and reused == [b]   # then b; its readers are told
     assert pool.num_cached == 0 and pool.readers(b) == 0
-    assert pool.allocate(1) == [a] and reused == [b]   # a had no reader: no call
+
+
+def test_no_cached_page_is_lost_while_truly_free_blocks_remain():
+    """#22: an unpinned page was reused while 23 truly free blocks remained."""
+    reused = []
+    pool = BlockPool(30, "device", on_reuse=lambda b: (reused.append(b), pool.drop_reader(b)))
+    blocks = pool.allocate(29)
+    for block in blocks[:6]:
+        pool.add_reader(block)
+    pool.free(blocks)                       # cached ones first in free order
+    truly = pool.num_truly_free
+    assert truly == 23
+    got = pool.allocate(truly)
+    assert reused == [] and set(got) == set(blocks[6:]) and pool.num_cached == 6
+    assert pool.allocate(2) == blocks[:2] and reused == blocks[:2]   # longest cached first
+
+
+def test_a_block_moves_between_the_queues_with_its_readers_and_undo_restores_it():
+    journal = Journal()
+    pool = BlockPool(6, journal=journal)
+    blocks = pool.allocate(5)
+    pool.add_reader(blocks[1])
+    pool.free(blocks)
+    before = pool.snapshot()
+    with pytest.raises(RuntimeError), journal.transaction():
+        pool.drop_reader(blocks[1])         # now truly free, at the back
+        assert list(pool._free)[-1] == blocks[1] and pool.num_cached == 0
+        pool.add_reader(blocks[3])          # now cached
+        assert pool.num_cached == 1
+        raise RuntimeError
+    assert pool.snapshot() == before
+    pool.check_invariants()
 
 
 def test_take_adopts_a_cached_block_with_its_readers():
@@ -58,12 +91,13 @@ def test_a_transaction_undoes_allocation_reuse_and_readers_exactly():
     blocks = pool.allocate(4)
     for block in blocks[:2]:
         pool.add_reader(block)
-    pool.free(blocks)                        # queue: 5, then 1..4 (1 and 2 cached)
+    pool.free(blocks)                        # truly free: 5, 3, 4; cached: 1, 2
     before = pool.snapshot()
     with pytest.raises(RuntimeError):
         with journal.transaction():
-            assert pool.allocate(3) == [5, 1, 2]   # two cached blocks: readers dropped
+            assert pool.allocate(5) == [5, 3, 4, 1, 2]   # two cached: readers dropped
             assert pool.num_cached == 0
+            pool.free([4])
             pool.add_reader(5)
             pool.take(4)
             raise RuntimeError("roll back")
@@ -76,17 +110,17 @@ def test_check_invariants_catches_corrupt_counts():
     pool.allocate(3)
     pool.check_invariants()
     pool._ref[2] = 0                         # block 2 "free" but not in the queue
-    with pytest.raises(SchedulerStateError, match="free queue"):
+    with pytest.raises(SchedulerStateError, match="truly free queue"):
         pool.check_invariants()
     pool._ref[2] = 1
-    pool._num_cached = 1
-    with pytest.raises(SchedulerStateError, match="num_cached"):
+    pool._readers[4] = 1                     # a free block with a reader in the wrong queue
+    with pytest.raises(SchedulerStateError, match="cached queue"):
         pool.check_invariants()
 
 
-def test_bookkeeping_costs_16_bytes_per_block():
+def test_bookkeeping_costs_24_bytes_per_block():
     pool = BlockPool(100_000)
-    arrays = (pool._ref_array, pool._readers_array, pool._free._next_array,
-              pool._free._prev_array)
-    assert sum(a.nbytes for a in arrays) == 16 * 100_000
+    arrays = (pool._ref_array, pool._readers_array, pool._truly._next_array,
+              pool._truly._prev_array, pool._cached._next_array, pool._cached._prev_array)
+    assert sum(a.nbytes for a in arrays) == 24 * 100_000
     assert pool.allocate(3) == [1, 2, 3] and pool.num_free == 99_996

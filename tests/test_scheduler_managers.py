@@ -131,3 +131,43 @@ def test_manager_state_changes_are_journaled():
             s.free_request("a")
             raise RuntimeError("roll back")
     assert s._debug_snapshot() == before
+
+
+def test_a_uniform_spec_of_one_sliding_window_type_is_a_sliding_window_group():
+    """A ``UniformTypeKVCacheSpecs`` names its kind by its first spec: windows of one size
+    are a sliding-window group (they were a regular group: no page was ever released)."""
+    from hisparse_triton.groups import RegularGroup, SlidingWindowGroup, group_class
+    from hisparse_triton.specs import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    window = dict(block_size=4, num_kv_heads=1, head_size=8, dtype="uint8", sliding_window=8)
+    uniform = UniformTypeKVCacheSpecs.from_specs({"a": SlidingWindowSpec(**window),
+                                                  "b": SlidingWindowSpec(**window)})
+    group = KVCacheGroupSpec(layer_names=("a", "b"), kv_cache_spec=uniform)
+    assert group_class(group) is SlidingWindowGroup
+    made = SlidingWindowGroup(position=0, config_index=0, spec=group, block_size=4, width=4)
+    assert made.window == 8
+    full = UniformTypeKVCacheSpecs.from_specs({"c": FullAttentionSpec(
+        block_size=4, num_kv_heads=1, head_size=8, dtype="uint8")})
+    assert group_class(KVCacheGroupSpec(layer_names=("c",), kv_cache_spec=full)) \
+        is RegularGroup
+
+
+@pytest.mark.parametrize("extra, committed, pages", [
+    (0, 8, 0), (0, 11, 1), (0, 15, 2), (0, 16, 2), (2, 11, 0), (2, 13, 1), (2, 17, 2)])
+def test_window_pages_are_released_by_the_specs_retained_tokens(extra, committed, pages):
+    """Queries from ``committed`` on read ``[committed - window + 1, ...]``, and the spec
+    keeps ``extra_retained_tokens`` more: ``(committed - window + 1 - extra) // B``."""
+    from hisparse_triton.groups import SlidingWindowGroup
+    from hisparse_triton.specs import KVCacheGroupSpec, SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="uint8",
+                             sliding_window=8, extra_retained_tokens=extra)
+    group = SlidingWindowGroup(position=0, config_index=0, block_size=4, width=8,
+                               spec=KVCacheGroupSpec(layer_names=("w",), kv_cache_spec=spec))
+    assert group.releasable_pages(committed) == pages
+    assert pages == max(0, committed - 8 + 1 - extra) // 4

@@ -1,6 +1,7 @@
 """Residency decisions are pure: pressure, which pages leave, whom a reclaim offloads (and
 its prediction of what becomes available is what carrying it out gives)."""
 
+import numpy as np
 import pytest
 
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
@@ -82,6 +83,18 @@ def test_the_scheduler_reclaim_prediction_matches_what_it_does():
     before = s._debug_snapshot()
     reclaim, available = s.capacity.fit(needed)
     assert s._debug_snapshot() == before and reclaim is not None and reclaim.fits
-    s._run_reclaim(reclaim)
+    s.durability.run_reclaim(reclaim)
     assert s.available_device_blocks == available >= needed
     s.check_invariants()
+
+
+def test_numpy_watermarks_are_accepted_like_python_numbers():
+    """#22: ``free_block_watermark=np.int64(3)`` was refused."""
+    assert make_scheduler(watermark=np.int64(3)).policy.watermark == 3
+    s = make_scheduler(watermark=np.float64(1.0))
+    assert s.policy.always_offload and s.free_block_watermark == 1.0
+    assert make_scheduler(watermark=np.float32(0.5)).policy.watermark == \
+        make_scheduler(watermark=0.5).policy.watermark
+    for bad in (np.True_, True, float("nan"), "0.1", 1.5, -1):
+        with pytest.raises(ValueError, match="free_block_watermark"):
+            make_scheduler(watermark=bad)

@@ -30,18 +30,19 @@ FULL = "model.layers.4.full_attn"
 
 def make(*, max_num_seqs=3, max_model_len=64, device_blocks=None, watermark=0.1, q=1,
          max_num_batched_tokens=None, backend="torch", device="cpu", regular=False,
-         host_blocks=None):
+         host_blocks=None, buffer=BUFFER, draft_layers=()):
     spec = dict(build_kv_cache_spec("tiny", num_layers=4, block_size=B))
     if regular:
         spec[FULL] = FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=8, dtype="uint8")
     plan = plan_for_workload(spec, max_model_len=max_model_len, num_requests=max_num_seqs,
-                             topk=TOPK, device_buffer_size=BUFFER, device_blocks=device_blocks,
+                             topk=TOPK, device_buffer_size=buffer, device_blocks=device_blocks,
                              host_blocks=host_blocks)
     config = dataclasses.replace(
         plan.config, max_num_batched_tokens=max_num_batched_tokens,
         hisparse=dataclasses.replace(plan.config.hisparse, max_decode_query_len=q))
     return HiSparseRuntime(plan.kv_cache_config, config, max_num_seqs=max_num_seqs,
-                           device=device, backend=backend, free_block_watermark=watermark)
+                           device=device, backend=backend, free_block_watermark=watermark,
+                           draft_layers=draft_layers)
 
 
 class Oracle:
@@ -54,6 +55,7 @@ class Oracle:
         self.row_bytes = {layer: rt.device_cache(layer).shape[-1] for layer in self.layers}
         self.keys: dict = {}      # request -> [seq_len] position keys
         self.tokens: dict = {}    # request -> prompt token ids (or None)
+        self.epoch: dict = {}     # request -> rollbacks so far (re-appended tokens differ)
 
     @staticmethod
     def prefix_keys(tokens) -> list[int]:
@@ -67,6 +69,11 @@ class Oracle:
         self.tokens[rid] = None if tokens is None else list(tokens)
         self.keys[rid] = (self.prefix_keys(tokens)[:cached] if tokens is not None else [])
         assert len(self.keys[rid]) == cached
+
+    def truncate(self, rid, new_len: int) -> None:
+        """The dense copy rolls back too; tokens appended again get new bytes."""
+        del self.keys[rid][new_len:]
+        self.epoch[rid] = self.epoch.get(rid, 0) + 1
 
     def content(self, key: int, layer: str) -> torch.Tensor:
         n = self.row_bytes[layer]
@@ -84,7 +91,8 @@ class Oracle:
         full = self.prefix_keys(tokens) if tokens is not None else []
         for pos in range(start, start + n):
             keys.append(full[pos] if pos < len(full)
-                        else hash((str(rid), pos, "generated")) & ((1 << 56) - 1))
+                        else hash((str(rid), pos, "generated", self.epoch.get(rid, 0)))
+                        & ((1 << 56) - 1))
         for layer in self.layers:
             cache = self.rt.device_cache(layer)
             r = rows[layer].to(cache.device)
@@ -283,13 +291,23 @@ def test_prefix_survives_its_request_and_is_evicted_when_space_is_needed():
         for leader in rt.leaders:
             oracle.check(leader, ["b"], topk, rt.resolve(leader, ["b"], topk))
         rt.free_request("b")
-        # unrelated requests need the space: the cached pages go, least recently freed first
+        # requests that fit in the truly free blocks leave the cached pages alone
+        rt.add_request("x", 40, 0)
+        rt.append_slots("x", 40)
+        rt.commit()
+        rt.free_request("x")
+        assert rt.stats().lost_pages == 0
+        assert rt.add_request("c", 40, 0, token_ids=tokens) == 36
+        rt.free_request("c")
+        # unrelated requests need the space: the cached pages go (the first freed first:
+        # b's last pages)
         for rid in ("x", "y"):
             rt.add_request(rid, 40, 0)
             rt.append_slots(rid, 40)
-            rt.commit()
+        rt.commit()
+        for rid in ("x", "y"):
             rt.free_request(rid)
-        assert rt.add_request("c", 40, 0, token_ids=tokens) == 0
+        assert rt.add_request("c", 40, 0, token_ids=tokens) < 36
         rt.free_request("c")
         dropped = rt.reset_prefix_cache()
         stats = rt.stats()
@@ -325,6 +343,27 @@ def test_a_prefix_left_only_on_the_host_starts_offloaded_and_reads_it_exactly():
         assert rt.stats().misses > misses
 
 
+def test_pure_hisparse_drops_pages_at_once_even_for_the_prefix_cache():
+    """#22: with free_block_watermark=1.0 (documented: committed pages leave the GPU at
+    once) a second request with the same prompt re-adopted 18 resident pages; now the
+    prefix is reused from the host only (indexer pages stay shared: they never leave)."""
+    with make(max_num_seqs=2, max_model_len=64, device_blocks=300, watermark=1.0) as rt:
+        oracle = Oracle(rt)
+        tokens = list(range(60, 100))
+        rt.add_request("a", 40, 8, token_ids=tokens)
+        oracle.add("a", 0, tokens)
+        oracle.write("a", rt.append_slots("a", 40))
+        rt.commit()
+        cached = rt.add_request("b", 40, 8, token_ids=tokens)
+        assert cached == 36 and rt.stats().readopted_pages == 0
+        assert rt.scheduler.is_offloaded("b")
+        assert rt.block_table("b", L0)[:9] == [0] * 9
+        oracle.add("b", cached, tokens)
+        oracle.write("b", rt.append_slots("b", 4))
+        rt.commit()
+        _check_all(rt, oracle, "b")
+
+
 def test_prefix_reuse_needs_token_ids_of_the_prompt_length():
     with make() as rt:
         with pytest.raises(ValueError, match=r"token_ids must be 8 ints"):
@@ -332,6 +371,109 @@ def test_prefix_reuse_needs_token_ids_of_the_prompt_length():
         with pytest.raises(ValueError, match=r"token_ids must be 8 ints"):
             rt.add_request("a", 8, 4, token_ids=[0.5] * 8)
         assert not rt.has_request("a")
+
+
+# ------------------------------------------------------------------ generated pages reused
+def _generate(rt, oracle, rid, answer, gen):
+    """Decode ``answer`` one token per step, with its ids; exact throughout."""
+    for token in answer:
+        oracle.write(rid, rt.append_slots(rid, 1, token_ids=[token]))
+        for leader in rt.leaders:
+            topk = torch.randint(0, rt.seq_len(rid), (1, TOPK), dtype=torch.int32,
+                                 generator=gen)
+            oracle.check(leader, [rid], topk, rt.resolve(leader, [rid], topk))
+        rt.commit()
+
+
+def _check_all(rt, oracle, rid):
+    n = rt.seq_len(rid)
+    for leader in rt.leaders:
+        for start in range(0, n, TOPK):
+            topk = torch.arange(start, start + TOPK, dtype=torch.int32).clamp(max=n - 1)
+            oracle.check(leader, [rid], topk.view(1, -1), rt.resolve(leader, [rid],
+                                                                     topk.view(1, -1)))
+
+
+def _fill_the_pool(rt):
+    """Another request takes every truly free device block and a few cached ones (the
+    pages they held are evicted: the newest freed first)."""
+    rt.add_request("filler", 64, 0)
+    pages = rt.scheduler.truly_free_device_blocks // len(rt.scheduler.devices.paged) + 2
+    assert pages * len(rt.scheduler.devices.paged) <= rt.scheduler.available_device_blocks
+    rt.append_slots("filler", pages * B)
+    rt.commit()
+    rt.free_request("filler")
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+def test_a_second_turn_reuses_the_first_turns_generated_pages(pressure):
+    gen = torch.Generator().manual_seed(8)
+    watermark = 0.1
+    with make(max_num_seqs=2, max_model_len=64, device_blocks=50 if pressure else 300,
+              watermark=watermark) as rt:
+        oracle = Oracle(rt)
+        prompt, answer = list(range(300, 318)), list(range(500, 512))   # 18 + 12 tokens
+        assert rt.add_request("t1", len(prompt), len(answer), token_ids=prompt) == 0
+        oracle.add("t1", 0, prompt + answer)
+        oracle.write("t1", rt.append_slots("t1", len(prompt)))
+        rt.commit()
+        _generate(rt, oracle, "t1", answer, gen)
+        rt.free_request("t1")
+        if pressure:
+            _fill_the_pool(rt)
+        turn2 = prompt + answer + [7, 8, 9, 10, 11, 12]
+        cached = rt.add_request("t2", len(turn2), 4, token_ids=turn2)
+        full = (len(prompt) + len(answer)) // B * B                 # every full page: 28
+        assert 0 < cached < full if pressure else cached == full
+        oracle.add("t2", cached, turn2)
+        oracle.write("t2", rt.append_slots("t2", len(turn2) - cached))
+        rt.commit()
+        _check_all(rt, oracle, "t2")
+        rt.free_request("t2")
+        rt.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+def test_a_preempted_request_resumed_with_its_tokens_recomputes_nothing_cached(pressure):
+    gen = torch.Generator().manual_seed(9)
+    with make(max_num_seqs=2, max_model_len=64, device_blocks=50 if pressure else 300,
+              watermark=0.1) as rt:
+        oracle = Oracle(rt)
+        prompt, answer = list(range(40, 53)), list(range(900, 920))    # 13 + 20 tokens
+        rt.add_request("a", len(prompt), len(answer), token_ids=prompt)
+        oracle.add("a", 0, prompt + answer)
+        oracle.write("a", rt.append_slots("a", len(prompt)))
+        rt.commit()
+        _generate(rt, oracle, "a", answer[:11], gen)            # 24 tokens: 6 full pages
+        rt.free_request("a")                                    # preempted
+        if pressure:
+            _fill_the_pool(rt)
+        done = prompt + answer[:11]
+        cached = rt.add_request("a", len(done), 9, token_ids=done)
+        full = (len(done) - 1) // B * B                         # one token is computed
+        assert 0 < cached < full if pressure else cached == full
+        oracle.add("a", cached, prompt + answer)
+        oracle.write("a", rt.append_slots("a", len(done) - cached))
+        rt.commit()
+        _generate(rt, oracle, "a", answer[11:], gen)
+        _check_all(rt, oracle, "a")
+
+
+def test_generated_token_ids_are_checked():
+    with make(device_blocks=200) as rt:
+        rt.add_request("a", 6, 8, token_ids=list(range(6)))
+        before = rt._debug_snapshot()
+        with pytest.raises(ValueError, match=r"token_ids must be 6 ints"):
+            rt.append_slots("a", 6, token_ids=[1, 2])
+        with pytest.raises(ValueError, match=r"positions 0..5 differ from its prompt's"):
+            rt.append_slots("a", 6, token_ids=[9] * 6)
+        assert rt._debug_snapshot() == before
+        rt.append_slots("a", 6, token_ids=list(range(6)))
+        rt.append_slots("a", 2)                       # no ids: the chain ends here
+        rt.append_slots("a", 2, token_ids=[1, 2])     # ... and is not resumed
+        rt.commit()
+        rt.free_request("a")
+        assert rt.add_request("b", 12, 0, token_ids=list(range(6)) + [0] * 6) == 4
 
 
 # ------------------------------------------------------------------ speculative decoding
@@ -356,6 +498,106 @@ def test_mtp_resolves_the_draft_tokens_as_one_union():
         with pytest.raises(ValueError, match=r"top-k width 18 \(q x k\)"):
             rt.resolve(L0, ["a"], torch.zeros(1, 2, 9, dtype=torch.int32))
         decode(rt, oracle, ["a"], 3, torch.Generator().manual_seed(4), q=2)
+
+
+def _speculate(rt, oracle, ids, steps, gen, rng, q):
+    """``steps`` MTP steps: each request appends ``q`` tokens (the last accepted one and
+    ``q - 1`` drafts), every index group resolves ``[R, q, K]``, a drafter that is wrong at
+    random accepts 0..q-1 drafts, the rejected ones are rolled back before ``commit()``."""
+    rolled = 0
+    for _ in range(steps):
+        for rid in ids:
+            oracle.write(rid, rt.append_slots(rid, q))
+        for leader in rt.leaders:
+            hi = max(rt.seq_len(rid) for rid in ids)
+            topk = torch.randint(-1, hi + 2, (len(ids), q, TOPK), dtype=torch.int32,
+                                 generator=gen)
+            oracle.check(leader, ids, topk, rt.resolve(leader, ids, topk))
+        for rid in ids:
+            rejected = q - 1 - rng.randint(0, q - 1)
+            new_len = rt.seq_len(rid) - rejected
+            rt.truncate(rid, new_len)
+            oracle.truncate(rid, new_len)
+            rolled += rejected
+        for leader in rt.leaders:   # dropped positions are masked, kept ones exact
+            hi = max(rt.seq_len(rid) for rid in ids)
+            topk = torch.randint(max(0, hi - 8), hi + q, (len(ids), TOPK), dtype=torch.int32,
+                                 generator=gen)
+            oracle.check(leader, ids, topk, rt.resolve(leader, ids, topk))
+        rt.commit()
+    return rolled
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_drafter_wrong_at_random_rolls_back_exactly(backend):
+    """Random acceptance, offloading and eviction: exact against a dense oracle that rolls
+    back too; no block leaks; both backends (Triton: the interpreter on CPU)."""
+    q = 3
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    steps = 14 if backend == "torch" else 4
+    configs = ((1.0, 200), (0.1, 60)) if backend == "torch" else ((1.0, 200),)
+    for watermark, blocks in configs:
+        with make(max_num_seqs=2, device_blocks=blocks, watermark=watermark, q=q,
+                  backend=backend, device=device, buffer=q * TOPK) as rt:
+            rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+            oracle = Oracle(rt)
+            initial = rt.device_block_pool.num_free
+            for rid, n in (("a", 22), ("b", 13)):
+                rt.add_request(rid, n, q * steps)
+                oracle.add(rid, 0)
+                oracle.write(rid, rt.append_slots(rid, n))
+                rt.commit()
+            assert _speculate(rt, oracle, ["a", "b"], steps, gen, rng, q) > 0
+            if watermark == 1.0:
+                assert rt.stats().misses > 0
+            rt.scheduler.check_invariants()
+            for rid in ("a", "b"):
+                rt.free_request(rid)
+            assert rt.device_block_pool.num_free == initial
+
+
+def test_truncate_is_refused_for_committed_tokens_and_changes_nothing():
+    with make(device_blocks=200) as rt:
+        rt.add_request("a", 10, 8)
+        rt.append_slots("a", 10)
+        rt.commit()
+        rt.append_slots("a", 3)
+        before = rt._debug_snapshot()
+        with pytest.raises(ValueError, match=r"first 10 are durable"):
+            rt.truncate("a", 9)
+        with pytest.raises(ValueError, match=r"cannot truncate to 14 tokens, it has 13"):
+            rt.truncate("a", 14)
+        assert rt._debug_snapshot() == before
+
+
+def test_draft_layer_rows_must_be_mirrored_before_commit():
+    """The drafter writes its layers' KV after the main forward (and the rollback):
+    ``mirror_draft()`` copies them, and ``commit()`` refuses a step whose draft rows were
+    not copied (it makes the tokens durable and may hand their blocks to others)."""
+    with make(device_blocks=200, draft_layers=[L2]) as rt:
+        oracle = Oracle(rt)
+        rt.add_request("a", 10, 8)
+        oracle.add("a", 0)
+        oracle.write("a", rt.append_slots("a", 10))
+        rt.flush()
+        before = rt._debug_snapshot()
+        with pytest.raises(ValueError, match=r"draft layers' rows of plan 1 were not mirrored"
+                                             r".*call mirror_draft\(\), then commit"):
+            rt.commit()
+        assert rt._debug_snapshot() == before
+        rt.mirror_draft()
+        rt.commit()
+        host, device = rt.host_cache(L2), rt.device_cache(L2)
+        for pos in range(10):
+            h, d = rt.host_block_table("a")[pos // B], rt.block_table("a", L2)[pos // B]
+            assert torch.equal(host[h, pos % B], device[d, pos % B].cpu())
+        rt.append_slots("a", 2)
+        rt.truncate("a", 11)                 # rolled back before the drafter runs
+        rt.mirror_draft()
+        rt.commit()
+    with make() as rt, pytest.raises(ValueError, match=r"mirror_draft\(\): this runtime has "
+                                                      r"no draft layers"):
+        rt.mirror_draft()
 
 
 # ------------------------------------------------------------------ everything at once

@@ -242,6 +242,27 @@ def test_a_wrong_draft_is_rejected(serving_dense):
         run_split(spec, drafts=drafts)
 
 
+@pytest.mark.parametrize("store", ["split", "facade"])
+def test_mtp_with_random_acceptance_rolls_back_and_is_bit_identical(serving_dense, store):
+    """``--mtp 3``: 3 drafts per step from a drafter wrong at random, 0..3 accepted per
+    step, the rejected ones rolled back (``truncate``) before the step commits, under pure
+    HiSparse (every committed page read through the hot buffer) with a shared prefix:
+    tokens and logits identical to the dense one-token-at-a-time run."""
+    spec = dataclasses.replace(SERVING, spec_tokens=4, draft_error=0.35,
+                               free_block_watermark=1.0)
+    if store == "split":
+        result, _, sched, work = run_split(spec, drafts=serving_dense.tokens)
+        misses = work.misses
+    else:
+        with tiny_dsa.build_runtime(spec) as runtime:
+            result = tiny_dsa.run(spec, tiny_dsa.HiSparseStore(runtime), serving_dense.tokens)
+            sched = runtime.stats()
+            misses = sched.misses
+    assert tiny_dsa.compare(serving_dense, result) == []
+    assert result.rejected_tokens > 0 and result.steps < serving_dense.steps
+    assert misses > 0 and sched.prefix_hit_tokens > 0
+
+
 def test_two_tensor_parallel_ranks_share_one_host_pool(serving_dense):
     """``--tp 2``: two processes (gloo); rank 0 schedules and broadcasts every plan and the
     step's rows; both compute the same tokens over one host pool in /dev/shm, under pressure,

@@ -30,6 +30,23 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+def rocm_smi() -> dict[str, Any]:
+    """GPU 0 as ``rocm-smi --json`` reports it (product, driver, PCIe bus, clocks), keys as
+    the tool names them; ``{}`` when ``rocm-smi`` is missing or fails."""
+    import json
+
+    try:
+        out = subprocess.run(["rocm-smi", "--showproductname", "--showdriverversion",
+                              "--showbus", "--showclocks", "--json"],
+                             capture_output=True, text=True, timeout=20)
+        data = json.loads(out.stdout) if out.returncode == 0 else {}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+    card = data.get("card0", {}) if isinstance(data, dict) else {}
+    system = data.get("system", {}) if isinstance(data, dict) else {}
+    return {**system, **card} if isinstance(card, dict) and isinstance(system, dict) else {}
+
+
 def _smi_query(names: tuple[str, ...]) -> Optional[list[str]]:
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(names)}",
@@ -57,8 +74,9 @@ def nvidia_smi() -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    """GPU name, driver, torch, triton, CUDA runtime and driver API, SM count, L2 size,
-    clocks, Python, host, git commit."""
+    """GPU name, driver, torch, triton, CUDA runtime and driver API (or on a ROCm build of
+    torch: HIP version, gfx target, CU count, ``rocm-smi``), SM count, L2 size, clocks,
+    Python, host, git commit."""
     import torch
     import triton
 
@@ -78,7 +96,23 @@ def environment() -> dict[str, Any]:
         "gpu": None,
         "driver": None,
     }
-    if torch.cuda.is_available():
+    hip = getattr(torch.version, "hip", None)  # a ROCm build: torch.cuda is HIP there
+    env["vendor"] = "amd" if hip else "nvidia"
+    if torch.cuda.is_available() and hip:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update({
+            "gpu": props.name,
+            "gpu_count": torch.cuda.device_count(),
+            "gcn_arch": getattr(props, "gcnArchName", None),  # gfx942:sramecc+:xnack-
+            "sm_count": props.multi_processor_count,  # CUs on ROCm (the grid budget's unit)
+            "cu_count": props.multi_processor_count,
+            "warp_size": getattr(props, "warp_size", None),
+            "gpu_memory_bytes": props.total_memory,
+            "l2_cache_bytes": getattr(props, "L2_cache_size", None),
+            "hip_runtime": hip,
+            "rocm_smi": rocm_smi(),
+        })
+    elif torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         smi = nvidia_smi()
         env.update({

@@ -1,7 +1,8 @@
 """``hisparse-triton compile-report``: compile every kernel launch the runtime can make for
-an NVIDIA architecture, on any machine (no GPU), and print registers, spills, shared memory,
-SASS size and occupancy per launch (``hisparse_triton.kernels.compile_report`` explains
-every column). Also ``python -m hisparse_triton.kernels.compile_report``."""
+an NVIDIA (``sm_90``) or AMD (``gfx942``) architecture, on any machine (no GPU), and print
+registers, spills, shared memory / LDS, instruction count and occupancy per launch
+(``hisparse_triton.kernels.compile_report`` explains every column). Also
+``python -m hisparse_triton.kernels.compile_report``."""
 
 from __future__ import annotations
 
@@ -19,10 +20,15 @@ from hisparse_triton.commands.output import (
     write_json,
 )
 
-def _arch(text: str) -> int:
-    m = re.fullmatch(r"sm_?(\d+)a?", text.strip())
+def _arch(text: str) -> int | str:
+    """``sm_90`` -> 90; an AMD target (``gfx942``, optionally with target-ID features such as
+    ``gfx942:sramecc+``) stays a string."""
+    text = text.strip()
+    if re.fullmatch(r"gfx[0-9a-f]+(:[\w+-]+)*", text):
+        return text
+    m = re.fullmatch(r"sm_?(\d+)a?", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"--arch must look like sm_90, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--arch must look like sm_90 or gfx942, got {text!r}")
     return int(m.group(1))
 
 
@@ -38,16 +44,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "compile-report", help="compile every kernel launch for a GPU architecture (no GPU "
                                "needed): registers, spills, shared memory, occupancy",
-        description="Compile every kernel launch of the runtime for an NVIDIA architecture "
-                    "(no GPU needed) and report registers, spills, shared memory, SASS size "
-                    "and occupancy.")
-    parser.add_argument("--arch", type=_arch, default=90, help="target, e.g. sm_90 (default)")
+        description="Compile every kernel launch of the runtime for an NVIDIA or AMD "
+                    "architecture (no GPU needed) and report registers, spills, shared memory "
+                    "/ LDS, instruction count and occupancy.")
+    parser.add_argument("--arch", type=_arch, default=90,
+                        help="target: sm_80 / sm_90 (default) / sm_100, or AMD gfx90a / gfx942 "
+                             "/ gfx950")
     parser.add_argument("--kernels", default="resolve,copy",
                         help="comma-separated groups: resolve, copy (default both)")
     parser.add_argument("--widths", type=_ints, default=None,
                         help="resolve top-k widths (default 2048..32768, every width the config accepts)")
     parser.add_argument("--no-small-host", dest="small_host", action="store_false",
                         help="skip the resolve variants with a small host pool (int32 keys)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when a launch fails to compile or spills to memory (CI)")
     add_json_flag(parser, "the report")
     return parser
 
@@ -76,16 +86,32 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(payload), file=stream)
     if args.json is not None:
         write_json(json_document("compile-report", 1, payload), args.json)
-    return 0
+    return _check(payload) if args.check else 0
+
+
+def _check(payload: dict[str, Any]) -> int:
+    """``--check``: 1 (with the failing launches on stderr) when a launch did not compile or
+    spills to memory (NVIDIA stack / local bytes; AMD scratch or VGPR spills)."""
+    bad = [f"{r['variant']}: {r['kernel']}: " + (r["error"] or "spills to memory")
+           for r in payload["launches"] if r.get("error") or r.get("spills")]
+    for line in bad:
+        print(f"compile-report --check: {line}", file=sys.stderr)
+    if not payload["launches"]:
+        print("compile-report --check: no launch was recorded", file=sys.stderr)
+        return 1
+    return 1 if bad else 0
 
 
 def _flags(args: argparse.Namespace) -> list[str]:
     """The command line that reproduces ``args`` (for the run outside the interpreter)."""
-    flags = ["--arch", f"sm_{args.arch}", "--kernels", args.kernels]
+    flags = ["--arch", args.arch if isinstance(args.arch, str) else f"sm_{args.arch}",
+             "--kernels", args.kernels]
     if args.widths is not None:
         flags += ["--widths", ",".join(map(str, args.widths))]
     if not args.small_host:
         flags.append("--no-small-host")
+    if args.check:
+        flags.append("--check")
     if args.json is not None:
         flags += ["--json", args.json]
     return flags

@@ -4,18 +4,20 @@ Used for both pools of the scheduler: the host pool (source-layer pages) and the
 device pool (indexer, resident, hot and regular groups all draw from one id space). Block 0
 is the null block: it means "no page" in every block table and is never handed out.
 
-Freed blocks go to the back of the free queue and are reused last (FIFO), so a just-freed
-block keeps its bytes for as long as possible. A free block can still hold a page someone
-reads: an unpinned resident page, a published prefix page. Those parties register as
-*readers* of the block (``add_reader`` / ``drop_reader``). A free block with readers is
-*cached* (``num_cached``); the others are *truly free* (``num_truly_free``). When
-``allocate`` hands a cached block to a new owner, the pool calls ``on_reuse(block)`` before
-returning: the readers learn that the page is gone (the scheduler marks it lost) and drop
-their registrations. ``take`` instead adopts a named free block with its bytes (a prefix
-hit), so its readers stay.
+A free block can still hold a page someone reads: an unpinned resident page, a published
+prefix page. Those parties register as *readers* of the block (``add_reader`` /
+``drop_reader``). A free block with readers is *cached* (``num_cached``); the others are
+*truly free* (``num_truly_free``). The free blocks wait in two FIFO queues: ``allocate``
+takes truly free blocks first (oldest first), and cached ones only when none is left, the
+longest cached first; so a page that stays readable in a free block is reused last, and
+only when nothing else is free. A block moves between the queues when its readers come
+and go (to the back). When ``allocate`` hands a cached block to a new owner, the pool calls
+``on_reuse(block)`` before returning: the readers learn that the page is gone (the
+scheduler marks it lost) and drop their registrations. ``take`` instead adopts a named free
+block with its bytes (a prefix hit), so its readers stay.
 
-Bookkeeping is four int32 numpy arrays of ``num_blocks`` entries (reference count, reader
-count, next and previous in the free queue): 16 B per block, allocated once, whatever
+Bookkeeping is six int32 numpy arrays of ``num_blocks`` entries (reference count, reader
+count, next and previous in each free queue): 24 B per block, allocated once, whatever
 happens later; scalar access goes through memoryviews (plain Python ints, list speed).
 
 All operations are pure CPU bookkeeping (no tensors) and all-or-nothing: a call that raises
@@ -43,15 +45,18 @@ class FreeQueue:
     the queue from anywhere and an undo puts it back exactly where it was. Membership is
     the pool's business (a block is free when its reference count is 0)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, empty: bool = False) -> None:
         n = num_blocks
         self._next_array = np.arange(1, n + 1, dtype=np.int32)
         self._next_array[-1] = 0
         self._prev_array = np.arange(-1, n - 1, dtype=np.int32)
         self._prev_array[0] = n - 1
+        self._len = n - 1
+        if empty:   # only the sentinel
+            self._next_array[0] = self._prev_array[0] = 0
+            self._len = 0
         self._next = memoryview(self._next_array)
         self._prev = memoryview(self._prev_array)
-        self._len = n - 1
 
     def __len__(self) -> int:
         return self._len
@@ -117,8 +122,8 @@ class BlockPool:
         self._readers_array = np.zeros(num_blocks, dtype=np.int32)
         self._ref = memoryview(self._ref_array)
         self._readers = memoryview(self._readers_array)
-        self._free = FreeQueue(num_blocks)
-        self._num_cached = 0
+        self._truly = FreeQueue(num_blocks)               # free, nobody reads them
+        self._cached = FreeQueue(num_blocks, empty=True)  # free, still read
         self.journal = journal if journal is not None else Journal()
         self.on_reuse = on_reuse
 
@@ -129,22 +134,32 @@ class BlockPool:
         return self.num_blocks - 1
 
     @property
+    def _free(self) -> Iterator[int]:
+        """Every free block in reuse order (truly free ones, then cached ones)."""
+        yield from self._truly
+        yield from self._cached
+
+    def _queue(self, block: int) -> FreeQueue:
+        """The queue a free ``block`` waits in (by its readers now)."""
+        return self._cached if self._readers[block] else self._truly
+
+    @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._truly) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.num_free
 
     @property
     def num_cached(self) -> int:
         """Free blocks that still hold a page someone reads."""
-        return self._num_cached
+        return len(self._cached)
 
     @property
     def num_truly_free(self) -> int:
         """Free blocks that hold nothing anyone reads."""
-        return len(self._free) - self._num_cached
+        return len(self._truly)
 
     @property
     def usage(self) -> float:
@@ -177,37 +192,49 @@ class BlockPool:
             out.append(block)
         return out
 
-    # -- state changes (every one keeps num_cached exact) -------------------------------
-    def _set_ref(self, block: int, value: int) -> None:
-        readers = self._readers[block]
-        if readers:
-            self._num_cached += (value == 0) - (self._ref[block] == 0)
-        self._ref[block] = value
+    # -- state changes --------------------------------------------------------------------
+    def _set_readers(self, block: int, value: int) -> Optional[tuple[FreeQueue, int]]:
+        """Set the reader count; a free block whose cached-ness changes moves to the back of
+        its new queue. Returns ``(old queue, block before it)`` of such a move (undo)."""
+        moved = None
+        if self._ref[block] == 0 and (value > 0) != (self._readers[block] > 0):
+            old = self._queue(block)
+            moved = (old, old.remove(block))
+            self._readers[block] = value
+            self._queue(block).append(block)
+        self._readers[block] = value
+        return moved
 
-    def _set_readers(self, block: int, value: int) -> None:
-        if self._ref[block] == 0:
-            self._num_cached += (value > 0) - (self._readers[block] > 0)
+    def _reset_readers(self, block: int, value: int,
+                       moved: Optional[tuple[FreeQueue, int]]) -> None:
+        """Undo ``_set_readers``: the old count, and the block back where it was."""
+        if moved is not None:
+            self._queue(block).remove(block)
+            moved[0].insert_after(moved[1], block)
         self._readers[block] = value
 
     # -- mutations -----------------------------------------------------------------------
     def allocate(self, n: int, *, request_id: Optional[Hashable] = None) -> list[int]:
-        """Take ``n`` free blocks (reference count 1 each), front of the queue first;
-        ``CapacityError`` if fewer are free. Calls ``on_reuse`` for each cached one."""
+        """Take ``n`` free blocks (reference count 1 each): truly free ones first, then
+        cached ones, each queue front first; ``CapacityError`` if fewer are free. Calls
+        ``on_reuse`` for each cached one."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n!r} blocks.")
-        if n > len(self._free):
+        free = self.num_free
+        if n > free:
             who = f" for request {request_id!r}" if request_id is not None else ""
             raise CapacityError(
-                f"{self.name} pool cannot allocate {n} blocks{who}: {len(self._free)} of "
+                f"{self.name} pool cannot allocate {n} blocks{who}: {free} of "
                 f"{self.capacity} are free.", resource=f"{self.name} blocks", needed=n,
-                available=len(self._free), request_id=request_id)
-        pop = self._free.popleft
-        blocks = [pop() for _ in range(n)]
-        reused = []
+                available=free, request_id=request_id)
+        truly = min(n, len(self._truly))
+        pop = self._truly.popleft
+        blocks = [pop() for _ in range(truly)]
+        pop = self._cached.popleft
+        reused = [pop() for _ in range(n - truly)]
+        blocks += reused
         for block in blocks:
-            self._set_ref(block, 1)
-            if self._readers[block]:
-                reused.append(block)
+            self._ref[block] = 1
         if self.journal.active:
             self.journal.record(lambda: self._unallocate(blocks))
         for block in reused:
@@ -224,8 +251,8 @@ class BlockPool:
 
     def _unallocate(self, blocks: list[int]) -> None:
         for block in reversed(blocks):
-            self._set_ref(block, 0)
-            self._free.insert_after(0, block)
+            self._ref[block] = 0
+            self._queue(block).insert_after(0, block)
 
     def take(self, block: int) -> None:
         """Allocate one named free block (reference count 1) from anywhere in the queue,
@@ -233,14 +260,14 @@ class BlockPool:
         self._check_id(block)
         if self._ref[block]:
             raise BlockPoolError(f"{self.name}: cannot take block {block}: it is not free.")
-        prev = self._free.remove(block)
-        self._set_ref(block, 1)
+        prev = self._queue(block).remove(block)
+        self._ref[block] = 1
         if self.journal.active:
             self.journal.record(lambda: self._untake(prev, block))
 
     def _untake(self, prev: int, block: int) -> None:
-        self._set_ref(block, 0)
-        self._free.insert_after(prev, block)
+        self._ref[block] = 0
+        self._queue(block).insert_after(prev, block)
 
     def share(self, block: int) -> None:
         """One more reference to ``block`` whether it is owned (``touch``) or free (``take``)."""
@@ -282,34 +309,36 @@ class BlockPool:
         appended = []
         for block, times in counts.items():
             left = self._ref[block] - times
-            self._set_ref(block, left)
+            self._ref[block] = left
             if left == 0:
-                self._free.append(block)
+                self._queue(block).append(block)
                 appended.append(block)
         if self.journal.active:
             self.journal.record(lambda: self._unfree(counts, appended))
 
     def _unfree(self, counts: Counter, appended: list[int]) -> None:
         for block in reversed(appended):
-            self._free.remove(block)
+            self._queue(block).remove(block)
         for block, times in counts.items():
-            self._set_ref(block, self._ref[block] + times)
+            self._ref[block] += times
 
     def add_reader(self, block: int) -> None:
         """Register one more reader of ``block``'s page (it stays readable while free)."""
         self._check_id(block)
-        self._set_readers(block, self._readers[block] + 1)
+        old = self._readers[block]
+        moved = self._set_readers(block, old + 1)
         if self.journal.active:
-            self.journal.record(lambda: self._set_readers(block, self._readers[block] - 1))
+            self.journal.record(lambda: self._reset_readers(block, old, moved))
 
     def drop_reader(self, block: int) -> None:
         """One reader stopped reading ``block``'s page (``BlockPoolError`` if it had none)."""
         self._check_id(block)
-        if not self._readers[block]:
+        old = self._readers[block]
+        if not old:
             raise BlockPoolError(f"{self.name}: block {block} has no reader to drop.")
-        self._set_readers(block, self._readers[block] - 1)
+        moved = self._set_readers(block, old - 1)
         if self.journal.active:
-            self.journal.record(lambda: self._set_readers(block, self._readers[block] + 1))
+            self.journal.record(lambda: self._reset_readers(block, old, moved))
 
     # -- checks ----------------------------------------------------------------------------
     def _check_id(self, block: int) -> None:
@@ -323,9 +352,9 @@ class BlockPool:
                                  f"[1, {self.num_blocks}).")
 
     def check_invariants(self) -> None:
-        """``SchedulerStateError`` naming the first broken rule: the free queue holds
-        exactly the blocks with reference count 0 (each once, linked both ways), counts are
-        never negative, the null block is untouched, ``num_cached`` is exact."""
+        """``SchedulerStateError`` naming the first broken rule: the two free queues hold
+        exactly the blocks with reference count 0 (each once, linked both ways; the cached
+        one those with readers), counts are never negative, the null block is untouched."""
         ref, readers = self._ref_array, self._readers_array
         problems = []
         if ref[0] or readers[0]:
@@ -333,25 +362,25 @@ class BlockPool:
         if (ref < 0).any() or (readers < 0).any():
             problems.append(f"negative counts at blocks "
                             f"{np.flatnonzero((ref < 0) | (readers < 0)).tolist()[:5]}")
-        queue = self._free.walk(limit=self.num_blocks)
-        expected = np.flatnonzero(ref[1:] == 0) + 1
-        if len(queue) != len(self._free) or sorted(queue) != expected.tolist():
-            problems.append(f"the free queue ({len(self._free)} blocks) is not the set of "
-                            f"blocks with no reference ({expected.size})")
-        nodes = np.asarray([0, *queue], dtype=np.int64)
-        if (self._free._prev_array[self._free._next_array[nodes]] != nodes).any():
-            problems.append("the free queue's links disagree")
-        cached = int(((ref[1:] == 0) & (readers[1:] > 0)).sum())
-        if cached != self._num_cached:
-            problems.append(f"num_cached is {self._num_cached}, {cached} free blocks have "
-                            f"readers")
+        free = ref[1:] == 0
+        for queue, name, expected in (
+                (self._truly, "truly free", np.flatnonzero(free & (readers[1:] == 0)) + 1),
+                (self._cached, "cached", np.flatnonzero(free & (readers[1:] > 0)) + 1)):
+            blocks = queue.walk(limit=self.num_blocks)
+            if len(blocks) != len(queue) or sorted(blocks) != expected.tolist():
+                problems.append(f"the {name} queue ({len(queue)} blocks) is not the set of "
+                                f"free blocks {'with' if name == 'cached' else 'without'} "
+                                f"readers ({expected.size})")
+            nodes = np.asarray([0, *blocks], dtype=np.int64)
+            if (queue._prev_array[queue._next_array[nodes]] != nodes).any():
+                problems.append(f"the {name} queue's links disagree")
         if problems:
             raise SchedulerStateError(f"{self.name} pool: " + "; ".join(problems) + ".")
 
     def snapshot(self) -> tuple:
         """Comparable state (tests): queue order, reference and reader counts."""
-        return (list(self._free), self._ref_array.tolist(), self._readers_array.tolist(),
-                self._num_cached)
+        return (list(self._truly), list(self._cached), self._ref_array.tolist(),
+                self._readers_array.tolist())
 
     def __repr__(self) -> str:
         return (f"BlockPool(name={self.name!r}, num_blocks={self.num_blocks}, "

@@ -33,6 +33,7 @@ class Admission:
     hits: list[PrefixEntry]        # the cached prefix it adopts
     new_host: int                  # host blocks to allocate (besides the hits' shared ones)
     reclaim: Optional[Reclaim]     # offloads to run first (None: none needed)
+    token_ids: Optional[Sequence[int]] = None   # the prompt's ids (None: not given)
 
 
 class Capacity:
@@ -110,7 +111,7 @@ class Capacity:
                 f"requests).", resource="device blocks", needed=hot_cost,
                 available=max(available, 0), request_id=request_id)
         return Admission(prompt_len=prompt_len, max_new_tokens=max_new_tokens, hashes=hashes,
-                         hits=hits, new_host=new_host, reclaim=reclaim)
+                         hits=hits, new_host=new_host, reclaim=reclaim, token_ids=token_ids)
 
     def append(self, req: Request, num_tokens: object) -> tuple[int, Optional[list[int]],
                                                                  Optional[Reclaim]]:

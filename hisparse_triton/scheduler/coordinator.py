@@ -74,9 +74,13 @@ class GroupCoordinator:
         """Blocks growing ``req`` to ``new_len`` tokens takes, per paged group."""
         return [m.count_new_blocks(req, new_len) for m in self.paged]
 
-    def page_blocks(self, req: Request, page: int) -> dict[int, int]:
-        """Every paged group's block of ``req``'s ``page`` (0 = none), by position."""
-        return {m.position: int(m.blocks[req.row, page]) for m in self.paged}
+    def page_blocks(self, req: Request, page: int, *, resident: bool = True) -> dict[int, int]:
+        """Every paged group's block of ``req``'s ``page`` (0 = none), by position; with
+        ``resident=False`` the resident groups' entries are 0 (their GPU copies are not
+        offered for reuse: pure HiSparse drops them at once)."""
+        return {m.position: (int(m.blocks[req.row, page])
+                             if resident or m.position not in self.resident_positions else 0)
+                for m in self.paged}
 
     def resident_blocks(self, req: Request, first: int, limit: int) -> list[int]:
         """The resident groups' blocks of ``req``'s pages ``[first, limit)`` (0 = none)."""
@@ -149,6 +153,12 @@ class GroupCoordinator:
             m.free(req)
         for m in self.hot:
             m.free(req)
+
+    def truncate(self, req: Request, new_len: int) -> None:
+        """Return the blocks of ``req``'s pages past ``new_len`` tokens in every group (hot
+        regions stay: they are the request's for its lifetime)."""
+        for m in self.managers:
+            m.truncate(req, new_len)
 
     def on_reuse(self, block: int) -> None:
         """The pool handed ``block`` to a new owner: a resident group reading it loses the

@@ -78,4 +78,18 @@ def scheduler_problems(s: "HiSparseScheduler") -> list[str]:
     return problems
 
 
-__all__ = ["scheduler_problems"]
+def scheduler_snapshot(s: "HiSparseScheduler") -> dict:
+    """Every piece of ``s``'s mutable state as comparable values (tests: a failed call
+    changes nothing)."""
+    requests, free_rows = s._requests.snapshot()
+    state: dict = {("request", rid): snap for rid, snap in requests.items()}
+    for pool in (s.device_block_pool, s.host_block_pool):
+        state[("pool", pool.name)] = pool.snapshot()
+    state["managers"] = s.devices.snapshot()
+    state["pending"] = s.plan_builder.snapshot()
+    state["cache"] = s._prefix.snapshot()
+    state["misc"] = (free_rows, s.counters.snapshot())
+    return state
+
+
+__all__ = ["scheduler_problems", "scheduler_snapshot"]

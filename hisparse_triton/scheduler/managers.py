@@ -67,6 +67,10 @@ class GroupManager:
     def free(self, req: Request) -> None:
         """Return every block ``req`` holds in this group."""
 
+    def truncate(self, req: Request, new_len: int) -> None:
+        """``req`` keeps its first ``new_len`` tokens (a rollback): return the blocks of its
+        pages past the new end (``req.seq_len`` is still the old length)."""
+
     def owned_blocks(self, requests: Sequence[Request]) -> list[int]:
         """Every block reference the group's live requests hold (``check_invariants``)."""
         return []
@@ -122,6 +126,20 @@ class PagedManager(GroupManager):
         self.pool.free(blocks)
         self._add_blocks(-len(blocks))
         self.journal.write(self.blocks, req.row, 0)
+
+    def truncate(self, req: Request, new_len: int) -> None:
+        """Tail first, like ``free``: pages ``[pages(new_len), pages(seq_len))`` the request
+        still holds go back to the pool; their entries become the null block."""
+        first = max(self._first_held_page(req), self.group.pages(new_len))
+        end = self.group.pages(req.seq_len)
+        if end <= first:
+            return
+        row = self.blocks[req.row]
+        blocks = [b for b in reversed(row[first:end].tolist()) if b]
+        self.pool.free(blocks)
+        self._add_blocks(-len(blocks))
+        self.journal.write(row, slice(first, end), 0)
+        self.plan_builder.clear_pages(req.row, self.position, range(first, end))
 
     def rows(self, req: Request, start: int, end: int) -> np.ndarray:
         """``[end - start] int64`` device rows of positions ``[start, end)``."""

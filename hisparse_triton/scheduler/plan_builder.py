@@ -28,12 +28,13 @@ class PlanBuilder:
         self._resets: dict[int, None] = {}
         self._writes: dict[int, int] = {}
         self._lost: list[tuple[int, int, int]] = []
+        self._invalidate: list[tuple[int, int, int]] = []
         self.step = 0   # plans built so far
 
     @property
     def has_pending_changes(self) -> bool:
         """Whether table changes wait for the next plan."""
-        return bool(self._resets or self._writes)
+        return bool(self._resets or self._writes or self._invalidate)
 
     # -- table changes ---------------------------------------------------------------------
     def reset_row(self, row: int) -> None:
@@ -43,6 +44,8 @@ class PlanBuilder:
         start, end = row * self._width, (row + 1) * self._width
         for index in [i for i in self._writes if start <= i < end]:
             j.delitem(self._writes, index)
+        if any(entry[0] == row for entry in self._invalidate):   # the reset empties them
+            j.replace_list(self._invalidate, [e for e in self._invalidate if e[0] != row])
 
     def write_seq_len(self, row: int, seq_len: int) -> None:
         self._journal.setitem(self._writes, row * self._width + TableLayout.SEQ_LEN_COL,
@@ -77,6 +80,13 @@ class PlanBuilder:
         self.clear_pages(row, position, (page,))
         self._journal.append(self._lost, (row, position, page))
 
+    def invalidate(self, row: int, ranges: Iterable[tuple[int, int]]) -> None:
+        """Hot slots of state row ``row`` holding a host row in one of the ``[lo, hi)``
+        ``ranges`` must be emptied (a rollback dropped the tokens those rows held)."""
+        for lo, hi in ranges:
+            if hi > lo:
+                self._journal.append(self._invalidate, (row, lo, hi))
+
     # -- the plan --------------------------------------------------------------------------
     def build(self, *, commit: bool, mirror_host_rows: np.ndarray,
               mirror_device_rows: np.ndarray, released_pages: int) -> StepPlan:
@@ -90,17 +100,20 @@ class PlanBuilder:
                                     count=len(self._writes)),
             mirror_host_rows=mirror_host_rows, mirror_device_rows=mirror_device_rows,
             lost=np.asarray(self._lost, dtype=np.int32).reshape(-1, 3),
-            released_pages=released_pages)
+            released_pages=released_pages,
+            invalidate=np.asarray(self._invalidate, dtype=np.int32).reshape(-1, 3))
         j = self._journal
         j.setattr(self, "_resets", {})
         j.setattr(self, "_writes", {})
         j.setattr(self, "_lost", [])
+        j.setattr(self, "_invalidate", [])
         j.setattr(self, "step", self.step + 1)
         return plan
 
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""
-        return (list(self._resets), list(self._writes.items()), list(self._lost), self.step)
+        return (list(self._resets), list(self._writes.items()), list(self._lost),
+                list(self._invalidate), self.step)
 
 
 def mirror_rows(spans: Sequence[tuple[np.ndarray, int, int, int]],

@@ -1,6 +1,6 @@
-"""The scheduler's prefix cache: published prompt pages, named by chained hashes (no torch).
+"""The scheduler's prefix cache: published pages, named by chained hashes (no torch).
 
-A full page of a prompt is named by ``sha256(parent page's hash + the page's token ids)``
+A full page of a prompt (or of generated tokens appended with their ids) is named by ``sha256(parent page's hash + the page's token ids)``
 (``page_hashes``), so two prompts whose pages have equal hashes share every token up to
 them. Once a page's host copy is durable the scheduler publishes it: the host block and the
 device blocks that hold it (indexer and full-attention blocks, and each resident group's
@@ -34,19 +34,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class PrefixEntry:
-    """A published prompt page: its host block and the device blocks holding it (device
+    """A published page (of a prompt, or generated with ``token_ids``): its host block and the device blocks holding it (device
     group position -> block; 0 for a resident group = that GPU copy is gone)."""
 
     host_block: int
     blocks: dict[int, int]
 
 
-def page_hashes(token_ids: np.ndarray, block_size: int) -> list[bytes]:
+def page_hashes(token_ids: np.ndarray, block_size: int,
+                first_page: int = 0, parent: bytes = b"") -> list[bytes]:
     """Chained hashes of every full page of ``token_ids`` (int64): page ``p``'s hash is
-    ``sha256(hash(p - 1) + its token ids)``, so equal hashes mean equal prefixes."""
+    ``sha256(hash(p - 1) + its token ids)``, so equal hashes mean equal prefixes. With
+    ``first_page`` and ``parent`` (the hash of page ``first_page - 1``), only the pages from
+    ``first_page`` on (a chain that grows with a request's generated tokens)."""
     out: list[bytes] = []
-    parent = b""
-    for page in range(token_ids.size // block_size):
+    for page in range(first_page, token_ids.size // block_size):
         chunk = token_ids[page * block_size:(page + 1) * block_size]
         parent = hashlib.sha256(parent + chunk.astype("<i8").tobytes()).digest()
         out.append(parent)
@@ -126,7 +128,8 @@ class PrefixCache:
 
     def publish_durable(self, req: "Request", page_blocks: Callable[[int], dict[int, int]],
                         required: Iterable[int], block_size: int) -> None:
-        """Publish ``req``'s full prompt pages that became durable since the last call.
+        """Publish ``req``'s full pages (prompt, and generated ones whose ids it knows) that
+        became durable since the last call.
         ``page_blocks(page)``: the page's device block per group position; a page missing
         a block of a ``required`` position (indexer, full attention) is skipped."""
         end = min(len(req.page_hashes), req.committed_len // block_size)

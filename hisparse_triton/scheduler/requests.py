@@ -20,6 +20,7 @@ from hisparse_triton.errors import (
     UnknownRequestError,
 )
 from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.prefix_cache import page_hashes
 from hisparse_triton.specs import cdiv
 
 
@@ -74,9 +75,12 @@ class Request:
     Lengths (tokens): ``seq_len`` present (cached prefix + appended), ``scheduled_len`` in
     an emitted plan's mirror, ``committed_len`` durable on the host; ``committed_len <=
     scheduled_len <= seq_len <= reserved_tokens``. ``host_blocks``: one host block per
-    reserved page (``host_array`` the same as int64). ``page_hashes``: the full prompt
-    pages' chained hashes; pages ``[0, published_pages)`` were considered for the prefix
-    cache. ``released_pages``: resident pages ``[0, released_pages)`` left the request's
+    reserved page (``host_array`` the same as int64). ``token_ids``: the ids of tokens
+    ``[0, len(token_ids))`` (the prompt, then the ids appended with ``append_slots(...,
+    token_ids=)``; None for a request added without ids; ``chain_open`` False once an
+    append came without them: later pages are not hashed). ``page_hashes``: the chained
+    hashes of the full pages of ``token_ids``; pages ``[0, published_pages)`` were
+    considered for the prefix cache. ``released_pages``: resident pages ``[0, released_pages)`` left the request's
     ownership (unpinned or lost). ``hot``: hot group position -> the request's hot region
     (``None`` until it offloads; the hot managers fill it).
     """
@@ -94,6 +98,8 @@ class Request:
     committed_len: int = 0
     released_pages: int = 0
     hot: Optional[dict[int, list[int]]] = None
+    token_ids: Optional[list[int]] = None
+    chain_open: bool = True
 
     def __post_init__(self) -> None:
         if self.host_array is None:
@@ -123,12 +129,69 @@ class Request:
                 f"appending more.", request_id)
         return new_len
 
+    def new_token_ids(self, num_tokens: int, token_ids: object) -> Optional[np.ndarray]:
+        """The ids an append of ``num_tokens`` adds to ``token_ids`` (``[n] int64``; None:
+        none). ``token_ids``: the appended tokens' ids (``num_tokens`` ints) or None;
+        ``ValueError`` naming the request for anything else, or for ids that contradict the
+        prompt's at positions it already knows."""
+        if token_ids is not None:
+            try:
+                ids = np.asarray(token_ids)
+            except (TypeError, ValueError):
+                ids = np.asarray([], dtype=object)
+            if ids.ndim != 1 or ids.size != num_tokens \
+                    or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise ValueError(f"request {self.request_id!r}: token_ids must be "
+                                 f"{num_tokens} ints (one per appended token), got "
+                                 f"{getattr(ids, 'size', '?')} of {ids.dtype}.")
+            ids = ids.astype(np.int64)
+        if self.token_ids is None or not self.chain_open:
+            return None
+        known, start = len(self.token_ids), self.seq_len
+        if start + num_tokens <= known:
+            new = None
+        elif token_ids is None:
+            return np.zeros(0, dtype=np.int64)     # the chain ends here
+        else:
+            new = ids[known - start:] if known > start else ids
+        if token_ids is not None and known > start:
+            overlap = ids[:known - start].tolist()
+            if overlap != self.token_ids[start:start + len(overlap)]:
+                raise ValueError(f"request {self.request_id!r}: token_ids of positions "
+                                 f"{start}..{start + len(overlap) - 1} differ from its "
+                                 f"prompt's.")
+        return new
+
+    def host_row_ranges(self, start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+        """The host rows of positions ``[start, end)`` as ``(lo, hi)`` ranges, one per page."""
+        B, out = block_size, []
+        for page in range(start // B, cdiv(end, B)):
+            base = self.host_blocks[page] * B
+            out.append((base + max(start - page * B, 0), base + min(end - page * B, B)))
+        return out
+
+    def check_truncate(self, new_len: object) -> int:
+        """``new_len`` as an int if ``truncate`` may keep that many tokens: ``ValueError``
+        naming the request unless ``committed_len <= new_len <= seq_len`` (durable tokens
+        may be on the host only, published or shared: they are never rolled back)."""
+        new_len = int_at_least(f"request {self.request_id!r}: new_len", new_len, 0)
+        if new_len > self.seq_len:
+            raise ValueError(f"request {self.request_id!r}: cannot truncate to {new_len} "
+                             f"tokens, it has {self.seq_len}.")
+        if new_len < self.committed_len:
+            raise ValueError(
+                f"request {self.request_id!r}: cannot truncate to {new_len} tokens: its "
+                f"first {self.committed_len} are durable (committed by a step() or "
+                f"commit()); roll back rejected tokens before the step that commits them.")
+        return new_len
+
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""
         return (self.row, self.prompt_len, self.max_new_tokens, list(self.host_blocks),
                 list(self.page_hashes), self.published_pages, self.seq_len,
                 self.scheduled_len, self.committed_len, self.released_pages,
-                None if self.hot is None else {k: list(v) for k, v in self.hot.items()})
+                None if self.hot is None else {k: list(v) for k, v in self.hot.items()},
+                None if self.token_ids is None else list(self.token_ids), self.chain_open)
 
 
 class RequestTable:
@@ -184,13 +247,16 @@ class RequestTable:
 
     # -- changes (journaled) ---------------------------------------------------------------
     def add(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
-            host_blocks: list[int], page_hashes: list[bytes]) -> Request:
+            host_blocks: list[int], page_hashes: list[bytes],
+            token_ids: Optional[Sequence[int]] = None) -> Request:
         """A new live request on the lowest free state row (the caller checked one is free)."""
         j = self._journal
         row = j.pop(self._free_rows)
         req = Request(request_id=request_id, row=row, prompt_len=prompt_len,
                       max_new_tokens=max_new_tokens, host_blocks=host_blocks,
-                      page_hashes=page_hashes)
+                      page_hashes=list(page_hashes),
+                      token_ids=(None if token_ids is None
+                                 else np.asarray(token_ids, dtype=np.int64).tolist()))
         j.setitem(self._by_id, request_id, req)
         return req
 
@@ -201,6 +267,42 @@ class RequestTable:
         for name in ("seq_len", "scheduled_len", "committed_len"):
             j.setattr(req, name, cached)
         j.setattr(req, "published_pages", pages)
+
+    def extend_tokens(self, req: Request, ids: Optional[np.ndarray], block_size: int) -> None:
+        """Record the ids ``new_token_ids`` returned for an append (an empty array closes
+        the chain) and hash the pages they complete."""
+        if ids is None:
+            return
+        j = self._journal
+        if not ids.size:
+            j.setattr(req, "chain_open", False)
+            return
+        tokens, hashes = req.token_ids, req.page_hashes
+        assert tokens is not None
+        known, pages = len(tokens), len(hashes)
+        tokens.extend(ids.tolist())
+        j.record(lambda: tokens.__delitem__(slice(known, None)))
+        if len(tokens) // block_size > pages:
+            hashes.extend(page_hashes(np.asarray(tokens, dtype=np.int64), block_size,
+                                      pages, hashes[-1] if hashes else b""))
+            j.record(lambda: hashes.__delitem__(slice(pages, None)))
+
+    def truncate(self, req: Request, new_len: int, block_size: int) -> None:
+        """``req`` keeps its first ``new_len`` tokens (``check_truncate`` passed): its
+        lengths, and the ids and page hashes of tokens past the end (the prompt's ids
+        stay: they are known)."""
+        j = self._journal
+        j.setattr(req, "seq_len", new_len)
+        j.setattr(req, "scheduled_len", min(req.scheduled_len, new_len))
+        if req.token_ids is not None:
+            keep = max(new_len, req.prompt_len)
+            if len(req.token_ids) > keep:
+                j.setattr(req, "token_ids", req.token_ids[:keep])
+            if len(req.token_ids) >= new_len:
+                j.setattr(req, "chain_open", True)
+            if len(req.page_hashes) > len(req.token_ids) // block_size:
+                j.setattr(req, "page_hashes",
+                          req.page_hashes[:len(req.token_ids) // block_size])
 
     def remove(self, req: Request) -> None:
         """Forget ``req``; its state row is free again."""
@@ -222,6 +324,17 @@ class RequestTable:
         return spans
 
     # -- batches -------------------------------------------------------------------------
+    def decode_token_ids(self, request_ids: Sequence[Hashable],
+                         token_ids: Optional[Sequence[int]]) -> list[Optional[list[int]]]:
+        """``append_decode``'s ``token_ids`` (one int per request, or None) as one
+        ``append_slots`` argument per request; ``ValueError`` for another length."""
+        if token_ids is None:
+            return [None] * len(request_ids)
+        if isinstance(token_ids, (str, bytes)) or len(token_ids) != len(request_ids):
+            raise ValueError(f"append_decode: token_ids must hold one id per request "
+                             f"({len(request_ids)}), got {token_ids!r}.")
+        return [[t] for t in token_ids]
+
     def state_rows(self, request_ids: Sequence[Optional[Hashable]]) -> np.ndarray:
         """``[R] int32`` state rows (-1 for ``None`` = padding); ``DuplicateRequestError`` for
         an id named twice, ``UnknownRequestError`` for an unknown one."""

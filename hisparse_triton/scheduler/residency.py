@@ -14,21 +14,35 @@ no torch); the scheduler carries them out.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
 
 from hisparse_triton.config import ACTIVE_TAIL_PAGES
 from hisparse_triton.scheduler.requests import Request
 from hisparse_triton.specs import cdiv
 
 
-def watermark_blocks(value: object, capacity: int) -> int:
-    """``free_block_watermark`` as a block count (a float: a fraction of ``capacity``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def watermark_value(value: object) -> int | float:
+    """``free_block_watermark`` as a plain ``int`` (a block count) or ``float`` (a fraction):
+    numpy and other ``numbers`` integers and reals are accepted like Python ones, booleans
+    are not."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ValueError(f"free_block_watermark must be a fraction in [0, 1] or a block "
                          f"count, got {value!r}.")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return float(value)
+
+
+def watermark_blocks(value: object, capacity: int) -> int:
+    """``free_block_watermark`` as a block count (a float: a fraction of ``capacity``)."""
+    value = watermark_value(value)
     if isinstance(value, float):
-        if not 0.0 <= value <= 1.0:
+        if not 0.0 <= value <= 1.0 or math.isnan(value):
             raise ValueError(f"free_block_watermark {value!r}: a float is a fraction of the "
                              f"device pool in [0, 1] (use an int for a block count).")
         return int(value * capacity)
@@ -75,10 +89,10 @@ class ResidencyPolicy:
         """The policy of a scheduler's settings: ``free_block_watermark`` (a fraction of
         the ``capacity`` device blocks or a count; ``1.0``: always offload), the offload
         threshold, and the tokens a request may keep pinned (None: no window)."""
+        value = watermark_value(free_block_watermark)
         return cls(block_size=block_size,
-                   watermark=watermark_blocks(free_block_watermark, capacity),
-                   always_offload=(isinstance(free_block_watermark, float)
-                                   and free_block_watermark >= 1.0),
+                   watermark=watermark_blocks(value, capacity),
+                   always_offload=isinstance(value, float) and value >= 1.0,
                    offload_threshold_pages=offload_threshold_pages,
                    window_pages=(None if window_tokens is None
                                  else cdiv(window_tokens, block_size)))
@@ -144,4 +158,4 @@ class ResidencyPolicy:
                        fits=needed <= available, freed=freed)
 
 
-__all__ = ["Reclaim", "ReleaseRange", "ResidencyPolicy", "watermark_blocks"]
+__all__ = ["Reclaim", "ReleaseRange", "ResidencyPolicy", "watermark_blocks", "watermark_value"]

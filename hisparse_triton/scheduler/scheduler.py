@@ -7,6 +7,7 @@ rows and block ids do)::
 
     cached = scheduler.add_request(id, prompt_len, max_new_tokens, token_ids)  # admission
     rows = scheduler.append_slots(id, n)    # {layer: int64 [n]} device rows of n new tokens
+    scheduler.truncate(id, new_len)         # rejected drafts, before the next step()
     scheduler.free_request(id)              # a finished request
     plan = scheduler.step()                 # -> every worker: worker.apply(plan)
     ...  forward: the model writes KV at `rows`, worker.resolve_rows(...) per index group  ...
@@ -20,8 +21,10 @@ This class orders the work of its parts: ``requests`` (the request table), ``coo
 and ``managers`` (a manager per device group), ``capacity`` (what a call needs, counted
 first), ``residency`` (when pages leave the GPU: *dirty* -> *clean pinned* -> *clean
 unpinned*, readable in its free block until reused -> *lost*, read from the host),
-``block_pool``, ``prefix_cache`` (a request with ``token_ids`` reuses the longest cached
-prefix; models with sliding-window layers get no hits), ``plan_builder``, ``stats``.
+``durability`` (carries out the residency decisions), ``bookkeeping`` (the memory check
+before anything is built), ``block_pool``, ``prefix_cache`` (a request with ``token_ids``
+reuses the longest cached prefix; models with sliding-window layers get no hits),
+``plan_builder``, ``stats``; ``queries`` holds the read-only calls (a mixin).
 Chunked prefill: with ``max_num_batched_tokens`` set, a request may not have more tokens
 appended since its last plan than that (``UncommittedTokensError``: step first).
 
@@ -39,17 +42,20 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 
 from hisparse_triton.config import EngineConfig
-from hisparse_triton.errors import HiSparseError, RuntimeClosedError, SchedulerStateError
+from hisparse_triton.errors import HiSparseError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
+from hisparse_triton.scheduler.bookkeeping import check_plan
 from hisparse_triton.scheduler.capacity import Admission, Capacity
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
-from hisparse_triton.scheduler.invariants import scheduler_problems
+from hisparse_triton.scheduler.durability import Durability
+from hisparse_triton.scheduler.invariants import scheduler_problems, scheduler_snapshot
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
+from hisparse_triton.scheduler.queries import SchedulerQueries
 from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
-from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
+from hisparse_triton.scheduler.residency import ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.staging import PrefillStaging
@@ -60,7 +66,7 @@ DEFAULT_FREE_BLOCK_WATERMARK = 0.1
 _REFUSALS = (HiSparseError, ValueError)   # what can_admit / can_append turn into False
 
 
-class HiSparseScheduler:
+class HiSparseScheduler(SchedulerQueries):
     """The CPU-only scheduler half of HiSparse (see the module docstring).
 
     - ``kv_cache_config``: from ``get_hisparse_kv_cache_config``; ``config``: the
@@ -75,12 +81,16 @@ class HiSparseScheduler:
       through the hot buffer (the mode that exercises and measures the host path).
     - ``offload_threshold_pages``: a request that should offload does so once at least this
       many of its pages can be unpinned (default 1).
+    - ``host_ram_fraction``: the bookkeeping (``scheduler/bookkeeping.py``: 24 B per device
+      and host block, the block tables) is checked against this fraction of the available
+      RAM before any of it is built (``HostMemoryError``).
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, config: EngineConfig, *,
                  max_num_seqs: int,
                  free_block_watermark: float | int = DEFAULT_FREE_BLOCK_WATERMARK,
-                 offload_threshold_pages: Optional[int] = None) -> None:
+                 offload_threshold_pages: Optional[int] = None,
+                 host_ram_fraction: float = 0.9) -> None:
         if not isinstance(config, EngineConfig) or config.hisparse is None:
             raise ValueError("HiSparseScheduler needs an EngineConfig with hisparse set.")
         if not isinstance(kv_cache_config, KVCacheConfig):
@@ -95,25 +105,22 @@ class HiSparseScheduler:
         self.block_size = B = self.groups.block_size
         self.layout = TableLayout.build(self.groups, self.max_num_seqs)
         self.hot_blocks_per_request = self.groups.hot_blocks_per_request
-        hot_widths = [g.width for g in self.groups.hot]
-        if hot_widths and min(hot_widths) * B < self.device_buffer_size:
-            raise ValueError(f"hot groups hold {min(hot_widths)} blocks of {B} rows, fewer "
-                             f"than device_buffer_size={self.device_buffer_size}.")
         self.offload_threshold_pages = (
             1 if offload_threshold_pages is None
             else int_at_least("offload_threshold_pages", offload_threshold_pages, 1))
         self.num_device_blocks = kv_cache_config.num_blocks
         self.num_host_blocks = kv_cache_config.hisparse_host_num_blocks
-        if self.num_host_blocks < 2:
-            raise ValueError(f"the host pool needs at least 2 blocks (the null block and one "
-                             f"page), the plan has {self.num_host_blocks}.")
+        check_plan(self.groups, self.layout, device_buffer_size=self.device_buffer_size,
+                   num_device_blocks=self.num_device_blocks,   # before any per-block state
+                   num_host_blocks=self.num_host_blocks, max_num_seqs=self.max_num_seqs,
+                   host_ram_fraction=host_ram_fraction)
         self.journal = j = Journal()
         # The last blocks of the device pool hold resolve_prefill's staging rows: never
         # allocated (``hisparse_triton.staging``; the worker derives the same region).
         self.prefill_staging = PrefillStaging.from_plan(kv_cache_config, config)
         self.device_block_pool = BlockPool(self.prefill_staging.first_block, "device", j)
         self.host_block_pool = BlockPool(self.num_host_blocks, "host", j)
-        self.free_block_watermark = free_block_watermark
+        self.free_block_watermark = watermark_value(free_block_watermark)
         self.policy = ResidencyPolicy.from_settings(
             free_block_watermark, self.device_block_pool.capacity, block_size=B,
             offload_threshold_pages=self.offload_threshold_pages,
@@ -126,10 +133,12 @@ class HiSparseScheduler:
                                             self.max_num_seqs)
         # Prefix reuse needs every page of every full-history group: none with a window.
         self.prefix_caching = not d.windowed
-        self._prefix_required = [m.position for m in d.paged
-                                 if m.position not in d.resident_positions]
         self._prefix = PrefixCache(j, self.host_block_pool, self.device_block_pool,
                                    d.resident_positions.__contains__)
+        self.durability = Durability(
+            requests=self._requests, devices=d, policy=self.policy,
+            prefix=self._prefix if self.prefix_caching else None, counters=self.counters,
+            device_pool=self.device_block_pool, host_pool=self.host_block_pool, journal=j)
         self.device_block_pool.on_reuse = self._on_device_reuse
         self.host_block_pool.on_reuse = self._prefix.on_host_block_reused
         self.capacity = Capacity(
@@ -138,87 +147,6 @@ class HiSparseScheduler:
             policy=self.policy, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens)
         self._closed = False
-
-    # ------------------------------------------------------------------ queries
-    leaders = property(lambda self: list(self.groups.leaders),
-                       doc="Index-group leader layers (what ``resolve_rows`` takes).")
-    index_groups = property(lambda self: [ig.layers for ig in self.groups.index_groups],
-                            doc="Every index group's sparse layers, leader first.")
-    source_layers = property(lambda self: self.groups.source_layers)
-    device_layers = property(lambda self: self.groups.device_layers,
-                             doc="Model layer names ``append_slots`` returns rows for.")
-    has_pending_changes = property(lambda self: self.plan_builder.has_pending_changes,
-                                   doc="Whether table changes wait for the next plan.")
-    step_count = property(lambda self: self.plan_builder.step,
-                          doc="Plans emitted so far (the next plan's ``step`` is this + 1).")
-    request_ids = property(lambda self: list(self._requests))
-    row_layer_names = property(
-        lambda self: list(self.devices.row_names),
-        doc="The layers of each paged group, in ``append_group_rows`` order.")
-    closed = property(lambda self: self._closed)
-
-    def has_request(self, request_id: Hashable) -> bool:
-        self._check_open()
-        return request_id in self._requests
-
-    def seq_len(self, request_id: Hashable) -> int:
-        """Tokens present so far (cached prefix + appended)."""
-        return self._request(request_id).seq_len
-
-    def unpinned_pages(self, request_id: Hashable) -> int:
-        """How many of the request's leading resident pages left its ownership (unpinned:
-        readable until their blocks are reused; or lost: read from the host)."""
-        return self._request(request_id).released_pages
-
-    def is_offloaded(self, request_id: Hashable) -> bool:
-        """Whether the request holds a hot region (its committed pages may leave the GPU)."""
-        return self._request(request_id).hot is not None
-
-    def state_row(self, request_id: Hashable) -> int:
-        """The request's row in the workers' per-request tables."""
-        return self._request(request_id).row
-
-    def state_rows(self, request_ids: Sequence[Optional[Hashable]]) -> np.ndarray:
-        """``[R] int32`` state rows (-1 for ``None`` = padding); ``DuplicateRequestError`` for
-        an id named twice, ``UnknownRequestError`` for an unknown one."""
-        self._check_open()
-        return self._requests.state_rows(request_ids)
-
-    def host_block_table(self, request_id: Hashable) -> list[int]:
-        """The request's host blocks, one per reserved page."""
-        return list(self._request(request_id).host_blocks)
-
-    def block_table(self, request_id: Hashable, layer_name: str) -> list[int]:
-        """The request's device blocks for a layer's group, one per page (0 = the page is
-        not on the GPU); for a hot layer its hot region."""
-        req = self._request(request_id)
-        position = self.groups.layer_group[self.groups.device_layer_name(layer_name)]
-        return self.devices.managers[position].table(req)
-
-    @property
-    def available_device_blocks(self) -> int:
-        """Device blocks an ``append_slots`` may take now: free blocks (cached ones
-        included: taking one loses its page) minus the hot regions reserved for requests
-        that have not offloaded yet."""
-        return self.capacity.available_device_blocks
-
-    @property
-    def truly_free_device_blocks(self) -> int:
-        """Free device blocks that hold no readable page (what the watermark watches)."""
-        return self.device_block_pool.num_truly_free
-
-    def stats(self) -> SchedulerStats:
-        """Occupancy and residency counters (plain CPU reads)."""
-        self._check_open()
-        return self.counters.stats(
-            self.devices.in_use(), self.device_block_pool, self.host_block_pool,
-            num_requests=len(self._requests), steps=self.plan_builder.step,
-            offloaded_requests=sum(r.hot is not None for r in self._requests.values()))
-
-    def reset_stats(self) -> None:
-        """Zero the cumulative counters; peaks restart from the current occupancy."""
-        self._check_open()
-        self.counters.reset(self.device_block_pool.num_used, self.host_block_pool.num_used)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
@@ -241,7 +169,7 @@ class HiSparseScheduler:
         self._requests.check_new(request_id)
         admission = self.capacity.admission(request_id, prompt_len, max_new_tokens, token_ids)
         with self.journal.transaction():
-            self._run_reclaim(admission.reclaim)
+            self.durability.run_reclaim(admission.reclaim)
             return self._admit(request_id, admission, token_ids is not None)
 
     def can_admit(self, prompt_len: int, max_new_tokens: int,
@@ -257,7 +185,7 @@ class HiSparseScheduler:
         host_blocks = [e.host_block for e in hits] + self.host_block_pool.allocate(
             admission.new_host, request_id=request_id)
         req = self._requests.add(request_id, admission.prompt_len, admission.max_new_tokens,
-                                 host_blocks, admission.hashes)
+                                 host_blocks, admission.hashes, admission.token_ids)
         self.plan_builder.reset_row(req.row)
         self.plan_builder.write_host_blocks(req.row, host_blocks)
         self.devices.add_request(req)
@@ -268,40 +196,47 @@ class HiSparseScheduler:
             self.plan_builder.write_seq_len(req.row, req.seq_len)
             self.counters.add("prefix_hit_tokens", req.seq_len)
             if host_only:
-                self._offload(req)
-        self._track_peaks()
+                self.durability.offload(req)
+        self.durability.track_peaks()
         return len(hits) * self.block_size
 
     # ------------------------------------------------------------------ appending
-    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, np.ndarray]:
+    def append_slots(self, request_id: Hashable, num_tokens: int,
+                     token_ids: Optional[Sequence[int]] = None) -> dict[str, np.ndarray]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
 
         Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
         (sparse layers under their model name: their resident rows; indexer and regular
         layers); row ``r`` of a layer is ``device_cache(layer)[r // B, r % B]`` on a worker.
-        Layers of one group share one array. ``ReservationExceededError`` past
+        Layers of one group share one array. ``token_ids``: the appended tokens' ids
+        (``num_tokens`` ints): for a request added with ``token_ids`` its generated pages
+        are hashed like prompt pages and published once durable (an append without them
+        ends that: later pages are not published). ``ReservationExceededError`` past
         ``prompt_len + max_new_tokens``; ``UncommittedTokensError`` past
         ``max_num_batched_tokens`` tokens since the request's last plan; ``CapacityError``
-        when the device pool is full. Nothing changes on error.
+        when the device pool is full; ``ValueError`` for bad ``token_ids``. Nothing changes
+        on error.
         """
-        per_group = self.append_group_rows(request_id, num_tokens)
+        per_group = self.append_group_rows(request_id, num_tokens, token_ids)
         return {name: rows for rows, names in zip(per_group, self.devices.row_names)
                 for name in names}
 
-    def append_group_rows(self, request_id: Hashable, num_tokens: int) -> list[np.ndarray]:
+    def append_group_rows(self, request_id: Hashable, num_tokens: int,
+                          token_ids: Optional[Sequence[int]] = None) -> list[np.ndarray]:
         """``append_slots`` with one ``[num_tokens] int64`` array of rows per paged group (in
         ``row_layer_names`` order) instead of a dict per layer (cheaper on the decode path)."""
         self._check_open()
         req = self._request(request_id, "append_slots")
         new_len, counts, reclaim = self.capacity.append(req, num_tokens)
+        ids = req.new_token_ids(new_len - req.seq_len, token_ids)
         start = req.seq_len
         if counts is None:   # the decode step: one token, no new page
             rows = self.devices.row_at(req, start)
-            self._grow(req, new_len, None)
+            self._grow(req, new_len, None, ids)
             return [np.array([row], dtype=np.int64) for row in rows]
         with self.journal.transaction() if reclaim is not None else nullcontext():
-            self._run_reclaim(reclaim)
-            self._grow(req, new_len, counts)
+            self.durability.run_reclaim(reclaim)
+            self._grow(req, new_len, counts, ids)
         return self.devices.rows(req, start, new_len)
 
     def can_append(self, request_id: Hashable, num_tokens: int) -> bool:
@@ -309,50 +244,70 @@ class HiSparseScheduler:
         return self._answers(lambda: self.capacity.append(self._request(request_id),
                                                           num_tokens))
 
-    def append_decode(self, request_ids: Sequence[Hashable]) -> dict[str, np.ndarray]:
+    def append_decode(self, request_ids: Sequence[Hashable],
+                      token_ids: Optional[Sequence[int]] = None) -> dict[str, np.ndarray]:
         """``append_slots(id, 1)`` for every request of a decode batch, in one call:
         ``{layer: int64 [R]}`` rows, row ``r`` for ``request_ids[r]`` (layers of one group
-        share one array). All-or-nothing; the same errors as ``append_slots``."""
+        share one array); ``token_ids``: the new token of each request (``R`` ints) or None.
+        All-or-nothing; the same errors as ``append_slots``."""
         self._check_open()
         check_id_list(request_ids)
+        per_request = self._requests.decode_token_ids(request_ids, token_ids)
         reqs = self.capacity.decode_batch(request_ids)
         if reqs is None:   # one id twice or a reclaim: one request after the other
             columns = []
             with self.journal.transaction():
-                for request_id in request_ids:
+                for request_id, ids in zip(request_ids, per_request):
                     self._request(request_id, "append_decode")
                     columns.append([int(rows[0])
-                                    for rows in self.append_group_rows(request_id, 1)])
+                                    for rows in self.append_group_rows(request_id, 1, ids)])
             table = np.array(columns, dtype=np.int64).reshape(len(columns), -1).T
         else:
             devices = self.devices
+            new_ids = [req.new_token_ids(1, ids) for req, ids in zip(reqs, per_request)]
             rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
             positions = np.fromiter((r.seq_len for r in reqs), dtype=np.int64,
                                     count=len(reqs))
-            for req in reqs:
+            for req, ids in zip(reqs, new_ids):
                 new_len = req.seq_len + 1
                 self._grow(req, new_len, None if devices.starts_no_page(req.seq_len)
-                           else devices.count_new_blocks(req, new_len))
+                           else devices.count_new_blocks(req, new_len), ids)
             table = devices.decode_rows(rows, positions)
         return {name: table[i] for i, names in enumerate(self.devices.row_names)
                 for name in names}
 
-    def _grow(self, req: Request, new_len: int, counts: Optional[list[int]]) -> None:
+    def _grow(self, req: Request, new_len: int, counts: Optional[list[int]],
+              ids: Optional[np.ndarray] = None) -> None:
         """Grow ``req`` to ``new_len`` tokens: ``counts`` new blocks per paged group (known
-        to fit; None: no page starts)."""
+        to fit; None: no page starts); ``ids``: what ``new_token_ids`` returned."""
         if counts is not None:
             self.devices.grow(req, new_len, counts)
+        self._requests.extend_tokens(req, ids, self.block_size)
         self.journal.setattr(req, "seq_len", new_len)
         self.plan_builder.write_seq_len(req.row, new_len)
         if counts is not None:
-            self._track_peaks()
+            self.durability.track_peaks()
 
-    # ------------------------------------------------------------------ capacity
-    def _run_reclaim(self, reclaim: Optional[Reclaim]) -> None:
-        """Offload the requests a counted call chose (their pages stay readable in the free
-        queue; only blocks actually reused are lost)."""
-        for req in reclaim.requests if reclaim is not None else ():
-            self._release_resident(req, pressure=True)
+    def truncate(self, request_id: Hashable, new_len: int) -> None:
+        """Keep the request's first ``new_len`` tokens, drop the rest (rejected drafts;
+        ``docs/runtime.md``, rollback): ``seq_len`` back, the device blocks of pages past the
+        end freed in every group, hot slots holding the dropped host rows emptied (the next
+        plan's ``invalidate``), dropped token ids and page hashes forgotten (never
+        published). The host blocks stay reserved, so a mirror already planned for the
+        dropped tokens writes only the request's own rows past its end (read by nothing,
+        overwritten later). ``ValueError`` past ``seq_len`` or below the durable prefix
+        (``committed_len``); nothing changes on error."""
+        req = self._request(request_id, "truncate")
+        new_len = req.check_truncate(new_len)
+        if new_len == req.seq_len:
+            return
+        with self.journal.transaction():
+            if req.hot is not None:   # hot slots may hold the dropped host rows
+                self.plan_builder.invalidate(req.row, req.host_row_ranges(
+                    new_len, req.seq_len, self.block_size))
+            self.devices.truncate(req, new_len)
+            self._requests.truncate(req, new_len, self.block_size)
+            self.plan_builder.write_seq_len(req.row, new_len)
 
     # ------------------------------------------------------------------ ending
     def free_request(self, request_id: Hashable) -> None:
@@ -387,11 +342,7 @@ class HiSparseScheduler:
         ``commit`` set: a worker applies it only after every earlier plan's mirror.
         """
         self._check_open()
-        values = self.counters.values
-        released_before = values["unpinned_pages"] + values["window_released_pages"]
-        self._make_durable()
-        return self._build(commit=True, released_pages=(
-            values["unpinned_pages"] + values["window_released_pages"] - released_before))
+        return self._build(commit=True, released_pages=self.durability.make_durable())
 
     def flush(self) -> StepPlan:
         """A plan of the table changes made since the last plan, with the mirror rows of the
@@ -422,35 +373,7 @@ class HiSparseScheduler:
         first. A loop calls it after the forward to hand released blocks to the next step's
         appends one step earlier."""
         self._check_open()
-        self._make_durable()
-
-    def _make_durable(self) -> None:
-        """Mark the mirrored tokens durable; publish and release what that allows."""
-        j = self.journal
-        pressure = self.policy.under_pressure(self.truly_free_device_blocks)
-        for req in list(self._requests.values()):
-            if req.scheduled_len > req.committed_len:
-                j.setattr(req, "committed_len", req.scheduled_len)
-                if self.prefix_caching and req.page_hashes:   # newly durable prompt pages
-                    self._prefix.publish_durable(
-                        req, lambda page: self.devices.page_blocks(req, page),
-                        self._prefix_required, self.block_size)
-            self._release_resident(req, pressure)
-            self.devices.release_windows(req)
-
-    def _release_resident(self, req: Request, pressure: bool) -> None:
-        """Unpin the durable pages the policy lets go (offloading the request first)."""
-        span = self.policy.release_range(req, pressure) if self.devices.resident else None
-        if span is None:
-            return
-        with self.journal.transaction():
-            if span.offload:
-                self._offload(req)
-            self.devices.unpin(req, span.first, span.limit, drop=self.policy.always_offload)
-
-    def _offload(self, req: Request) -> None:
-        self.devices.offload(req)
-        self._track_peaks()
+        self.durability.make_durable()
 
     # ------------------------------------------------------------------ pool hooks
     def _on_device_reuse(self, block: int) -> None:
@@ -458,19 +381,7 @@ class HiSparseScheduler:
         self.devices.on_reuse(block)
         self._prefix.on_device_block_reused(block)
 
-    def _track_peaks(self) -> None:
-        self.counters.track_peaks(self.device_block_pool.num_used,
-                                  self.host_block_pool.num_used)
-
     # ------------------------------------------------------------------ lifecycle
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeClosedError("the HiSparseScheduler is closed.")
-
-    def _request(self, request_id: Hashable, what: str = "") -> Request:
-        self._check_open()
-        return self._requests.get(request_id, what)
-
     def _answers(self, count, *args) -> bool:
         """Whether a counting call accepts (``False`` for anything the real call refuses)."""
         self._check_open()
@@ -495,16 +406,8 @@ class HiSparseScheduler:
 
     def _debug_snapshot(self) -> dict:
         """Every piece of mutable state as comparable values (tests: a failed call changes
-        nothing)."""
-        requests, free_rows = self._requests.snapshot()
-        state: dict = {("request", rid): snap for rid, snap in requests.items()}
-        for pool in (self.device_block_pool, self.host_block_pool):
-            state[("pool", pool.name)] = pool.snapshot()
-        state["managers"] = self.devices.snapshot()
-        state["pending"] = self.plan_builder.snapshot()
-        state["cache"] = self._prefix.snapshot()
-        state["misc"] = (free_rows, self.counters.snapshot())
-        return state
+        nothing; ``invariants.scheduler_snapshot``)."""
+        return scheduler_snapshot(self)
 
 
 __all__ = ["DEFAULT_FREE_BLOCK_WATERMARK", "HiSparseScheduler", "SchedulerStats"]

@@ -278,6 +278,13 @@ class HiSparseWorker:
         tables.check_last(plan)
         mirror.copy_due(tables, draft=draft, writes_host=self.mirrors_to_host)
 
+    @property
+    def draft_mirror_due(self) -> Optional[int]:
+        """The step of the oldest applied plan whose draft-layer rows are still to be copied
+        by ``mirror(draft=True)`` (None: none)."""
+        due = [d.plan.step for d in self._tables.due if True in d.parts]
+        return due[0] if due else None
+
     # ------------------------------------------------------------------ decode step
     def _index_group(self, leader_layer: str) -> HotCache:
         cache = self._index_groups.get(leader_layer)

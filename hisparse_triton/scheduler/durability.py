@@ -1,0 +1,83 @@
+"""Carrying out the residency decisions: ``residency.py`` decides, ``Durability`` acts (no torch).
+
+What follows from tokens becoming durable (``make_durable``: full pages published for prefix
+reuse, durable pages outside the active tail unpinned, sliding-window pages out of every
+window released) and from a counted call that needs room (``run_reclaim``: the requests the
+reclaim plan chose offload). Every change goes through the managers (``coordinator``), the
+prefix cache and the journal, like the scheduler's own.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+from hisparse_triton.scheduler.block_pool import BlockPool
+from hisparse_triton.scheduler.coordinator import GroupCoordinator
+from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.prefix_cache import PrefixCache
+from hisparse_triton.scheduler.requests import Request, RequestTable
+from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
+from hisparse_triton.scheduler.stats import Counters
+
+
+class Durability:
+    """The scheduler's residency actions (see the module docstring). ``prefix``: the prefix
+    cache when prefix caching is on (no sliding-window group), else None."""
+
+    def __init__(self, *, requests: RequestTable, devices: GroupCoordinator,
+                 policy: ResidencyPolicy, prefix: Optional[PrefixCache], counters: Counters,
+                 device_pool: BlockPool, host_pool: BlockPool, journal: Journal) -> None:
+        self.requests, self.devices, self.policy, self.prefix = requests, devices, policy, prefix
+        self.counters, self.journal = counters, journal
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.block_size = policy.block_size
+        # A page is published only with a block in every full-history group but the
+        # resident ones (whose GPU copies are optional: the host has the page).
+        self.prefix_required = [m.position for m in devices.paged
+                                if m.position not in devices.resident_positions]
+
+    def track_peaks(self) -> None:
+        self.counters.track_peaks(self.device_pool.num_used, self.host_pool.num_used)
+
+    def offload(self, req: Request) -> None:
+        """``req`` takes its hot regions (reserved at admission)."""
+        self.devices.offload(req)
+        self.track_peaks()
+
+    def release_resident(self, req: Request, pressure: bool) -> None:
+        """Unpin the durable pages the policy lets go (offloading the request first)."""
+        span = self.policy.release_range(req, pressure) if self.devices.resident else None
+        if span is None:
+            return
+        with self.journal.transaction():
+            if span.offload:
+                self.offload(req)
+            self.devices.unpin(req, span.first, span.limit, drop=self.policy.always_offload)
+
+    def run_reclaim(self, reclaim: Optional[Reclaim]) -> None:
+        """Offload the requests a counted call chose (their pages stay readable in the free
+        queue; only blocks actually reused are lost)."""
+        for req in reclaim.requests if reclaim is not None else ():
+            self.release_resident(req, pressure=True)
+
+    def make_durable(self) -> int:
+        """Mark the mirrored tokens durable; publish and release what that allows. Returns
+        the pages released (unpinned or out of every window)."""
+        j, values = self.journal, self.counters.values
+        before = values["unpinned_pages"] + values["window_released_pages"]
+        pressure = self.policy.under_pressure(self.device_pool.num_truly_free)
+        keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave the GPU at once
+        for req in list(self.requests.values()):
+            if req.scheduled_len > req.committed_len:
+                j.setattr(req, "committed_len", req.scheduled_len)
+                if self.prefix is not None and req.page_hashes:   # newly durable full pages
+                    self.prefix.publish_durable(req, partial(
+                        self.devices.page_blocks, req, resident=keep_gpu_copies),
+                        self.prefix_required, self.block_size)
+            self.release_resident(req, pressure)
+            self.devices.release_windows(req)
+        return values["unpinned_pages"] + values["window_released_pages"] - before
+
+
+__all__ = ["Durability"]
