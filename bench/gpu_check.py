@@ -7,7 +7,7 @@ group joins its steps without an edit here.
 
 Usage on a GPU machine, from the repository root::
 
-    OUT=/some/dir python3 bench/gpu_check.py            # under 6 minutes (--budget-s 320)
+    OUT=/some/dir python3 bench/gpu_check.py            # under 6 minutes (--budget-s 330)
     OUT=/some/dir python3 bench/gpu_check.py --quick    # a shorter rerun (--budget-s 240)
     OUT=/some/dir python3 bench/gpu_check.py --only tests,tune   # some steps only
 
@@ -19,27 +19,28 @@ Steps (``STEPS``; each a subprocess with its own time limit, cut to what is left
 budget; at its limit a step gets SIGINT and ``bench`` / ``tune`` keep what they measured; a
 step that cannot start inside the budget is recorded as skipped):
 
-(first) ``decode-checks``: issue 20's decode-path points in one subprocess
+0. make ``hisparse_triton.kernels`` importable (``pip install --no-deps --no-build-isolation
+   --no-index -e .`` when it is not: offline, setuptools only); ``device_info()`` records
+   the devices (SM / CU counts);
+1. ``decode-checks``: issue 20's decode-path points in one subprocess
    (``hisparse_triton.benchmarks.decode_checks``): launch path (direct vs normal), resolve
    variants, a step with and without the side-stream overlap (grid capped vs not), the
    split gather (2+ GPUs, else skipped with the reason), the vLLM ops; each section records
-   its own error; ``device_info()`` records the devices (SM / CU counts); then
-   ``decode-step`` (below, without its overlap runs: decode-checks has them);
-0. make ``hisparse_triton.kernels`` importable (``pip install --no-deps --no-build-isolation
-   --no-index -e .`` when it is not: offline, setuptools only);
-1. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
+   its own error and is saved as soon as it is done;
+   ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
+   index groups, every request on the host path): eager device / host time, the 61
+   resolves replayed from one CUDA graph, misses and GB/s gathered per step (its overlap
+   runs left out: decode-checks has them);
+2. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
    ratios 1, 0.3, 0.067: Triton (per launch and CUDA-graph replay) vs torch eager vs the
    contiguous pinned copy, all in one run;
-2. ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
-   replay, torch reference);
-   (run second) ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
-   index groups, every request on the host path): eager device / host time, the 61
-   resolves replayed from one CUDA graph, misses and GB/s gathered per step;
 3. ``tests``: ``pytest tests`` on CUDA (pytest-xdist workers when installed: the first
    Triton compile of each kernel specialisation costs about 1-3 s, in parallel there);
+   ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
+   replay, torch reference);
 4. ``tune``: 656 B rows, gather and backup, 1 and 4 layers (``--quick`` grid), into
    ``$OUT/tuning-cache.json`` (the user's cache is not touched);
-5. ``bench-tuned``: step 1's gather / backup figures again with the tuned cache;
+5. ``bench-tuned``: step 2's gather / backup figures again with the tuned cache;
 6. the rest of the sweep while the budget lasts: 656 B page copies, 656 B small transfers
    (the torch backend too), resolve at other batch sizes, 132 and 1152 B rows.
 
@@ -96,28 +97,29 @@ class Step:
 
 
 STEPS = (
-    Step("decode-checks", "decode-checks", (), 100, ("--quick",), 70),
-    Step("decode-step", "decode", ("--decode-step", "--no-overlap"), 60,
-         ("--decode-step", "--quick", "--no-overlap"), 40),
+    Step("decode-checks", "decode-checks", (), 85, ("--quick",), 50),
+    Step("decode-step", "decode", ("--decode-step", "--no-overlap"), 45,
+         ("--decode-step", "--quick", "--no-overlap"), 30),
     Step("bench-targets", "bench",
          (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,eager,contiguous",
-          "--miss-ratios", "1,0.3,0.067"), 110,
+          "--miss-ratios", "1,0.3,0.067"), 80,
          ("--row-bytes", "656", "--rows", "4k,64k", "--layers", "1,4", "--ops",
           "rows", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067",
-          "--rep-ms", "25"), 45),
+          "--rep-ms", "25"), 40),
+    Step("tests", "tests", ("tests",), 150,
+         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
+          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",
+          "tests/test_cuda_graph.py", "tests/test_launch_budget.py",
+          "tests/test_side_stream.py"), 60),
     Step("bench-resolve", "bench",
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
           "--seq-len", "32768", "--miss-ratios", "1,0.3,0.067", "--methods", "triton,torch"),
          75,
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
-          "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 35),
-    Step("tests", "tests", ("tests",), 150,
-         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
-          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",
-          "tests/test_cuda_graph.py", "tests/test_launch_budget.py"), 75),
+          "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 30),
     Step("tune", "tune",
          ("--row-bytes", "656", "--kernel", "rows", "--layers", "1,4", "--quick"), 110,
-         ("--row-bytes", "656", "--kernel", "rows", "--layers", "1", "--quick"), 40),
+         ("--row-bytes", "656", "--kernel", "rows", "--layers", "1", "--quick"), 30),
     Step("bench-tuned", "bench",
          (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,contiguous",
           "--miss-ratios", "1,0.067"), 60),
@@ -400,12 +402,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip", default="", metavar="STEPS", help="steps to leave out")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="no step starts after this many seconds, and every step's limit "
-                             "is cut to what is left (default 320, so that the whole check "
+                             "is cut to what is left (default 330, so that the whole check "
                              "ends within 6 minutes; --quick 240)")
     args = parser.parse_args(argv)
     if not args.out:
         parser.error("no output folder: set $OUT or pass --out")
-    budget = args.budget_s or (240.0 if args.quick else 320.0)
+    budget = args.budget_s or (240.0 if args.quick else 330.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
