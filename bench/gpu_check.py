@@ -7,7 +7,7 @@ group joins its steps without an edit here.
 
 Usage on a GPU machine, from the repository root::
 
-    OUT=/some/dir python3 bench/gpu_check.py            # about 7 minutes at most (--budget-s 400)
+    OUT=/some/dir python3 bench/gpu_check.py            # under 6 minutes (--budget-s 330)
     OUT=/some/dir python3 bench/gpu_check.py --quick    # a shorter rerun (--budget-s 240)
     OUT=/some/dir python3 bench/gpu_check.py --only tests,tune   # some steps only
 
@@ -20,20 +20,27 @@ budget; at its limit a step gets SIGINT and ``bench`` / ``tune`` keep what they 
 step that cannot start inside the budget is recorded as skipped):
 
 0. make ``hisparse_triton.kernels`` importable (``pip install --no-deps --no-build-isolation
-   --no-index -e .`` when it is not: offline, setuptools only);
-1. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
-   ratios 1, 0.3, 0.067: Triton (per launch and CUDA-graph replay) vs torch eager vs the
-   contiguous pinned copy, all in one run;
-2. ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
-   replay, torch reference);
+   --no-index -e .`` when it is not: offline, setuptools only); ``device_info()`` records
+   the devices (SM / CU counts);
+1. ``decode-checks``: issue 20's decode-path points in one subprocess
+   (``hisparse_triton.benchmarks.decode_checks``): launch path (direct vs normal), resolve
+   variants, a step with and without the side-stream overlap (grid capped vs not), the
+   split gather (2+ GPUs, else skipped with the reason), the vLLM ops; each section records
+   its own error and is saved as soon as it is done;
    ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
    index groups, every request on the host path): eager device / host time, the 61
-   resolves replayed from one CUDA graph, misses and GB/s gathered per step;
+   resolves replayed from one CUDA graph, misses and GB/s gathered per step (its overlap
+   runs left out: decode-checks has them);
+2. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
+   ratios 1, 0.3, 0.067: Triton (per launch and CUDA-graph replay) vs torch eager vs the
+   contiguous pinned copy, all in one run;
 3. ``tests``: ``pytest tests`` on CUDA (pytest-xdist workers when installed: the first
    Triton compile of each kernel specialisation costs about 1-3 s, in parallel there);
+   ``bench-resolve``: resolve at 64 x 2048 x 4096, miss ratios 1, 0.3, 0.067 (Triton, graph
+   replay, torch reference);
 4. ``tune``: 656 B rows, gather and backup, 1 and 4 layers (``--quick`` grid), into
    ``$OUT/tuning-cache.json`` (the user's cache is not touched);
-5. ``bench-tuned``: step 1's gather / backup figures again with the tuned cache;
+5. ``bench-tuned``: step 2's gather / backup figures again with the tuned cache;
 6. the rest of the sweep while the budget lasts: 656 B page copies, 656 B small transfers
    (the torch backend too), resolve at other batch sizes, 132 and 1152 B rows.
 
@@ -90,26 +97,29 @@ class Step:
 
 
 STEPS = (
+    Step("decode-checks", "decode-checks", (), 85, ("--quick",), 50),
+    Step("decode-step", "decode", ("--decode-step", "--no-overlap"), 45,
+         ("--decode-step", "--quick", "--no-overlap"), 30),
     Step("bench-targets", "bench",
          (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,eager,contiguous",
-          "--miss-ratios", "1,0.3,0.067"), 110,
+          "--miss-ratios", "1,0.3,0.067"), 80,
          ("--row-bytes", "656", "--rows", "4k,64k", "--layers", "1,4", "--ops",
           "rows", "--methods", "triton,eager,contiguous", "--miss-ratios", "1,0.067",
-          "--rep-ms", "25"), 45),
+          "--rep-ms", "25"), 40),
+    Step("tests", "tests", ("tests",), 150,
+         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
+          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",
+          "tests/test_cuda_graph.py", "tests/test_launch_budget.py",
+          "tests/test_side_stream.py"), 60),
     Step("bench-resolve", "bench",
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
           "--seq-len", "32768", "--miss-ratios", "1,0.3,0.067", "--methods", "triton,torch"),
          75,
          ("--ops", "resolve", "--batch", "64", "--top-k", "2048", "--hot-slots", "4096",
-          "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 35),
-    Step("decode-step", "decode", ("--decode-step",), 60, ("--decode-step", "--quick"), 40),
-    Step("tests", "tests", ("tests",), 150,
-         ("tests/test_gather_kernel.py", "tests/test_backup_kernel.py",
-          "tests/test_resolve_kernel.py", "tests/test_ops.py", "tests/test_cli_bench.py",
-          "tests/test_cuda_graph.py", "tests/test_launch_budget.py"), 75),
+          "--seq-len", "32768", "--miss-ratios", "1,0.067", "--methods", "triton,torch"), 30),
     Step("tune", "tune",
          ("--row-bytes", "656", "--kernel", "rows", "--layers", "1,4", "--quick"), 110,
-         ("--row-bytes", "656", "--kernel", "rows", "--layers", "1", "--quick"), 40),
+         ("--row-bytes", "656", "--kernel", "rows", "--layers", "1", "--quick"), 30),
     Step("bench-tuned", "bench",
          (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,contiguous",
           "--miss-ratios", "1,0.067"), 60),
@@ -133,8 +143,9 @@ DRY_RUN_FLAGS = {
     "tune": ("--dry-run", "--row-bytes", "656", "--kernel", "gather", "--layers", "1",
              "--quick"),
     "tests": ("tests/test_tuning_cache.py",),
+    "decode-checks": ("--quick", "--device", "cpu"),
 }
-DRY_RUN_STEPS = ("bench-targets", "tune", "tests")
+DRY_RUN_STEPS = ("decode-checks", "bench-targets", "tune", "tests")
 
 
 def _run(cmd: list[str], log: Path, timeout: float, env: Optional[dict[str, str]] = None
@@ -314,12 +325,53 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"{decode.get('eager_step_host_ms')} ms host; graph "
                      f"{decode.get('graph_resolve_us_per_group')} us per index group "
                      f"(target <= 15); {decode.get('h2d_gbps_in_step')} GB/s gathered")
+    lines += decode_check_lines(report)
     bench = report.get("bench")
     if bench:
         lines += _ceilings(bench)
     if report.get("targets"):
         lines.append("performance targets (ratio >= 1 = met):")
         lines += target_lines(report["targets"])
+    return lines
+
+
+def device_info() -> dict[str, Any]:
+    """What the check ran on, per visible device: name, vendor, compute units (SMs / CUs),
+    memory, capability; and the device count. Extend here for other vendors' details (ROCm:
+    ``torch.version.hip``, gfx arch, CU count)."""
+    import torch
+
+    info: dict[str, Any] = {"cuda_available": torch.cuda.is_available(),
+                            "hip": getattr(torch.version, "hip", None),
+                            "cuda": torch.version.cuda, "devices": []}
+    if not torch.cuda.is_available():
+        return info
+    info["device_count"] = torch.cuda.device_count()
+    for index in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(index)
+        info["devices"].append({
+            "index": index, "name": p.name,
+            "vendor": "amd" if info["hip"] else "nvidia",
+            "compute_units": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "capability": f"{p.major}.{p.minor}",
+            "arch": getattr(p, "gcnArchName", None) or f"sm_{p.major}{p.minor}"})
+    return info
+
+
+def decode_check_lines(report: dict[str, Any]) -> list[str]:
+    """Summary lines of the decode-checks step (issue 20's points)."""
+    result = ((report.get("steps", {}).get("decode-checks") or {}).get("result") or {})
+    lines = []
+    for name, section in (result.get("sections") or {}).items():
+        if "error" in section:
+            lines.append(f"  decode-checks {name}: ERROR {section['error'][:120]}")
+        elif "skipped" in section:
+            lines.append(f"  decode-checks {name}: skipped ({section['skipped'][:100]})")
+        else:
+            figures = {k: v for k, v in section.items()
+                       if k not in ("note", "wall_s") and not isinstance(v, (list, str))}
+            lines.append(f"  decode-checks {name}: {json.dumps(figures)[:300]}")
     return lines
 
 
@@ -350,11 +402,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip", default="", metavar="STEPS", help="steps to leave out")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="no step starts after this many seconds, and every step's limit "
-                             "is cut to what is left (default 400; --quick 240)")
+                             "is cut to what is left (default 330, so that the whole check "
+                             "ends within 6 minutes; --quick 240)")
     args = parser.parse_args(argv)
     if not args.out:
         parser.error("no output folder: set $OUT or pass --out")
-    budget = args.budget_s or (240.0 if args.quick else 400.0)
+    budget = args.budget_s or (240.0 if args.quick else 330.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -370,6 +423,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     env = environment()
     report["environment"] = env
+    try:
+        report["device_info"] = device_info()
+    except Exception as exc:  # noqa: BLE001 - device details must not stop the check
+        report["device_info"] = {"error": f"{type(exc).__name__}: {exc}"}
     cuda = bool(env.get("cuda_available"))
     result_path = out / f"{device_slug(env.get('gpu') or 'cpu')}-{report['date']}.json"
 
@@ -411,6 +468,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if step.kind == "tests":
             record = _run(tests_command(tuple(flags), cuda), log, limit)
             record["summary"] = pytest_summary(record["tail"])
+        elif step.kind == "decode-checks":
+            record = _run([sys.executable, "-m", "hisparse_triton.benchmarks.decode_checks",
+                           "--device", "cuda", *flags, "--json", str(target)], log, limit)
+            record["result"] = _load_json(target)
         elif step.kind == "decode":
             record = _run(cli + ["bench", *flags, "--json", str(target)], log, limit)
             record["result"] = _load_json(target)

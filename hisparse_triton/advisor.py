@@ -23,6 +23,11 @@ step, 1 without speculative decoding):
   compute_s)`` (``overlap``: the share of the gathers hidden under compute; 0 = none, the
   pessimistic default; 1 = all of it that fits), ``tokens_per_s = Q x batch / step_s``.
 
+With ``tp_split = N`` tensor-parallel ranks splitting the gather (``HiSparseWorker(
+split_gather=True)``), ``link_s`` is per rank: 1/N of the missed rows over its own host link
+plus the fixed exchange of the other ranks' shares at ``exchange_gbps`` (``SPLIT_FORMULA``;
+it assumes each GPU has its own host link).
+
 The all-GPU row keeps every layer's whole history on the GPU (``get_all_gpu_baseline_
 concurrency``): ``tokens_per_s = Q x batch / step(batch)``, no transfers. The crossover is the
 smallest number of concurrent requests at which the recommended HiSparse setting decodes
@@ -69,6 +74,11 @@ RECOMMEND_TOLERANCE = 0.005
 #: The default step model: (batch, ms) points of a decode step without transfers. An
 #: assumption, not a measurement: pass your engine's figures (``--step-ms``).
 DEFAULT_STEP_POINTS: tuple[tuple[float, float], ...] = ((1, 25.0), (256, 50.0))
+#: GPU <-> GPU speed of the split gather's exchange (NCCL all_gather bus bandwidth per GPU,
+#: GB/s): an assumption for NVLink 4 (H100 / H200 SXM: 450 GB/s per direction, about 80%
+#: of it reached by all_gather). Measure yours (``nccl-tests``) and pass ``--exchange-gbps``.
+DEFAULT_EXCHANGE_GBPS = 360.0
+
 THROUGHPUT_FORMULA = ("tokens/s = Q x batch / step_s, step_s = compute_s + link_s - "
                       "min(overlap x link_s, compute_s), compute_s = step(batch), link_s = "
                       "batch x bytes_per_step / link_Bps, batch = floor(min(steady-state "
@@ -137,6 +147,33 @@ class AdviseSettings:
     warmup: int = 24
     seed: int = 0
     link_by_rows: Optional[Callable[[int], float]] = field(default=None, compare=False)
+    tp_split: int = 1
+    exchange_gbps: float = DEFAULT_EXCHANGE_GBPS
+    split_fraction: float = 0.25
+
+
+SPLIT_FORMULA = ("with N TP ranks splitting (worker split_gather): m = miss x Q x top_k "
+                 "columns per index group, C = ceil(split_fraction x Q x top_k / N); per rank "
+                 "PCIe bytes = (min(m, N x C) / N + max(0, m - N x C)) x layers x row_bytes, "
+                 "exchange bytes received = (N - 1) x C x layers x row_bytes (fixed shapes), "
+                 "link_s = batch x (PCIe bytes / link_Bps + exchange bytes / exchange_Bps); "
+                 "assumes every GPU has its own host link (a PCIe switch shared by two GPUs "
+                 "halves the gain) and rows' misses spread evenly (a row past N x C misses "
+                 "pulls the rest itself)")
+
+
+def split_bytes(miss_columns: float, columns: int, bytes_per_column: float, ranks: int,
+                fraction: float) -> tuple[float, float]:
+    """``(pcie_bytes, exchange_bytes)`` per rank and request of one step with ``ranks``
+    tensor-parallel ranks splitting the gather (``SPLIT_FORMULA``): ``miss_columns`` missed
+    columns of ``columns`` per index group, ``bytes_per_column`` over all layers. With one
+    rank: everything over PCIe, no exchange."""
+    if ranks <= 1:
+        return miss_columns * bytes_per_column, 0.0
+    cap = max(1, math.ceil(fraction * columns / ranks - 1e-9))
+    split = min(miss_columns, ranks * cap)
+    pcie = (split / ranks + max(0.0, miss_columns - ranks * cap)) * bytes_per_column
+    return pcie, (ranks - 1) * cap * bytes_per_column
 
 
 def attention_kernel(preset: str) -> tuple[Optional[str], Optional[tuple[int, ...]]]:
@@ -234,10 +271,13 @@ def all_gpu_row(geometry: ModelGeometry, settings: AdviseSettings, *, context_le
 
 
 def step_seconds(settings: AdviseSettings, batch: int, bytes_per_step: float,
-                 gbps: float) -> tuple[float, float, float]:
-    """``(compute_s, link_s, step_s)`` of one decode step of ``batch`` requests."""
+                 gbps: float, *, exchange_bytes: float = 0.0) -> tuple[float, float, float]:
+    """``(compute_s, link_s, step_s)`` of one decode step of ``batch`` requests
+    (``bytes_per_step`` over the host link per request, ``exchange_bytes`` per request
+    between the GPUs at ``settings.exchange_gbps``: the split gather)."""
     compute = settings.step.ms(batch) / 1e3
-    link = batch * bytes_per_step / (gbps * 1e9)
+    link = batch * bytes_per_step / (gbps * 1e9) + batch * exchange_bytes / (
+        settings.exchange_gbps * 1e9)
     return compute, link, compute + link - min(settings.overlap * link, compute)
 
 
@@ -272,6 +312,12 @@ def run_advise(settings: AdviseSettings,
     if q > 1 and settings.trace is not None:
         raise ValueError(f"--mtp {q} cannot be combined with --trace: a trace holds one top-k "
                          f"selection per request and step.")
+    if not isinstance(settings.tp_split, int) or settings.tp_split < 1:
+        raise ValueError(f"--tp-split must be an int >= 1, got {settings.tp_split!r}.")
+    if not 0.0 < settings.split_fraction <= 1.0:
+        raise ValueError(f"--split-fraction must be in (0, 1], got {settings.split_fraction!r}.")
+    if not settings.exchange_gbps > 0:
+        raise ValueError(f"--exchange-gbps must be positive, got {settings.exchange_gbps!r}.")
     if not 0.0 <= settings.overlap <= 1.0:
         raise ValueError(f"--overlap must be a fraction in [0, 1], got {settings.overlap!r}.")
     buffers = settings.buffers or tuple(f * q * top_k for f in DEFAULT_BUFFER_FACTORS
@@ -310,8 +356,12 @@ def run_advise(settings: AdviseSettings,
             gbps = settings.link_gbps
             if settings.link_by_rows is not None and batch:
                 gbps = settings.link_by_rows(max(1, round(miss * q * top_k * batch)))
-            compute_s, link_s, step_s = step_seconds(settings, batch, bytes_step, gbps) \
-                if batch else (0.0, 0.0, 0.0)
+            pcie_rank, exchange_rank = split_bytes(
+                miss * q * top_k, q * top_k, geometry.num_layers * geometry.mla_row_bytes,
+                settings.tp_split, settings.split_fraction)
+            compute_s, link_s, step_s = step_seconds(
+                settings, batch, pcie_rank, gbps,
+                exchange_bytes=exchange_rank) if batch else (0.0, 0.0, 0.0)
             row.update({
                 "miss_rate": miss, "hit_rate": 1.0 - miss,
                 "rows_per_step": rows_step, "bytes_per_step": bytes_step,
@@ -320,6 +370,8 @@ def run_advise(settings: AdviseSettings,
                 "compute_ms_per_step": compute_s * 1e3, "link_ms_per_step": link_s * 1e3,
                 "step_ms": step_s * 1e3,
                 "tokens_per_s": q * batch / step_s if batch else 0.0,
+                "pcie_bytes_per_rank_per_step": pcie_rank * batch,
+                "exchange_bytes_per_rank_per_step": exchange_rank * batch,
             })
             rows_out.append(row)
             if on_setting is not None:
@@ -353,6 +405,9 @@ def run_advise(settings: AdviseSettings,
         "step_model": {"points": [list(p) for p in settings.step.points],
                        "source": settings.step.source, "text": settings.step.describe()},
         "overlap": settings.overlap, "max_batch": settings.max_batch,
+        "tp_split": {"ranks": settings.tp_split, "exchange_gbps": settings.exchange_gbps,
+                     "fraction": settings.split_fraction, "formula": SPLIT_FORMULA}
+        if settings.tp_split > 1 else None,
         "link_gbps": settings.link_gbps, "link_source": settings.link_source,
         "attention_kernel": kernel,
         "supported_block_sizes": list(supported) if supported else None,
@@ -477,6 +532,7 @@ def link_from_bench(result: dict[str, Any], row_bytes: int) -> tuple[Callable[[i
 __all__ = ["ATTENTION_KERNELS", "AdviseSettings", "DEFAULT_BLOCK_SIZES",
            "DEFAULT_BUFFER_FACTORS", "DEFAULT_STEP_POINTS", "GATHER_METHODS",
            "RECOMMEND_TOLERANCE", "StepModel", "THROUGHPUT_FORMULA", "all_gpu_row",
+           "DEFAULT_EXCHANGE_GBPS", "SPLIT_FORMULA", "split_bytes",
            "attention_kernel", "crossover", "find_bench_result", "link_from_bench",
            "plan_setting", "recommend", "run_advise", "step_seconds", "steady_miss_rate",
            "trace_streams"]

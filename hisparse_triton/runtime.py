@@ -501,18 +501,20 @@ class HiSparseRuntime:
                                            host_rows_bound=bound)
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
-                     topk: torch.Tensor) -> torch.Tensor:
+                     topk: torch.Tensor, *, stream: Optional[object] = None):
         """``resolve`` by state rows: the fixed-shape, host-free core (CUDA-graph friendly).
 
         ``state_rows``: ``[R] int32`` on the runtime's device (``state_rows(ids)``), -1 =
         padding; rows must be distinct. A row that is not live resolves against an empty
         request (all -1). ``topk``: ``[R, K]``, as for ``resolve``. Only shapes are checked.
+        ``stream``: the side-stream mode (``HiSparseWorker.resolve_rows``): returns
+        ``StreamRows(rows, events)``, the events each layer's attention waits on.
         """
         self._check_open()
         if self.scheduler.has_pending_changes:   # refuse bad input before handing over
             self.worker.check_resolve(leader_layer, state_rows, topk)
             self._hand_over()
-        return self.worker.resolve_rows(leader_layer, state_rows, topk)
+        return self.worker.resolve_rows(leader_layer, state_rows, topk, stream=stream)
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> HiSparseStats:

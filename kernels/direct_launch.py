@@ -15,7 +15,9 @@ What a direct call must keep true, and how it is checked per call:
 - the specialisation: every argument except the ``dynamic`` tensors is the object bound the
   first time (the caller guarantees it: a bound launch is made per shape); a dynamic tensor
   may change its address, and its 16-byte alignment (Triton's only pointer specialisation) is
-  compared with the bound one: a change goes through the normal path again and rebinds;
+  compared with the bound one: an alignment not seen before goes through the normal path
+  once and is bound too (one compiled specialisation per alignment pattern, kept, so plans
+  whose addresses alternate between aligned and unaligned both stay direct);
 - launch hooks (profilers, ``knobs.runtime.launch_enter_hook``): when one is registered,
   the call takes the normal path, which builds the launch metadata the hook expects (with no
   hook registered the direct call passes no metadata and no hook, which the launcher skips);
@@ -85,6 +87,8 @@ class DirectLaunch:
         self._values: Optional[list] = None      # every parameter's value, in kernel order
         self._value_index: tuple[int, ...] = ()  # where each dynamic arg sits in _values
         self._alignment: tuple[bool, ...] = ()
+        #: other alignment patterns bound before: alignment -> (compiled, values)
+        self._bindings: dict[tuple[bool, ...], tuple[Any, list]] = {}
         self._enabled = direct_launch_enabled()
 
     # ------------------------------------------------------------------ binding
@@ -114,6 +118,7 @@ class DirectLaunch:
         self._value_index = tuple(index_of_arg[p] for p in self.dynamic)
         self._alignment = tuple(_aligned(self.args[p]) for p in self.dynamic)
         self._compiled = compiled
+        self._bindings[self._alignment] = (compiled, values)
 
     def _normal(self, tensors: Sequence[torch.Tensor]) -> None:
         for position, tensor in zip(self.dynamic, tensors):
@@ -137,8 +142,13 @@ class DirectLaunch:
         values = self._values
         for index, tensor, aligned in zip(self._value_index, tensors, self._alignment):
             if (tensor.data_ptr() % _ALIGNMENT == 0) is not aligned:
-                self._normal(tensors)
-                return
+                if not self._switch(tensors):
+                    self._normal(tensors)
+                    return
+                compiled, values = self._compiled, self._values
+                for index2, tensor2 in zip(self._value_index, tensors):
+                    values[index2] = tensor2
+                break
             values[index] = tensor
         active = self._driver.active
         stream = active.get_current_stream(active.get_current_device())
@@ -148,6 +158,16 @@ class DirectLaunch:
         self.direct_calls += 1
 
     __call__ = launch
+
+    def _switch(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Make the binding of ``tensors``' alignment pattern the current one, if bound."""
+        alignment = tuple(_aligned(t) for t in tensors)
+        bound = self._bindings.get(alignment)
+        if bound is None:
+            return False
+        self._compiled, self._values = bound
+        self._alignment = alignment
+        return True
 
 
 def _hooked(hook: Any) -> bool:

@@ -45,6 +45,7 @@ everything is on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from contextlib import nullcontext
 from typing import NamedTuple, Optional
@@ -207,12 +208,25 @@ class LaunchShape(NamedTuple):
 
 def launch_shape(dst: RowTable, src: RowTable, rows: int, cols: int, *, pages: bool,
                  kernel: str, config: Optional[CopyConfig] = None,
-                 device: Optional[torch.device] = None) -> LaunchShape:
+                 device: Optional[torch.device] = None,
+                 programs_per_sm: int = 0) -> LaunchShape:
     """The launch of a ``[rows, cols]`` plan between ``src`` and ``dst`` on ``device`` (the
-    SM count sizes a default grid; default: the tables' device). Reads no tensor values."""
+    SM count sizes a default grid; default: the tables' device). Reads no tensor values.
+
+    ``programs_per_sm`` (0 = no budget): cap the grid at ``programs_per_sm x sm_count``
+    programs in all (``grid_programs`` of the config is lowered to it; when the budget is
+    below the config's layer groups, each program walks more layers: ``layers_per_program``
+    is raised so that the grid's axis 1 fits it)."""
     span = dst.row_bytes * (dst.block_size if pages else 1)
     if config is None:
         config = default_config(kernel, span, dst.num_layers)
+    if programs_per_sm:
+        budget = programs_per_sm * sm_count(device or dst.device)
+        programs = min(config.grid_programs or budget, budget)
+        groups = -(-dst.num_layers // config.layers_per_program)
+        layers = config.layers_per_program if groups <= programs else \
+            -(-dst.num_layers // programs)
+        config = dataclasses.replace(config, grid_programs=programs, layers_per_program=layers)
     access = pow2_alignment(span, src.block_stride, dst.block_stride, table_alignment(src),
                             table_alignment(dst), src.pool.data_ptr(), dst.pool.data_ptr(),
                             cap=config.access_bytes)
@@ -235,10 +249,11 @@ class _Prepared(NamedTuple):
 
 
 def _prepare(dst: RowTable, src: RowTable, device: torch.device, rows: int, cols: int, *,
-             pages: bool, kernel: str, config: Optional[CopyConfig]) -> _Prepared:
+             pages: bool, kernel: str, config: Optional[CopyConfig],
+             programs_per_sm: int = 0) -> _Prepared:
     _kernel_device(dst, src, device)
     shape = launch_shape(dst, src, rows, cols, pages=pages, kernel=kernel, config=config,
-                         device=device)
+                         device=device, programs_per_sm=programs_per_sm)
     word = shape.word_bytes
     config = shape.config
     check_launch(f"{kernel} (copy_rows_kernel)", config.num_warps, device)  # warp size, limits
@@ -303,13 +318,54 @@ class BoundCopy:
     once per plan tensors and kept, so a call is a dictionary lookup and the launch, made
     through the compiled kernel's launcher after the first (``DirectLaunch``: no
     ``JITFunction.run`` per call). ``bound(src_ids, dst_ids, counts)`` has the semantics of
-    ``launch_copy``."""
+    ``launch_copy``.
+
+    ``bound.shaped(src_ids, dst_ids, counts)``: the same for plans that are NEW tensors every
+    call (a mirror's rows, views of a step's packed plan): bound once per plan *layout*
+    (shapes, strides, dtypes, device, whether there are counts), the tensors passed to the
+    direct launch as dynamic arguments.
+
+    ``programs_per_sm``: a per-SM budget of programs (0 = none: the config's grid, by
+    default ``GRID_PROGRAMS_PER_SM`` per SM): the grid is capped at ``programs_per_sm x
+    sm_count`` programs over both axes (``launch_shape(..., programs_per_sm=)``), so a
+    gather leaves the rest of every SM to compute kernels running beside it. Exact for any
+    budget, 1 included (programs walk the work items grid-stride)."""
 
     def __init__(self, dst: RowTable, src: RowTable, *, pages: bool, kernel: str,
-                 config: Optional[CopyConfig] = None) -> None:
+                 config: Optional[CopyConfig] = None, programs_per_sm: int = 0) -> None:
+        if not isinstance(programs_per_sm, int) or isinstance(programs_per_sm, bool) \
+                or programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm must be a non-negative int, got "
+                             f"{programs_per_sm!r}.")
         self._dst, self._src = dst, src
         self._pages, self._kernel, self._config = pages, kernel, config
+        self.programs_per_sm = programs_per_sm
         self._calls: dict[tuple, tuple] = {}
+        self._shaped: dict[tuple, Optional[DirectLaunch]] = {}
+
+    @property
+    def config(self) -> Optional[CopyConfig]:
+        """The launch config given (None: ``tuning.default_config`` per launch)."""
+        return self._config
+
+    def shaped(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+               counts: Optional[torch.Tensor] = None) -> None:
+        """``launch_copy`` semantics for plan tensors that change every call (see the class
+        docstring): the checks run once per layout, later calls launch directly."""
+        key = (src_ids.shape, src_ids.stride(), src_ids.dtype, src_ids.device,
+               dst_ids.shape, dst_ids.stride(), dst_ids.dtype, dst_ids.device,
+               None if counts is None else (counts.shape, counts.stride(), counts.dtype,
+                                            counts.device))
+        launch = self._shaped.get(key, False)
+        if launch is False or (launch is not None and launch.kernel is not copy_rows_kernel):
+            # (new layout, or a launch recorder replaced the kernel since: bind again)
+            grid, args, constexprs = self._prepare(src_ids, dst_ids, counts)[:3]
+            launch = None if grid is None else DirectLaunch(
+                copy_rows_kernel, grid, args, constexprs, dynamic=(4, 5, 6))
+            self._shaped[key] = launch
+        if launch is not None:
+            with _device_guard(src_ids):
+                launch(src_ids, dst_ids, counts if counts is not None else src_ids)
 
     def _prepare(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
                  counts: Optional[torch.Tensor]) -> tuple:
@@ -321,7 +377,8 @@ class BoundCopy:
         dst.check_pool()
         src.check_pool()
         prepared = _prepare(dst, src, src_ids.device, rows, cols, pages=self._pages,
-                            kernel=self._kernel, config=self._config)
+                            kernel=self._kernel, config=self._config,
+                            programs_per_sm=self.programs_per_sm)
         has_counts = counts is not None
         args = (*prepared.args, src_ids, dst_ids, counts if has_counts else src_ids,
                 *_plan_strides(src_ids), *_plan_strides(dst_ids),

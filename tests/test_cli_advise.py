@@ -259,3 +259,28 @@ def test_default_link_speed_says_where_it_comes_from(capsys):
     assert p["link_gbps"] == DEFAULT_LINK_GBPS and lo <= DEFAULT_LINK_GBPS <= hi
     assert "31-37 GB/s" in p["link_source"] and "31-37 GB/s" in table
     assert p["step_model"]["source"].startswith("default, an assumption")
+
+
+def test_split_bytes_model():
+    # one rank: everything over PCIe, no exchange
+    assert advisor.split_bytes(100.0, 2048, 656.0, 1, 0.25) == (100.0 * 656, 0.0)
+    # 4 ranks, cap = ceil(0.25 x 2048 / 4) = 128 columns per rank: 100 misses all split
+    pcie, exchange = advisor.split_bytes(100.0, 2048, 656.0, 4, 0.25)
+    assert pcie == pytest.approx(25 * 656) and exchange == pytest.approx(3 * 128 * 656)
+    # more misses than N x cap: the rest over every rank's own link
+    pcie, _ = advisor.split_bytes(600.0, 2048, 1.0, 4, 0.25)
+    assert pcie == pytest.approx(512 / 4 + 88)
+
+
+def test_tp_split_divides_the_link_time(capsys):
+    base, _ = run_json(capsys, "--link-gbps", "1", "--step-ms", "1")
+    split, table = run_json(capsys, "--link-gbps", "1", "--step-ms", "1", "--tp-split", "4",
+                            "--exchange-gbps", "100000")
+    assert base["tp_split"] is None and split["tp_split"]["ranks"] == 4
+    for a, b in zip(base["settings"], split["settings"]):
+        assert b["link_ms_per_step"] < a["link_ms_per_step"]
+        assert b["pcie_bytes_per_rank_per_step"] < a["pcie_bytes_per_rank_per_step"]
+        assert b["exchange_bytes_per_rank_per_step"] > 0
+    assert "own host link" in table and "split gather:" in table
+    rc = main([*SMALL, "--tp-split", "0"])
+    assert rc == 2

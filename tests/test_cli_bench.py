@@ -297,8 +297,12 @@ def test_gpu_check_dry_run_writes_one_json(tmp_path, capsys):
     for key in ("gpu", "driver", "torch", "triton", "python"):
         assert key in env
     steps = report["steps"]
-    assert set(steps) == {"bench-targets", "tune"}
+    assert set(steps) == {"decode-checks", "bench-targets", "tune"}
     assert all(s["rc"] == 0 and not s["timed_out"] for s in steps.values())
+    sections = steps["decode-checks"]["result"]["sections"]
+    assert "overlap_step" in sections and "skipped" in sections["split_gather"]
+    assert not any("error" in v for v in sections.values())
+    assert "device_info" in report
     bench = report["bench"]
     assert bench["schema"] == bm.SCHEMA and bench["transfers"] and bench["resolve"]
     assert {f["step"] for f in bench["transfers"]} == {"bench-targets"}
@@ -316,8 +320,9 @@ def test_gpu_check_plan_fits_the_budget():
 
     full = gpu_check.plan(argparse.Namespace(only=None, skip="", dry_run=False, quick=False))
     names = [s.name for s in full]
-    assert names[:5] == ["bench-targets", "bench-resolve", "decode-step", "tests", "tune"]
-    # Install, the first four steps and their SIGINT grace fit the default budget (380 s) and
+    assert names[:6] == ["decode-checks", "decode-step", "bench-targets", "tests",
+                         "bench-resolve", "tune"]
+    # Install, the first four steps and their SIGINT grace fit the default budget (330 s) and
     # leave room under the device tool's 600 s per command.
     assert sum(s.limit_s for s in full[:4]) + 60 <= 600
     quick = gpu_check.plan(argparse.Namespace(only=None, skip="", dry_run=False, quick=True))
@@ -365,9 +370,9 @@ def test_gpu_check_worst_case_timeline(tmp_path, monkeypatch, quick):
     assert rc == 1  # every step timed out
     report = json.loads((tmp_path / f"nvidia-test-{report_date()}.json").read_text())
     ran = [name for name, s in report["steps"].items() if not s.get("skipped")]
-    expected = ["bench-targets", "bench-resolve", "decode-step", "tests"]
+    expected = ["decode-checks", "decode-step", "bench-targets", "tests"]
     assert ran[:4] == expected  # even when every step runs into its limit
-    budget = 240 if quick else 400
+    budget = 240 if quick else 330
     assert clock.now - 1000.0 <= budget + gpu_check.GRACE_S  # ends inside the budget
     assert all(timeout >= gpu_check.MIN_STEP_S for _, timeout, _ in calls)
     tuned = [env for cmd, _, env in calls if "bench" in cmd and env]

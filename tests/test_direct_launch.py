@@ -73,6 +73,21 @@ _STANDIN_CHECK = textwrap.dedent('''
         shifted = torch.zeros(s.numel() + 1, dtype=s.dtype)[1:].view(s.shape)
         one(shifted)
         out["misaligned_paths"] = [one.fallback_calls, one.direct_calls]
+        # both alignment patterns are bound now: alternating stays direct
+        one(s); one(shifted); one(s.clone())
+        out["alternating_paths"] = [one.fallback_calls, one.direct_calls]
+        out["alternating_args"] = launch.calls[-2].args[at] is shifted
+
+        # BoundCopy.shaped: new plan tensors of one layout every call, bound once
+        bound2 = gather.BoundCopy(dst, src, pages=False, kernel="gather")
+        for _ in range(3):
+            bound2.shaped(s.clone(), d.clone(), c.clone())
+        shaped = next(iter(bound2._shaped.values()))
+        out["shaped_paths"] = [shaped.fallback_calls, shaped.direct_calls]
+        out["shaped_same_args"] = all(
+            a.grid == normal.grid and len(a.args) == len(normal.args) and all(
+                (x.shape == y.shape and torch.equal(x, y)) if isinstance(x, torch.Tensor)
+                else x == y for x, y in zip(a.args, normal.args)) for a in launch.calls[-3:])
 
         hook = lambda metadata: None
         knobs.runtime.launch_enter_hook.add(hook)
@@ -106,6 +121,10 @@ def test_direct_launches_pass_the_normal_paths_arguments():
     assert out["dynamic_same_args"]
     assert out["misaligned_paths"] == [2, 1]       # an alignment change takes the normal path
     assert out["hooked_paths"] == [2, 2]           # a launch hook takes the normal path
+    assert out["alternating_paths"] == [2, 4]      # each alignment pattern bound once
+    assert out["alternating_args"]
+    assert out["shaped_paths"] == [1, 2]           # new tensors, one layout: bound once
+    assert out["shaped_same_args"]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
@@ -113,6 +132,7 @@ def test_direct_launches_can_be_turned_off():
     out = _run_standin_check({"HISPARSE_TRITON_DIRECT_LAUNCH": "0"})
     assert out["bound_paths"] == [3, 0]
     assert out["dynamic_paths"] == [2, 0]
+    assert out["shaped_paths"] == [3, 0]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="checks the interpreter's path")
@@ -135,3 +155,18 @@ def test_direct_launch_rejects_bad_arguments():
         DirectLaunch(gather.copy_rows_kernel, (), (), {})
     with pytest.raises(ValueError, match="dynamic argument 0"):
         DirectLaunch(gather.copy_rows_kernel, (1,), (3,), {}, dynamic=(0,))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
+def test_launch_path_host_cost_runs_the_real_launch_path():
+    """``bench --host``'s launch-path figures: a small step through Triton's real launch path
+    (stand-in driver, fresh process), with direct launches off and on; same launches."""
+    from hisparse_triton.benchmarks.step_cost import launch_path_host_cost
+
+    small = dict(top_k=64, device_buffer_size=128, prompt_len=64, layers=2)
+    before = launch_path_host_cost(4, 2, direct=False, **small)
+    after = launch_path_host_cost(4, 2, direct=True, **small)
+    assert "off" in before["launch_path"] and "on" in after["launch_path"]
+    assert before["step_launches"] == after["step_launches"] == 2 * 2 + 1
+    assert after["resolve_rows_launches"] == 2
+    assert after["step_ms"] > 0 and before["step_ms"] > 0

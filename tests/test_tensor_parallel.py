@@ -115,7 +115,9 @@ def _check_rows(worker: HiSparseWorker, leader: str, script: dict, rows: torch.T
     return checked
 
 
-def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir: str,
+               split: bool = False, backend: str = "torch", steps: int = STEPS,
+               fraction: float = 0.25) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
@@ -126,18 +128,21 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         worker = None
         if rank == 0:  # rank 0 creates the pool first; the others get its secret
             worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
-                                    backend="torch", tp_rank=0, host_pool_name=pool_name)
+                                    backend=backend, tp_rank=0, host_pool_name=pool_name,
+                                    split_gather=split, split_gather_fraction=fraction)
         secret = broadcast_host_pool_secret(worker.host_pool_secret if rank == 0 else None)
         if rank != 0:
             worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
-                                    backend="torch", tp_rank=rank, host_pool_name=pool_name,
-                                    host_pool_secret=secret)
+                                    backend=backend, tp_rank=rank, host_pool_name=pool_name,
+                                    host_pool_secret=secret, split_gather=split,
+                                    split_gather_fraction=fraction)
+        assert (worker.split_gather is not None) == split
         layer_index = {layer: i for i, layer in enumerate(worker.groups.device_layers)}
         rng = random.Random(1234)
         live: dict = {}
         next_uid = [1]
         checked = 0
-        for _ in range(STEPS):
+        for _ in range(steps):
             script = _script(rng, scheduler, live, next_uid) if rank == 0 else None
             step_plan = broadcast_plan(scheduler.step() if rank == 0 else None)
             box = [script]
@@ -171,20 +176,44 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         raise
 
 
-def test_two_ranks_one_scheduler_one_shared_host_pool(tmp_path):
+def _run_two_ranks(tmp_path, split: bool = False, backend: str = "torch",
+                   steps: int = STEPS, fraction: float = 0.25) -> list[list[int]]:
     name = f"test-tp-{uuid.uuid4().hex}"
     try:
-        mp.start_processes(_rank_main, args=(2, str(tmp_path / "pg"), name, str(tmp_path)),
+        mp.start_processes(_rank_main, args=(2, str(tmp_path / "pg"), name, str(tmp_path),
+                                             split, backend, steps, fraction),
                            nprocs=2, join=True, start_method="spawn")
     except Exception:
         errors = [p.read_text() for p in tmp_path.glob("rank*.error")]
         raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    leftover = [f for f in os.listdir(pools.shared_host_pool_dir()) if name in f]
+    assert not leftover, leftover
     results = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
+    return [[int(v) for v in r] for r in results]
+
+
+def test_two_ranks_one_scheduler_one_shared_host_pool(tmp_path):
     (checked0, misses0, hits0, d2h0, steps0), (checked1, misses1, hits1, d2h1, steps1) = \
-        [[int(v) for v in r] for r in results]
+        _run_two_ranks(tmp_path)
     assert checked0 == checked1 > 2000            # both ranks verified the same rows
     assert misses0 == misses1 > 50 and hits0 == hits1 > 0
     assert d2h0 > 0 and d2h1 == 0                 # only rank 0 writes the shared pool
     assert steps0 == steps1 == STEPS
-    leftover = [f for f in os.listdir(pools.shared_host_pool_dir()) if name in f]
-    assert not leftover, leftover
+
+
+@pytest.mark.parametrize("backend,steps,fraction", [
+    ("torch", STEPS, 0.25),   # 1 split column per row and rank: most misses pulled by both
+    ("torch", STEPS, 1.0),    # every miss column split and exchanged
+    ("triton", 30, 0.5)])
+def test_two_ranks_split_the_gather_and_stay_exact(tmp_path, backend, steps, fraction):
+    """``split_gather=True``: each rank pulls half of every step's missed rows and the ranks
+    all_gather them (gloo); every row either rank resolves is checked against the dense
+    content function, so both ranks' hot buffers are complete and identical."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" \
+            and not torch.cuda.is_available():
+        pytest.skip("the Triton backend on CPU needs TRITON_INTERPRET=1")
+    (checked0, misses0, hits0, _, steps0), (checked1, misses1, hits1, _, steps1) = \
+        _run_two_ranks(tmp_path, split=True, backend=backend, steps=steps, fraction=fraction)
+    assert checked0 == checked1 > (2000 if steps == STEPS else 100)
+    assert misses0 == misses1 > (50 if steps == STEPS else 5) and hits0 == hits1
+    assert steps0 == steps1 == steps

@@ -37,7 +37,7 @@ GEOMETRY = ModelGeometry(name="dsv32-structure", description="DeepSeek-V3.2 stru
                          num_layers=61, mla_head_size=64, mla_dtype="uint8",
                          max_model_len=163_840, indexer_head_size=13)
 
-__all__ = ["GEOMETRY", "decode_step_device", "decode_step_host_cost"]
+__all__ = ["GEOMETRY", "decode_step_device", "decode_step_host_cost", "launch_path_host_cost"]
 
 
 class _OpCounter(TorchDispatchMode):
@@ -76,12 +76,80 @@ def _cpu_times(fn: Callable[[], Any], repeats: int) -> list[float]:
     return times
 
 
+class _Counted:
+    """``len()`` of the launches a stand-in received (the stand-in driver's counter)."""
+
+    def __init__(self, launch: Any) -> None:
+        self._launch, self._base = launch, 0
+
+    def __len__(self) -> int:
+        return self._launch.count - self._base
+
+    def clear(self) -> None:
+        self._base = self._launch.count
+
+
+@contextmanager
+def _standin_launches() -> Iterator[_Counted]:
+    """Triton's real Python launch path against the stand-in sm_90 driver
+    (``kernels.standin_driver``): real compiles, ``JITFunction.run`` (or the direct launches
+    bound from it) per launch, the C launch replaced by a counting stand-in. The launchers
+    accept CPU tensors as CUDA ones (their backend checks are lifted in the block). Needs a
+    process whose kernels were imported without ``TRITON_INTERPRET=1``."""
+    from triton.runtime.jit import JITFunction
+
+    from hisparse_triton.kernels import gather, launches
+    from hisparse_triton.kernels.standin_driver import standin_cuda_driver
+    from hisparse_triton.ops import backends
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or not isinstance(
+            gather.copy_rows_kernel, JITFunction):
+        raise RuntimeError("the real launch path needs kernels imported without "
+                           "TRITON_INTERPRET=1 (run it in a fresh process: "
+                           "step_cost.launch_path_host_cost).")
+    saved = [(backends, "_interpreting", backends._interpreting)]
+    for module in launches.kernel_modules():
+        if hasattr(module, "_check_backend"):
+            saved.append((module, "_check_backend", module._check_backend))
+    backends._interpreting = lambda: True
+    for module, name, _ in saved[1:]:
+        setattr(module, name, lambda device: None)
+    try:
+        with standin_cuda_driver(record=False) as launch:
+            yield _Counted(launch)
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+@contextmanager
+def _launch_mode(mode: str) -> Iterator[Any]:
+    """``"stubbed"``: launches replaced by counting stand-ins (the interpreter env lets the
+    Triton backend accept CPU tensors); ``"standin"``: Triton's real launch path
+    (``_standin_launches``). Yields a ``len()``-able, ``clear()``-able launch count."""
+    if mode == "stubbed":
+        from hisparse_triton.kernels.launches import record_launches
+
+        with _interpreter_env(), record_launches(store=False) as launches:
+            yield launches
+    elif mode == "standin":
+        with _standin_launches() as launches:
+            yield launches
+    else:
+        raise ValueError(f"launches must be 'stubbed' or 'standin', got {mode!r}.")
+
+
 def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048,
                           device_buffer_size: int = 4096, prompt_len: int = 512,
-                          layers: int = GEOMETRY.num_layers) -> dict[str, Any]:
+                          layers: int = GEOMETRY.num_layers,
+                          launches: str = "stubbed") -> dict[str, Any]:
     """Host milliseconds / microseconds of a decode step (see the module docstring); medians
-    over ``steps`` steps. Returns a JSON-able dict."""
-    from hisparse_triton.kernels.launches import record_launches
+    over ``steps`` steps. Returns a JSON-able dict.
+
+    ``launches``: ``"stubbed"`` (every Triton launch a counting stand-in: the runtime's own
+    Python only) or ``"standin"`` (Triton's real Python launch path against the stand-in
+    sm_90 driver, direct launches where bound: ``$HISPARSE_TRITON_DIRECT_LAUNCH=0`` turns
+    them off; needs a fresh process, see ``launch_path_host_cost``)."""
     from hisparse_triton.runtime import HiSparseRuntime
     from hisparse_triton.workload import plan_for_workload
 
@@ -90,7 +158,8 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
                              num_requests=batch, topk=top_k,
                              device_buffer_size=device_buffer_size, prompt_len=prompt_len)
     ids = [f"r{i}" for i in range(batch)]
-    with _interpreter_env(), record_launches(store=False) as launches:
+    mode = launches
+    with _launch_mode(mode) as launches:
         rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch,
                              device="cpu", backend="triton", free_block_watermark=1.0)
         try:
@@ -158,9 +227,48 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
         "bookkeeping_ms": round(1e3 * median(book_times), 3),
         "facade_bookkeeping_ms": round(1e3 * median(facade_times), 3),
         "step_ms": round(1e3 * median(step_times), 3),
+        "step_ms_best": round(1e3 * min(step_times), 3),
         "step_launches": step_launches,
+        "launch_path": _LAUNCH_PATHS[mode](),
         "step_torch_ops": step_ops,
     }
+
+
+_LAUNCH_PATHS = {
+    "stubbed": lambda: "stubbed (counting stand-ins: the runtime's own Python only)",
+    "standin": lambda: ("Triton's Python launch path against the stand-in sm_90 driver "
+                        "(real compiles, C launch not run), direct launches "
+                        + ("on" if os.environ.get("HISPARSE_TRITON_DIRECT_LAUNCH", "1") != "0"
+                           else "off (HISPARSE_TRITON_DIRECT_LAUNCH=0)")),
+}
+
+_SUBPROCESS = """
+import json, sys
+from hisparse_triton.benchmarks.step_cost import decode_step_host_cost
+kwargs = json.loads(sys.argv[1])
+print(json.dumps(decode_step_host_cost(launches="standin", **kwargs)))
+"""
+
+
+def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = True,
+                          timeout: float = 1800, **kwargs: Any) -> dict[str, Any]:
+    """``decode_step_host_cost(launches="standin")`` in a fresh Python process (its kernels
+    imported without ``TRITON_INTERPRET``), with direct launches on (``direct``) or off
+    (``HISPARSE_TRITON_DIRECT_LAUNCH=0``: every launch through ``JITFunction.run``). The
+    first run compiles the kernels for sm_90 (Triton's disk cache keeps them).
+    ``RuntimeError`` with the child's error output when it fails."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["HISPARSE_TRITON_DIRECT_LAUNCH"] = "1" if direct else "0"
+    args = json.dumps(dict(batch=batch, steps=steps, **kwargs))
+    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the launch-path measurement failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def decode_step_device(batch: int = 64, prompt_len: int = 4096, steps: int = 12, *,

@@ -105,6 +105,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--overlap", type=fraction, default=0.0,
                         help="share of the gathers hidden under the step's compute, in [0, 1] "
                              "(default 0: none, pessimistic)")
+    parser.add_argument("--tp-split", metavar="N", type=bounded_int(1, 64), default=1,
+                        help="model N tensor-parallel ranks splitting each step's gather "
+                             "(worker split_gather): 1/N of the missed rows over each GPU's "
+                             "own host link, plus the exchange between the GPUs (default 1: "
+                             "no split)")
+    parser.add_argument("--exchange-gbps", type=bounded_number(0.001, 100000, " GB/s"),
+                        default=None, help="with --tp-split: GPU-to-GPU all_gather speed "
+                                           "per GPU, GB/s (default 360: an assumption for "
+                                           "NVLink 4)")
+    parser.add_argument("--split-fraction", type=fraction, default=0.25,
+                        help="with --tp-split: share of a row's top-k columns the exchange "
+                             "carries (split_gather_fraction, default 0.25)")
     parser.add_argument("--mtp", metavar="Q", type=bounded_int(1, 16), default=1,
                         help="query tokens per decode step (speculative decoding): Q top-k "
                              "selections looked up as one union, Q tokens per step (every "
@@ -196,7 +208,11 @@ def format_advice(p: dict[str, Any]) -> str:
         f"host pool, top-k {p['top_k']}{mtp}; {blocks}",
         f"miss rates: the runtime's LRU on the {p['trace']}, steady state (the first "
         f"{p['warmup_steps']} steps of each stream left out), the last 2 pages resident",
-        f"link: {p['link_gbps']:g} GB/s ({p['link_source']})",
+        f"link: {p['link_gbps']:g} GB/s ({p['link_source']})" + (
+            f"; {p['tp_split']['ranks']} TP ranks split each gather (link ms per rank: 1/N "
+            f"of the misses over its own link + the exchange at "
+            f"{p['tp_split']['exchange_gbps']:g} GB/s; assumes every GPU has its own host "
+            f"link)" if p.get("tp_split") else ""),
         f"decode step compute: {p['step_model']['text']} ({p['step_model']['source']}); "
         f"{overlap}",
         "",
@@ -228,13 +244,15 @@ def format_advice(p: dict[str, Any]) -> str:
     lines.append("")
     lines += _recommendation(p)
     lines.append(f"formula: {p['formula']}")
+    if p.get("tp_split"):
+        lines.append(f"split gather: {p['tp_split']['formula']}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton advise``."""
     from hisparse_triton.advisor import (
-        DEFAULT_BUFFER_FACTORS, AdviseSettings, StepModel, attention_kernel,
+        DEFAULT_BUFFER_FACTORS, DEFAULT_EXCHANGE_GBPS, AdviseSettings, StepModel, attention_kernel,
         find_bench_result, link_from_bench, run_advise)
     from hisparse_triton.benchmarks.progress import Progress, default_enabled
     from hisparse_triton.presets import get_preset
@@ -269,7 +287,9 @@ def run(args: argparse.Namespace) -> int:
         block_sizes=args.block_sizes, top_k=args.top_k, link_gbps=link_gbps,
         link_source=source, step=step, overlap=args.overlap, mtp=args.mtp,
         max_batch=args.max_batch, trace=args.trace, streams=args.streams, steps=args.steps,
-        warmup=max(1, args.steps // 4), seed=args.seed, link_by_rows=by_rows)
+        warmup=max(1, args.steps // 4), seed=args.seed, link_by_rows=by_rows,
+        tp_split=args.tp_split, split_fraction=args.split_fraction,
+        exchange_gbps=args.exchange_gbps or DEFAULT_EXCHANGE_GBPS)
     blocks = args.block_sizes or attention_kernel(geometry.name)[1] or (16, 32, 64)
     total = len(blocks) * len(buffers or DEFAULT_BUFFER_FACTORS)
     bar = Progress(total, "advise", enabled=default_enabled(args.progress), unit="setting")

@@ -27,6 +27,9 @@ from typing import Any
 _EXPORTS = {
     "BACKENDS": "hisparse_triton.worker.options",
     "HiSparseWorker": "hisparse_triton.worker.worker",
+    "HostEvent": "hisparse_triton.worker.hot_cache",
+    "SplitGather": "hisparse_triton.worker.split_gather",
+    "StreamRows": "hisparse_triton.worker.hot_cache",
     "parse_device": "hisparse_triton.worker.options",
     "plan_fingerprint": "hisparse_triton.worker.options",
     "StatsSnapshot": "hisparse_triton.worker.stats",

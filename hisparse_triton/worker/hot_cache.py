@@ -11,13 +11,14 @@ and two launches. When the gather raises, the resolve is undone (hot state and c
 
 Every call the worker makes into ``hisparse_triton.ops`` or ``hisparse_triton.kernels`` is in
 this module: ``kernel_backend``, ``new_workspace``, ``validate_tables``, ``copy_rows``,
-``launch_config_source`` and ``HotCache``.
+``MirrorCopy`` (the mirror's copies, direct launches on Triton), ``launch_config_source``
+and ``HotCache``.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -29,9 +30,28 @@ from hisparse_triton.worker.tables import PlanTables
 
 if TYPE_CHECKING:  # pragma: no cover
     from hisparse_triton.ops import ResolveWorkspace
+    from hisparse_triton.worker.split_gather import SplitGather
 
-__all__ = ["HotCache", "HotState", "check_topk", "copy_rows", "kernel_backend",
-           "launch_config_source", "load_ops", "new_workspace", "validate_tables"]
+__all__ = ["DEFAULT_GATHER_PROGRAMS_PER_SM", "HostEvent", "HotCache", "HotState", "MirrorCopy",
+           "StreamRows", "check_programs_per_sm", "check_topk", "copy_rows", "kernel_backend",
+           "launch_config_source", "load_ops", "new_workspace", "split_copy",
+           "validate_tables"]
+
+
+#: Default grid budget of the decode path's gathers, programs per SM (``BoundCopy``'s
+#: ``programs_per_sm``): 4 programs of 4 warps use a quarter of an H100 / H200 SM's warp
+#: slots and keep 132 x 4 x 8 rows in flight, far above what one PCIe link needs to run at
+#: full speed (a model; ``bench/gpu_check.py`` times capped against uncapped gathers).
+DEFAULT_GATHER_PROGRAMS_PER_SM = 4
+
+
+def check_programs_per_sm(value: object) -> int:
+    """``value`` as a grid budget (an int >= 0; 0 = none); ``ValueError`` naming it
+    otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"gather_programs_per_sm must be an int >= 0 (0 = no budget), got "
+                         f"{value!r}.")
+    return value
 
 
 def load_ops() -> ModuleType:
@@ -70,6 +90,83 @@ def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: to
               counts: Optional[torch.Tensor] = None, *, backend: Optional[str]) -> None:
     """``hisparse_triton.ops.copy_rows`` (the mirror's device -> host copy)."""
     load_ops().copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
+
+
+def split_copy(backend: str, device: torch.device):
+    """The copy a ``SplitGather`` runs: ``copy_rows(dst, src, src_rows, dst_rows, counts)``
+    on the worker's backend (``kernel_backend(backend, device)``); on Triton through a
+    ``MirrorCopy`` (direct launches bound per table pair and plan layout)."""
+    kernel = kernel_backend(backend, device)
+    copier = MirrorCopy(kernel)
+
+    def copy(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+             counts: Optional[torch.Tensor] = None) -> None:
+        copier(dst, src, src_rows, dst_rows, counts, backend=kernel)
+
+    return copy
+
+
+class HostEvent:
+    """The side-stream mode's event on a CPU worker: work runs in order on the CPU, so
+    there is nothing to wait for. The API of ``torch.cuda.Event`` (``record``, ``wait``,
+    ``query``, ``synchronize``), every method a no-op (``query()`` is always True)."""
+
+    def record(self, stream: Optional[object] = None) -> None:
+        return None
+
+    def wait(self, stream: Optional[object] = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class StreamRows(NamedTuple):
+    """What ``resolve_rows(..., stream=)`` returns: ``rows`` (the resolved rows, as without a
+    stream) and ``events``: per layer of the index group (leader first), the event its
+    attention waits on before reading ``rows`` and the hot rows (the leader's after the
+    leader's gather, every follower's after the followers' gather)."""
+
+    rows: torch.Tensor
+    events: dict[str, object]
+
+    def wait(self, layer: str, stream: Optional[object] = None) -> None:
+        """Make ``stream`` (default: the current one) wait until ``layer``'s rows are in."""
+        self.events[layer].wait(stream)
+
+
+class MirrorCopy:
+    """``copy_rows(dst, src, src_rows, dst_rows, counts=None, *, backend)`` for plans that
+    are new tensors every call (the mirror's rows: views of a step's packed plan). On the
+    Triton backend, outside tracing, each table pair gets a ``BoundCopy`` and its
+    ``shaped`` call: checks and launch arguments once per plan layout, then direct launches
+    (no ``JITFunction.run`` per step); otherwise ``ops.copy_rows``. ``kernel``: the
+    worker's resolved backend (``"triton"`` or ``"torch"``)."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self._bound: dict[tuple[int, int], tuple] = {}
+
+    def __call__(self, dst: RowTable, src: RowTable, src_rows: torch.Tensor,
+                 dst_rows: torch.Tensor, counts: Optional[torch.Tensor] = None, *,
+                 backend: Optional[str]) -> None:
+        ops = load_ops()
+        if self.kernel != "triton" or not ops.is_eager((src_rows, dst_rows, counts)):
+            copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
+            return
+        key = (id(dst), id(src))
+        entry = self._bound.get(key)
+        if entry is None or entry[0] is not dst or entry[1] is not src:
+            from hisparse_triton.kernels.gather import BoundCopy
+
+            # the direction names the launch config, as ops.copy_rows does
+            kernel = "backup" if dst.pool.is_cpu and not src.pool.is_cpu else "gather"
+            entry = self._bound[key] = (dst, src, BoundCopy(dst, src, pages=False,
+                                                            kernel=kernel))
+        entry[2].shaped(src_rows, dst_rows, counts)
 
 
 def launch_config_source(kernel: str, device: torch.device) -> str:
@@ -190,8 +287,20 @@ class HotCache:
                  host_blocks: torch.Tensor, resident_table: torch.Tensor,
                  hot_table: torch.Tensor, device_table: RowTable, host_table: RowTable,
                  row_bytes: int, state: HotState, workspace: "ResolveWorkspace", kernel: str,
-                 block_size: int, num_device_blocks: int, num_host_blocks: int) -> None:
+                 block_size: int, num_device_blocks: int, num_host_blocks: int,
+                 gather_programs_per_sm: int = 0,
+                 split_tables: Optional[tuple[tuple[RowTable, RowTable],
+                                              tuple[RowTable, RowTable]]] = None,
+                 split_gather: Optional["SplitGather"] = None) -> None:
         self.group = group
+        #: the tensor-parallel ranks' split of every gather (``worker.split_gather``)
+        self.split_gather = split_gather
+        self.gather_programs_per_sm = gather_programs_per_sm
+        #: ``((leader device, host), (followers device, host))`` tables: the side-stream
+        #: mode gathers the leader's rows first, then the followers' (None: no followers).
+        self.split_tables = split_tables
+        self._events: Optional[tuple] = None     # side-stream mode: (ready, leader, followers)
+        self._split_gathers: Optional[tuple] = None
         self.seq_lens, self.host_blocks = seq_lens, host_blocks
         self.resident_table, self.hot_table = resident_table, hot_table
         self.device_table, self.host_table, self.row_bytes = device_table, host_table, row_bytes
@@ -215,20 +324,49 @@ class HotCache:
                                       self.slot_host_rows, self.lru, counters=self.counters,
                                       workspace=workspace, **self.sizes)
             self.bound_gather = BoundCopy(device_table, host_table, pages=False,
-                                          kernel="gather")
+                                          kernel="gather",
+                                          programs_per_sm=gather_programs_per_sm)
+            if split_tables is not None:
+                self._split_gathers = tuple(
+                    BoundCopy(dev, host, pages=False, kernel="gather",
+                              programs_per_sm=gather_programs_per_sm)
+                    for dev, host in split_tables)
+
+    def set_gather_programs_per_sm(self, programs_per_sm: int) -> None:
+        """Change the gathers' grid budget (``BoundCopy``'s ``programs_per_sm``; 0 = none):
+        the bound gathers are made again and bind on their next call."""
+        self.gather_programs_per_sm = check_programs_per_sm(programs_per_sm)
+        if self.bound_gather is None:
+            return
+        from hisparse_triton.kernels.gather import BoundCopy
+
+        self.bound_gather = BoundCopy(self.device_table, self.host_table, pages=False,
+                                      kernel="gather", programs_per_sm=programs_per_sm)
+        if self.split_tables is not None:
+            self._split_gathers = tuple(
+                BoundCopy(dev, host, pages=False, kernel="gather",
+                          programs_per_sm=programs_per_sm) for dev, host in self.split_tables)
 
     @classmethod
     def for_group(cls, group: IndexGroup, tables: PlanTables, layers: PoolLayers,
-                  state: HotState, workspace: "ResolveWorkspace", kernel: str) -> "HotCache":
+                  state: HotState, workspace: "ResolveWorkspace", kernel: str, *,
+                  gather_programs_per_sm: int = 0,
+                  split_gather: Optional["SplitGather"] = None) -> "HotCache":
         """The hot cache of ``group`` over a worker's tables, pools and hot state."""
         device_table, host_table, row_bytes = layers.row_tables(group.layers)
+        split = None
+        if len(group.layers) > 1:
+            split = (layers.row_tables(group.layers[:1])[:2],
+                     layers.row_tables(group.layers[1:])[:2])
         return cls(group, seq_lens=tables.seq_lens, host_blocks=tables.host_blocks,
                    resident_table=tables.group_tables[group.resident],
                    hot_table=tables.group_tables[group.hot], device_table=device_table,
                    host_table=host_table, row_bytes=row_bytes, state=state,
                    workspace=workspace, kernel=kernel, block_size=layers.block_size,
                    num_device_blocks=layers.num_device_blocks,
-                   num_host_blocks=layers.num_host_blocks)
+                   num_host_blocks=layers.num_host_blocks,
+                   gather_programs_per_sm=gather_programs_per_sm, split_tables=split,
+                   split_gather=split_gather)
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -245,11 +383,54 @@ class HotCache:
         """Bytes one gathered host row moves: a row of the leader and of every follower."""
         return self.row_bytes * len(self.group.layers)
 
-    def resolve(self, state_rows: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    def resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *,
+                stream: Optional[object] = None) -> "torch.Tensor | StreamRows":
         """Rows of ``topk`` (``[R, K]``, or ``[R, Q, K]``: each request's Q selections as one
         union; checked by ``check_topk``) for ``state_rows [R] int32``; gathers the misses.
         CPU inputs of a CUDA cache are staged without a host sync. Returns the group's
-        persistent output in the shape of ``topk``; ``ValueError`` for bad ``state_rows``."""
+        persistent output in the shape of ``topk``; ``ValueError`` for bad ``state_rows``.
+
+        ``stream`` (the side-stream mode): run the resolve and the gathers on ``stream``
+        after what the current stream enqueued so far, the leader's rows gathered first and
+        the followers' after, and return ``StreamRows(rows, events)``: ``events[layer]`` is
+        what that layer's attention waits on (``events[layer].wait()`` on its stream). No
+        host sync, no device allocation after the first call (persistent events): capturable in a
+        CUDA graph. On a CPU worker ``stream`` is a ``torch.cpu.Stream``, the work runs in
+        order and the events are ``HostEvent`` no-ops (same API)."""
+        if stream is None:
+            return self._resolve(state_rows, topk, split=False)
+        events = self._stream_events(stream)
+        ready, leader_done, followers_done = events
+        if self.device.type == "cuda":
+            ready.record()            # the caller's stream: top-k and tables written
+            ready.wait(stream)
+            with torch.cuda.stream(stream):
+                rows = self._resolve(state_rows, topk, split=True, events=events)
+        else:
+            rows = self._resolve(state_rows, topk, split=True, events=events)
+        layers = self.group.layers
+        return StreamRows(rows, {layer: (leader_done if i == 0 else followers_done)
+                                 for i, layer in enumerate(layers)})
+
+    def _stream_events(self, stream: object) -> tuple:
+        """The persistent ``(ready, leader, followers)`` events of the side-stream mode;
+        ``ValueError`` when ``stream`` is not a stream of this cache's device."""
+        if self.device.type == "cuda":
+            if not isinstance(stream, torch.cuda.Stream) or stream.device != self.device:
+                raise ValueError(f"stream must be a torch.cuda.Stream on {self.device}, got "
+                                 f"{stream!r}.")
+        elif not isinstance(stream, torch.cpu.Stream):
+            raise ValueError(f"stream must be a torch.cpu.Stream on a CPU worker, got "
+                             f"{stream!r}.")
+        if self._events is None:
+            make = torch.cuda.Event if self.device.type == "cuda" else HostEvent
+            ready, leader = make(), make()
+            followers = make() if len(self.group.layers) > 1 else leader
+            self._events = (ready, leader, followers)
+        return self._events
+
+    def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
+                 events: Optional[tuple] = None) -> torch.Tensor:
         shape = tuple(topk.shape)
         if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
             topk = topk.reshape(shape[0], shape[1] * shape[2])
@@ -274,7 +455,10 @@ class HotCache:
         saved = self._save_rows(state_rows) if self._reference else None
         result = None
         try:
-            if self.bound is not None and ops.is_eager((topk, state_rows)):
+            # (eager: no tracing, no dispatch mode, plain tensors; the miss plan is then the
+            # workspace's plain tensors too, so the gather needs no second check)
+            eager = self.bound is not None and ops.is_eager((topk, state_rows))
+            if eager:
                 result = self.bound(topk, state_rows, out)
             else:
                 result = ops.resolve(
@@ -282,7 +466,15 @@ class HotCache:
                     self.hot_table, self.slot_host_rows, self.lru, **self.sizes,
                     counters=self.counters, out=out, workspace=self.workspace,
                     backend=self.kernel)
-            if self.bound_gather is not None and ops.is_eager((result.miss_src,)):
+            if self.split_gather is not None:   # the TP ranks split it; a collective
+                self.split_gather.gather(self.device_table, self.host_table, result.miss_src,
+                                         result.miss_dst, result.miss_count)
+                if split:
+                    for event in events[1:]:
+                        event.record()
+            elif split:
+                self._gather_split(result, events)
+            elif self.bound_gather is not None and (eager or ops.is_eager((result.miss_src,))):
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
             else:
                 ops.copy_rows(self.device_table, self.host_table, result.miss_src,
@@ -291,6 +483,23 @@ class HotCache:
         except BaseException:  # undo the resolve: hot state and counters
             self._undo(state_rows, result, saved)
             raise
+
+    def _gather_split(self, result: object, events: tuple) -> None:
+        """The side-stream mode's gathers: the leader's layer, its event, then the
+        followers' layers (same miss plan), their event."""
+        _, leader_done, followers_done = events
+        parts = self.split_tables
+        if parts is None:   # a leader alone: one gather
+            parts = ((self.device_table, self.host_table),)
+        bound = self._split_gathers if parts is self.split_tables else (self.bound_gather,)
+        ops = self._ops
+        for i, (dev, host) in enumerate(parts):
+            if bound is not None and bound[i] is not None and ops.is_eager((result.miss_src,)):
+                bound[i](result.miss_src, result.miss_dst, result.miss_count)
+            else:
+                ops.copy_rows(dev, host, result.miss_src, result.miss_dst, result.miss_count,
+                              backend=self.kernel)
+            (leader_done if i == 0 else followers_done).record()
 
     def _save_rows(self, state_rows: torch.Tensor) -> tuple:
         """The hot state of ``state_rows`` (padding clamped to a real row) and the

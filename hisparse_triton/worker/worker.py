@@ -40,7 +40,7 @@ from hisparse_triton.memory import check_memory
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
-from hisparse_triton.worker.hot_cache import HotCache, HotState, check_state_rows
+from hisparse_triton.worker.hot_cache import HotCache, HotState, StreamRows, check_state_rows
 from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
 from hisparse_triton.worker.mirror import HostMirror
@@ -79,6 +79,18 @@ class HiSparseWorker:
     - ``draft_layers``: sparse layers a speculative drafter writes after the main forward
       (e.g. the MTP block's attention): their rows are mirrored by ``mirror(draft=True)``,
       once the drafter ran, instead of by ``mirror()`` (see ``mirror``).
+    - ``gather_programs_per_sm``: the decode gathers' grid budget, programs per SM (default
+      ``hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM`` = 4; 0 = the copy kernel's own grid, 32
+      per SM): a gather leaves the rest of every SM to the compute kernels beside it.
+    - ``split_gather`` (opt-in), ``split_gather_group``: the tensor-parallel ranks of
+      ``split_gather_group`` (a ``torch.distributed`` group; None = the default group) split
+      every gather: each pulls 1/N of the missed rows from the host pool and the ranks
+      exchange them (``all_gather``), so every rank's hot buffers are identical
+      (``worker.split_gather``). Every rank must resolve the same index groups in the same
+      order (a collective per resolve); the host pool must hold the same rows on every rank.
+      ``split_gather_fraction`` (default 0.25): the share of a row's top-k columns the
+      exchange carries (fixed shapes: ``ceil(fraction x K / N)`` rows per row and rank);
+      misses past it are pulled by every rank itself (``worker.split_gather``).
     - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
       the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
@@ -105,7 +117,10 @@ class HiSparseWorker:
                  device_pool_tensor: Optional[torch.Tensor] = None,
                  host_pool_tensor: Optional[torch.Tensor] = None,
                  register_host_pool: bool = True,
-                 draft_layers: Sequence[str] = ()) -> None:
+                 draft_layers: Sequence[str] = (),
+                 gather_programs_per_sm: int = hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM,
+                 split_gather: bool = False, split_gather_group: object = None,
+                 split_gather_fraction: float = 0.25) -> None:
         max_num_seqs, tp_rank = check_options(
             kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
             host_ram_fraction, host_pool_secret, host_pool_group)
@@ -115,6 +130,18 @@ class HiSparseWorker:
                              "ranks of a node share a file the worker maps); plan with "
                              "shared_host_pool=False to hand in a host tensor.")
         self.device = parse_device(device)
+        self.gather_programs_per_sm = hot_cache.check_programs_per_sm(gather_programs_per_sm)
+        if not isinstance(split_gather, bool):
+            raise ValueError(f"split_gather must be a bool, got {split_gather!r}.")
+        self._split_gather_group = split_gather_group
+        #: The TP ranks' split of every gather (``worker.split_gather``), or None.
+        self.split_gather = None
+        if split_gather:
+            from hisparse_triton.worker.split_gather import SplitGather
+
+            self.split_gather = SplitGather(split_gather_group, self.device,
+                                            hot_cache.split_copy(backend, self.device),
+                                            fraction=split_gather_fraction)
         # Everything this worker will allocate, checked together before anything is built.
         check_memory(memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
@@ -184,14 +211,17 @@ class HiSparseWorker:
                                   self._device_pool, dev)
         self._hot = HotState(len(groups.index_groups), self.max_num_seqs,
                              self.device_buffer_size, dev)
-        self._mirror = HostMirror.build(groups, self._layers, hot_cache.copy_rows,
+        self._mirror = HostMirror.build(groups, self._layers,
+                                        hot_cache.MirrorCopy(self._kernel_backend),
                                         backend=self.backend, draft_layers=self.draft_layers)
         self._tables = tables = PlanTables(self.plan_limits, dev, self._hot,
                                            mirror_parts=self._mirror.parts)
         workspace = hot_cache.new_workspace(dev)
         self._index_groups: dict[str, HotCache] = {
             ig.leader: HotCache.for_group(ig, tables, self._layers, self._hot, workspace,
-                                          self._kernel_backend)
+                                          self._kernel_backend,
+                                          gather_programs_per_sm=self.gather_programs_per_sm,
+                                          split_gather=self.split_gather)
             for ig in groups.index_groups}
         hot_cache.validate_tables([*(t for c in self._index_groups.values() for t in c.tables),
                                    *self._mirror.tables], dev)
@@ -291,7 +321,8 @@ class HiSparseWorker:
                              max_decode_query_len=self.config.hisparse.max_decode_query_len)
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
-                     topk: torch.Tensor) -> torch.Tensor:
+                     topk: torch.Tensor, *,
+                     stream: Optional[object] = None) -> "torch.Tensor | StreamRows":
         """Resolve one index group's top-k positions into device rows; gather the misses.
 
         ``state_rows``: ``[R] int32`` (the scheduler's ``state_rows(ids)``), -1 = padding;
@@ -308,11 +339,30 @@ class HiSparseWorker:
         gathered host -> device into the hot rows of all of the index group's layers in one
         launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
         friendly). Only shapes are checked.
+
+        ``stream`` (side-stream mode): the resolve and the gathers run on ``stream`` (a
+        ``torch.cuda.Stream`` of this device; ``torch.cpu.Stream`` on a CPU worker) after the
+        work the current stream enqueued so far; the leader's rows are gathered first, then
+        the followers'. Returns ``StreamRows(rows, events)``: ``events[layer]`` is the event
+        the layer's attention waits on (``rows.wait(layer)``), so the followers' gather
+        overlaps the leader's attention and the current stream's other work. Persistent
+        events, no host sync: CUDA-graph capturable. On CPU the events are no-ops
+        (``HostEvent``) and the result is the same as without a stream.
         """
         self._check_open()
         cache = self._index_group(leader_layer)
         self.check_topk(topk)
-        return cache.resolve(state_rows, topk)
+        return cache.resolve(state_rows, topk, stream=stream)
+
+    def set_gather_programs_per_sm(self, programs_per_sm: int) -> None:
+        """Change the decode gathers' grid budget (programs per SM, 0 = none; see the
+        ``gather_programs_per_sm`` argument) of every index group; ``ValueError`` for a bad
+        value (nothing changes). Call it between steps (not inside a CUDA graph capture)."""
+        self._check_open()
+        value = hot_cache.check_programs_per_sm(programs_per_sm)
+        for cache in self._index_groups.values():
+            cache.set_gather_programs_per_sm(value)
+        self.gather_programs_per_sm = value
 
     def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
         """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,

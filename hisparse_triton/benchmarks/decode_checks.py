@@ -1,0 +1,372 @@
+"""The decode-path checks of issue 20 in one call (``bench/gpu_check.py``'s ``decode-checks``
+step): each section measures one point and records its own error, so one failing section
+never loses the others.
+
+Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
+
+- ``launch_path``: host microseconds per launch of the decode gather through its direct
+  launch (``BoundCopy``) and through Triton's normal path (``launch_copy``:
+  ``JITFunction.run`` per call), and of the bound resolve (whatever path ``BoundResolve``
+  takes) against ``ops.resolve``; CUDA only (the CPU figure is ``bench --host``'s);
+- ``resolve_variants``: device microseconds of one resolve at R = 1, 8, 64 x K = 2048 x
+  H = 4096, for every variant ``kernels.resolve`` lists (``VARIANTS`` / ``RESOLVE_VARIANTS``
+  when it has one, passed as ``variant=``; else the one kernel);
+- ``overlap_step``: a DeepSeek-V3.2 decode step at batch 64 with a stand-in compute kernel
+  per layer (a bf16 matmul), without and with the side-stream mode (``resolve_rows(...,
+  stream=)``), and with the gather grid uncapped vs capped (``gather_programs_per_sm``);
+- ``split_gather``: needs 2 or more GPUs (skipped with the reason otherwise): two ranks
+  (NCCL) split every gather of a step and exchange the rows, against both pulling all;
+- ``vllm_ops``: ``benchmarks.vllm_ops.device_time`` (the vLLM plugin's ops).
+
+    python -m hisparse_triton.benchmarks.decode_checks --device cuda --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["SECTIONS", "run_checks"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_us(fn: Callable[[], Any], device: torch.device, n: int) -> float:
+    """Host microseconds per call of ``fn`` over ``n`` calls (one sync at the end, so the
+    figure is the enqueue cost while the device keeps up or not)."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
+        _sync(device)
+    return round(best, 2)
+
+
+# ----------------------------------------------------------------------------- launch path
+def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Host us per launch: direct vs normal, gather and resolve (see the module docstring)."""
+    if device.type != "cuda":
+        return {"skipped": "host cost on CPU: `bench --host` (stand-in driver)"}
+    from hisparse_triton import ops
+    from hisparse_triton.benchmarks.host_cost import _state, _tables
+    from hisparse_triton.kernels import gather
+
+    n = 200 if quick else 1000
+    dev, host = _tables(1, 656, 64)
+    dev = _on(dev, device)
+    host = _pinned(host, device)
+    R, K = 64, 2048
+    src = torch.randint(0, host.num_rows, (R, K), dtype=torch.int32, device=device)
+    dst = torch.randint(0, dev.num_rows, (R, K), dtype=torch.int32, device=device)
+    counts = torch.full((R,), 32, dtype=torch.int32, device=device)
+    bound = gather.BoundCopy(dev, host, pages=False, kernel="gather")
+    out: dict[str, Any] = {
+        "gather_direct_us": _host_us(lambda: bound(src, dst, counts), device, n),
+        "gather_normal_us": _host_us(lambda: gather.launch_copy(
+            dev, host, src, dst, counts, pages=False, kernel="gather"), device, n),
+    }
+    state = {k: v.to(device) for k, v in _state(R, K, 4096, 64).items()}
+    sizes = dict(block_size=64, num_device_blocks=1 << 20, num_host_blocks=1 << 20)
+    from hisparse_triton.kernels.resolve import BoundResolve
+
+    ws = ops.ResolveWorkspace(device)
+    counters = torch.zeros(3, dtype=torch.int64, device=device)
+    rows = torch.empty(R, K, dtype=torch.int32, device=device)
+    br = BoundResolve(state["seq_lens"], state["resident_blocks"], state["host_blocks"],
+                      state["hot_blocks"], state["slot_host_rows"], state["lru"],
+                      counters=counters, workspace=ws, **sizes)
+    out["resolve_bound_us"] = _host_us(lambda: br(state["topk"], state["state_rows"], rows),
+                                       device, n)
+    args = tuple(state.values())
+    out["resolve_ops_us"] = _host_us(lambda: ops.resolve(
+        *args, **sizes, workspace=ws, out=rows, counters=counters, backend="triton"),
+        device, n)
+    out["note"] = ("host time per launch, best of 3 x n calls with one sync after; the "
+                   "direct figure is what the decode path pays per gather")
+    return out
+
+
+def _on(table: Any, device: torch.device) -> Any:
+    from hisparse_triton.row_table import RowTable
+
+    return RowTable.build(table.pool.to(device), table.offsets, row_bytes=table.row_bytes,
+                          block_size=table.block_size, block_stride=table.block_stride,
+                          num_rows=table.num_rows, device=device)
+
+
+def _pinned(table: Any, device: torch.device) -> Any:
+    from hisparse_triton.row_table import RowTable
+
+    return RowTable.build(table.pool.pin_memory(), table.offsets, row_bytes=table.row_bytes,
+                          block_size=table.block_size, block_stride=table.block_stride,
+                          num_rows=table.num_rows, device=device)
+
+
+# ----------------------------------------------------------------------------- resolve
+def resolve_variants(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Device us per resolve call for every variant the resolve family offers: its own
+    checked timer (``ops.resolve.variants.time_resolve_variants`` over
+    ``kernels.resolve.resolve_variants``) when it has one, else every name of
+    ``VARIANTS`` / ``RESOLVE_VARIANTS`` passed to ``ops.resolve`` as ``variant=``."""
+    if device.type != "cuda":
+        return {"skipped": "device timing needs CUDA"}
+    try:
+        from hisparse_triton.ops.resolve.variants import time_resolve_variants
+    except ImportError:
+        return _resolve_variants_by_name(device, quick)
+    from hisparse_triton.benchmarks.timing import L2Flush, event_time
+    from hisparse_triton.benchmarks.workloads import ResolveWorkload
+
+    flush = L2Flush(device, 64 << 20)
+    results: dict[str, Any] = {"timer": "ops.resolve.variants.time_resolve_variants"}
+    for R in ((1, 64) if quick else (1, 8, 64)):
+        for miss in (1.0, 0.134):
+            key = f"R{R}_miss{miss:g}"
+            try:
+                work = ResolveWorkload(R, 2048, 4096, 32768, miss, device)
+
+                def timer(call, work=work):
+                    return round(event_time(call, work.restore, flush, warmup_ms=10,
+                                            rep_ms=30 if quick else 80).median_ms * 1e3, 2)
+
+                results[key] = {f"{name}_us": t for name, t in
+                                time_resolve_variants(work, timer).items()}
+            except Exception as exc:  # one shape failing keeps the others
+                results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    results["note"] = ("K=2048, H=4096, 32768-token histories; each variant checked against "
+                       "the torch reference first; event time with the state restored and "
+                       "L2 flushed before each call")
+    return results
+
+
+def _resolve_variants_by_name(device: torch.device, quick: bool) -> dict[str, Any]:
+    """``resolve_variants`` without the resolve family's timer (see there)."""
+    import inspect
+
+    import triton.testing
+
+    from hisparse_triton import ops
+    from hisparse_triton.benchmarks.host_cost import _state
+    from hisparse_triton.kernels import resolve as resolve_mod
+
+    listed = getattr(resolve_mod, "VARIANTS", None) or getattr(resolve_mod,
+                                                               "RESOLVE_VARIANTS", None)
+    names = list(listed) if listed else ["default"]
+    takes_variant = "variant" in inspect.signature(ops.resolve).parameters
+    sizes = dict(block_size=64, num_device_blocks=1 << 20, num_host_blocks=1 << 20)
+    results: dict[str, Any] = {"variants_listed": bool(listed)}
+    for name in names:
+        extra = {} if name == "default" else {"variant": name}
+        if extra and not takes_variant:
+            results[str(name)] = {"skipped": "ops.resolve takes no variant= argument"}
+            continue
+        per_r = {}
+        for R in ((1, 64) if quick else (1, 8, 64)):
+            try:
+                st = {k: v.to(device) for k, v in _state(R, 2048, 4096, 64).items()}
+                gen = torch.Generator().manual_seed(R)
+                S, P = st["host_blocks"].shape   # every page on the host, none resident
+                st["seq_lens"].fill_(P * 64)
+                st["host_blocks"].copy_(torch.arange(1, S * P + 1, dtype=torch.int32).view(
+                    S, P))
+                st["topk"].copy_(torch.randint(0, P * 64, st["topk"].shape, generator=gen))
+                saved = (st["slot_host_rows"].clone(), st["lru"].clone())
+                args = tuple(st.values())
+
+                def restore():
+                    st["slot_host_rows"].copy_(saved[0])
+                    st["lru"].copy_(saved[1])
+
+                def call():
+                    restore()
+                    ops.resolve(*args, **sizes, **extra, backend="triton")
+
+                raw = triton.testing.do_bench(call, warmup=10, rep=40 if quick else 100,
+                                              return_mode="median")
+                copy = triton.testing.do_bench(restore, warmup=10, rep=40,
+                                               return_mode="median")
+                per_r[f"R{R}_us"] = round((raw - copy) * 1e3, 2)
+            except Exception as exc:  # one shape failing keeps the others
+                per_r[f"R{R}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        results[str(name)] = per_r
+    results["note"] = ("K=2048, H=4096, every selection a miss of a cold hot buffer "
+                       "(restore of the hot state timed alone and subtracted)")
+    return results
+
+
+# ----------------------------------------------------------------------------- overlap
+def overlap_step(device: torch.device, quick: bool, *, batch: int = 64,
+                 prompt_len: int = 4096, layers: Optional[int] = None,
+                 compute_n: int = 2048) -> dict[str, Any]:
+    """A decode step with a stand-in compute kernel per index group, with and without the
+    side-stream mode, with and without a gather grid budget (module docstring). On CPU a
+    small smoke run (exactness of the modes is tested in tests/test_side_stream.py)."""
+    from hisparse_triton.presets import build_kv_cache_spec, get_preset
+    from hisparse_triton.runtime import HiSparseRuntime
+    from hisparse_triton.workload import TopkTrace, plan_for_workload
+
+    cuda = device.type == "cuda"
+    if not cuda:
+        batch, prompt_len, layers, compute_n = 2, 256, layers or 2, 64
+    geometry = get_preset("deepseek-v3.2-fp8")
+    spec = build_kv_cache_spec(geometry, num_layers=layers)
+    top_k = geometry.index_topk if cuda else 64
+    steps = 3 if quick else 6
+    max_len = prompt_len + 2 * (2 * steps + 2) + 64
+    plan = plan_for_workload(spec, max_model_len=max_len, num_requests=batch, topk=top_k,
+                             device_buffer_size=2 * top_k, prompt_len=prompt_len)
+    a = torch.randn(compute_n, compute_n, device=device,
+                    dtype=torch.bfloat16 if cuda else torch.float32)
+    results: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "top_k": top_k,
+                               "compute": f"one {compute_n}^2 matmul per index group"}
+    rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch,
+                         device=device, backend="triton" if cuda else "torch",
+                         free_block_watermark=1.0)
+    try:
+        ids = [f"r{i}" for i in range(batch)]
+        for rid in ids:
+            rt.add_request(rid, prompt_len, max_len - prompt_len)
+            rt.append_slots(rid, prompt_len)
+            rt.commit()
+        sched, worker = rt.scheduler, rt.worker
+        leaders = sched.leaders
+        trace = TopkTrace(top_k, 0.87, seed=0)
+        state_rows = torch.from_numpy(sched.state_rows(ids)).to(device)
+        side = torch.cuda.Stream(device) if cuda else torch.cpu.Stream()
+
+        def step(overlap: bool) -> float:
+            topk = {leader: torch.from_numpy(np.stack([
+                trace.next((rid, leader), prompt_len) for rid in ids]).astype(
+                    np.int32)).to(device) for leader in leaders}
+            sched.append_decode(ids)
+            step_plan = sched.step()
+            worker.apply(step_plan)
+            _sync(device)
+            start = time.perf_counter()
+            for leader in leaders:
+                if overlap:
+                    got = worker.resolve_rows(leader, state_rows, topk[leader], stream=side)
+                    b = a @ a             # the layer's work that needs no gathered row
+                    for layer in got.events:
+                        got.wait(layer)   # attention reads the rows after this
+                else:
+                    worker.resolve_rows(leader, state_rows, topk[leader])
+                    b = a @ a
+                del b
+            worker.mirror(step_plan)
+            _sync(device)
+            return (time.perf_counter() - start) * 1e3
+
+        for budget in (0, 4):
+            worker.set_gather_programs_per_sm(budget)
+            for mode in (False, True):
+                step(mode)  # warm: binds, compiles
+            serial = [step(False) for _ in range(steps)]
+            overlapped = [step(True) for _ in range(steps)]
+            results[f"budget{budget}"] = {
+                "gather_programs_per_sm": budget,
+                "step_ms_serial": round(statistics.median(serial), 3),
+                "step_ms_side_stream": round(statistics.median(overlapped), 3)}
+    finally:
+        rt.close()
+    results["note"] = ("wall ms per step, synchronised; budget 0 = the copy kernel's own "
+                       "grid (32 programs per SM), 4 = the default decode budget")
+    return results
+
+
+# ----------------------------------------------------------------------------- split gather
+def split_gather(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Two NCCL ranks splitting every gather vs not (needs >= 2 GPUs)."""
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA"}
+    count = torch.cuda.device_count()
+    if count < 2:
+        return {"skipped": f"needs 2 or more GPUs, this machine has {count} (the split "
+                           f"gather is exact on CPU: tests/test_tensor_parallel.py)"}
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "hisparse_triton.benchmarks.split_bench"],
+                          capture_output=True, text=True, timeout=150)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- vLLM ops
+def vllm_ops(device: torch.device, quick: bool) -> dict[str, Any]:
+    """``benchmarks.vllm_ops.device_time`` (CUDA)."""
+    if device.type != "cuda":
+        return {"skipped": "device timing needs CUDA"}
+    from hisparse_triton.benchmarks import vllm_ops as vo
+
+    return vo.device_time(device, rep_ms=40 if quick else 100)
+
+
+SECTIONS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
+    "launch_path": launch_path, "resolve_variants": resolve_variants,
+    "overlap_step": overlap_step, "split_gather": split_gather, "vllm_ops": vllm_ops}
+
+
+def run_checks(device: torch.device | str = "cuda", *, quick: bool = False,
+               only: Optional[list[str]] = None,
+               on_section: Optional[Callable[[dict[str, Any]], None]] = None
+               ) -> dict[str, Any]:
+    """Every section (or ``only`` those) on ``device``; a section that raises records
+    ``{"error", "traceback"}`` and the next one runs. ``on_section(report)`` after each."""
+    device = torch.device(device)
+    report: dict[str, Any] = {"schema": "hisparse-triton/decode-checks", "version": 1,
+                              "device": str(device), "quick": quick, "sections": {}}
+    for name, fn in SECTIONS.items():
+        if only and name not in only:
+            continue
+        start = time.time()
+        try:
+            result = fn(device, quick)
+        except Exception as exc:  # noqa: BLE001 - one section must not lose the others
+            result = {"error": f"{type(exc).__name__}: {exc}"[:1000],
+                      "traceback": traceback.format_exc()[-3000:]}
+        result["wall_s"] = round(time.time() - start, 1)
+        report["sections"][name] = result
+        if on_section is not None:
+            on_section(report)
+    return report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default=None, help="comma-separated sections")
+    parser.add_argument("--json", default=None, help="write the report here (after each "
+                                                     "section)")
+    args = parser.parse_args(argv)
+
+    def save(report: dict[str, Any]) -> None:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as out:
+                json.dump(report, out, indent=1)
+
+    report = run_checks(args.device, quick=args.quick,
+                        only=args.only.split(",") if args.only else None, on_section=save)
+    save(report)
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
