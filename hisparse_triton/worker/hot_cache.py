@@ -106,6 +106,19 @@ def split_copy(backend: str, device: torch.device):
     return copy
 
 
+def make_split_gather(enabled: object, group: object, device: torch.device, backend: str, *,
+                      fraction: float) -> Optional["SplitGather"]:
+    """The worker's ``SplitGather`` over ``group`` (``worker.split_gather``) when ``enabled``
+    (a bool; ``ValueError`` otherwise), with ``split_copy``'s copies; None when not."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"split_gather must be a bool, got {enabled!r}.")
+    if not enabled:
+        return None
+    from hisparse_triton.worker.split_gather import SplitGather
+
+    return SplitGather(group, device, split_copy(backend, device), fraction=fraction)
+
+
 class HostEvent:
     """The side-stream mode's event on a CPU worker: work runs in order on the CPU, so
     there is nothing to wait for. The API of ``torch.cuda.Event`` (``record``, ``wait``,

@@ -52,6 +52,7 @@ from hisparse_triton.worker.pool_open import open_device_pool, open_host_pool
 from hisparse_triton.worker.sizing import bookkeeping_bytes, memory_requests
 from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerStats
 from hisparse_triton.worker.tables import STAGING_SLOTS, PlanTables
+from hisparse_triton.worker.views import WorkerViews
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ __all__ = ["BACKENDS", "STAGING_SLOTS", "HiSparseWorker", "StatsSnapshot", "Work
            "parse_device", "plan_fingerprint"]
 
 
-class HiSparseWorker:
+class HiSparseWorker(WorkerViews):
     """The tensor-owning worker half of HiSparse (see the module docstring).
 
     - ``kv_cache_config``, ``config``: the same objects the scheduler was built from.
@@ -131,17 +132,10 @@ class HiSparseWorker:
                              "shared_host_pool=False to hand in a host tensor.")
         self.device = parse_device(device)
         self.gather_programs_per_sm = hot_cache.check_programs_per_sm(gather_programs_per_sm)
-        if not isinstance(split_gather, bool):
-            raise ValueError(f"split_gather must be a bool, got {split_gather!r}.")
-        self._split_gather_group = split_gather_group
         #: The TP ranks' split of every gather (``worker.split_gather``), or None.
-        self.split_gather = None
-        if split_gather:
-            from hisparse_triton.worker.split_gather import SplitGather
-
-            self.split_gather = SplitGather(split_gather_group, self.device,
-                                            hot_cache.split_copy(backend, self.device),
-                                            fraction=split_gather_fraction)
+        self.split_gather = hot_cache.make_split_gather(
+            split_gather, split_gather_group, self.device, backend,
+            fraction=split_gather_fraction)
         # Everything this worker will allocate, checked together before anything is built.
         check_memory(memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
@@ -423,74 +417,6 @@ class HiSparseWorker:
     def to_device(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """A small CPU array on the worker's device without a host sync (pinned staging)."""
         return array_on_device(values, dtype, self.device)
-
-    # ------------------------------------------------------------------ views
-    def device_cache(self, layer_name: str) -> torch.Tensor:
-        """``[num_blocks, block_size, row_bytes] uint8`` view of a device layer.
-
-        ``layer_name``: an indexer or regular layer, a sparse layer (its resident and hot
-        views are these same bytes), or a ``.hisparse_resident``/``.hisparse_hot`` name.
-        Row ``r`` of ``append_slots``/``resolve_rows`` is ``view[r // B, r % B]`` with
-        ``B = view.shape[1]`` (the view is strided: blocks lie ``bytes_per_block`` apart, so
-        it cannot be flattened; ``device_rows`` is a flat view for a row-aligned plan)."""
-        self._check_open()
-        return self._layers.device_cache(layer_name)
-
-    def device_rows(self, layer_name: str) -> torch.Tensor:
-        """``[num_rows, row_bytes] uint8`` flat view of a sparse layer's device cache, for a
-        plan made with ``row_aligned_blocks=True`` (``ValueError`` otherwise): the runtime's
-        row id ``block * block_size + slot`` is flat row ``block * rows_per_block + slot``
-        (``hisparse_triton.layout.device_row_layout(...).flat_row``), so an attention kernel
-        can index every sparse layer as one array of rows without a block stride."""
-        self._check_open()
-        return self._layers.device_rows(layer_name)
-
-    def host_cache(self, layer_name: str) -> torch.Tensor:
-        """``[host_num_blocks, block_size, row_bytes] uint8`` view of a source layer's host
-        rows (on CUDA, read it on the CPU only after synchronising with the mirror)."""
-        self._check_open()
-        return self._layers.host_cache(layer_name)
-
-    def block_tables(self, layer_name: str) -> torch.Tensor:
-        """``[max_num_seqs, pages] int32`` device block table of a layer's group, by state
-        row (a view of the table arena, updated in place by ``apply``)."""
-        self._check_open()
-        return self.tables[self.groups.layer_group[self.groups.device_layer_name(layer_name)]]
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        """``[max_num_seqs] int32`` tokens appended, by state row (a live arena view)."""
-        return self._tables.seq_lens
-
-    @property
-    def host_table(self) -> torch.Tensor:
-        """``[max_num_seqs, pages] int32`` host block of every page (0 = none; live view)."""
-        return self._tables.host_blocks
-
-    @property
-    def tables(self) -> list[torch.Tensor]:
-        """Every device group's ``[max_num_seqs, width] int32`` block table (live views)."""
-        return self._tables.group_tables
-
-    @property
-    def host_pool_secret(self) -> Optional[str]:
-        """The shared host pool's run secret (hex; what every other rank must pass as
-        ``host_pool_secret``), ``None`` for a private pool."""
-        return None if self._host_pool is None else self._host_pool.secret
-
-    @property
-    def host_pool(self) -> HostPool:
-        """The host pool (source layers' rows)."""
-        return self._host_pool
-
-    @property
-    def device_pool(self) -> DevicePool:
-        """The device pool (every device layer)."""
-        return self._device_pool
-
-    @property
-    def leaders(self) -> list[str]:
-        return list(self.groups.leaders)
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> WorkerStats:
