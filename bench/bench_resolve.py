@@ -103,3 +103,34 @@ def test_gpu_resolve(record, ratio):
                 "verified": True}, "cuda")
     print(f"\nresolve 64 x {TOP_K} x {HOT}, miss ratio {ratio}: "
           + ", ".join(f"{m} {t:.1f} us" for m, t in times.items()))
+
+
+# ------------------------------------------------------------------ the SASS model (no GPU)
+
+
+def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90) -> dict:
+    """The compile report's issue-cycle model (``kernels/sass_model.py``) of every resolve
+    variant at the top-k ``widths``: per variant the kernel, warps, registers, CTAs per SM and
+    the model (cycles per row, us per call at R = 1, 8, 64, 132). Compiles for ``sm_<arch>``
+    on CPU (minutes for the wide variants); needs ``TRITON_INTERPRET`` unset."""
+    from hisparse_triton.kernels.compile_report import compile_report
+
+    payload = compile_report(arch, groups=("resolve",), widths=widths, small_host=True)
+    keep = ("variant", "kernel", "grid", "num_warps", "registers", "spills", "shared_bytes",
+            "sass_instructions", "ctas_per_sm", "error", "model")
+    return {"schema": "hisparse-triton/resolve-model", "schema_version": 1,
+            "arch": payload["arch"], "triton": payload["triton"],
+            "variants": [{k: r.get(k) for k in keep} for r in payload["launches"]]}
+
+
+if __name__ == "__main__":  # python bench/bench_resolve.py OUT.json [widths,...]
+    import json
+    import sys
+
+    out = sys.argv[1]
+    widths = tuple(int(w) for w in sys.argv[2].split(",")) if len(sys.argv) > 2 else \
+        (2048, 4096, 8192, 16384, 32768)
+    with open(out, "w") as f:
+        json.dump(model_summary(widths), f, indent=1)
+        f.write("\n")
+    print(f"wrote {out}")

@@ -22,6 +22,9 @@ that ship with Triton. For each launch it prints:
   256, 1 KB of shared memory reserved per CTA), ``limited_by`` naming the binding limit; 0
   means the kernel cannot launch (e.g. shared memory over the per-CTA limit);
 - ``grid``: the grid the launcher asked for;
+- ``model``: the issue-cycle model of the SASS (``kernels/sass_model.py``: issue, ALU and
+  shared/LSU cycles per row, dependent-load latency, barriers; ``us_per_call`` at 1, 8, 64
+  and 132 rows at the H200 clock); a stated model, not a timing;
 - ``store_widths`` (the PTX global store widths, e.g. ``.v4.b32`` = 16 bytes) and
   ``stores_not_loaded`` (stores whose register tuple no load of the same width filled: 0
   means a copy kernel moves its bytes with loads and stores of one width end to end).
@@ -48,6 +51,7 @@ import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from hisparse_triton.kernels import sass_model
 from hisparse_triton.kernels.launches import record_launches
 
 __all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main", "occupancy",
@@ -117,6 +121,10 @@ def _resolve_calls(widths: Sequence[int], small_host: bool = True
             extra = {}
             if "counters" in params:  # the runtime accumulates counters in the kernel
                 extra["counters"] = torch.zeros(3, dtype=torch.int64)
+            if "workspace" in params:  # and calls with a workspace (the hash kernel's table)
+                from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
+
+                extra["workspace"] = ResolveWorkspace("cpu")
             kres.resolve(_i32(R, K), _i32(R), _i32(states), _i32(states, P),
                          _i32(states, P), _i32(states, -(-H // B)), _i32(states, H),
                          _i32(states, H), block_size=B, num_device_blocks=device_blocks,
@@ -269,6 +277,7 @@ class _Compiler:
             kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                     target=self.target, options=options.__dict__)
             info = _cubin_usage(kernel.asm["cubin"])
+            info["_sass"] = sass_model.sass_of_cubin(kernel.asm["cubin"])
             info.update(_ptx_accesses(kernel.asm["ptx"]))
             info["shared_bytes"] = int(kernel.metadata.shared)
             info["num_warps"] = int(kernel.metadata.num_warps)
@@ -327,8 +336,16 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", 
         if progress is not None:
             progress(f"{launch.tag}: {name}")
         info = compiler.compile(launch.kernel, launch.args, dict(launch.kwargs))
-        records.append({"variant": launch.tag, "kernel": name, "grid": _grid(launch.grid),
-                        **info})
+        record = {"variant": launch.tag, "kernel": name, "grid": _grid(launch.grid),
+                  **{k: v for k, v in info.items() if k != "_sass"}}
+        if info.get("_sass"):  # the issue-cycle model (kernels/sass_model.py; NVIDIA only)
+            twin = sass_model.model_twin(launch.kernel, dict(launch.kwargs))
+            sass = info["_sass"] if twin is None else \
+                compiler.compile(launch.kernel, launch.args, twin).get("_sass", info["_sass"])
+            record["model"] = sass_model.launch_model(
+                launch.kernel, sass, launch.args, dict(launch.kwargs),
+                record["grid"], info["num_warps"], info["ctas_per_sm"])
+        records.append(record)
     target = compiler.payload() if amd else {"arch": f"sm_{arch}", "vendor": "nvidia",
                                               "warp_size": 32}
     return {**target, "triton": triton.__version__, "launches": records}

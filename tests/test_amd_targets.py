@@ -60,7 +60,7 @@ def test_gfx942_report_compiles_the_decode_resolve_without_spills():
     assert (doc["arch"], doc["vendor"], doc["warp_size"]) == ("gfx942", "amd", 64)
     assert doc["limits"]["max_workgroup_lanes"] == 1024 and doc["limits"]["lds_per_cu"] == 65536
     launches = doc["launches"]
-    assert {r["kernel"] for r in launches} == {"_resolve_kernel"}
+    assert {r["kernel"] for r in launches} == {"_resolve_kernel", "_resolve_hash_kernel"}
     for r in launches:
         assert r["error"] is None, r
         assert not r["spills"] and r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0, r
@@ -69,7 +69,8 @@ def test_gfx942_report_compiles_the_decode_resolve_without_spills():
         assert r["num_warps"] * 64 <= 1024 and r["workgroups_per_cu"] >= 1, r
         assert 1 <= r["waves_per_simd_by_vgprs"] <= 8 and r["lds_bytes"] >= r["shared_bytes"]
     production = [r for r in launches if "K=2048" in r["variant"]]
-    assert production and all(r["num_warps"] == 16 for r in production)  # 1,024 lanes
+    assert production and all(r["num_warps"] == (8 if r["kernel"] == "_resolve_hash_kernel"
+                                                 else 16) for r in production)  # 512 / 1,024
     assert all(r["loads_nt"] > 0 for r in production)  # the .cg loads of the atomic tables
 
 
@@ -190,8 +191,10 @@ def test_resolve_refuses_num_warps_hip_cannot_launch_and_leaves_state_unchanged(
             kres._resolve(i32(1, 16), i32(1), i32(2), i32(2, 4), i32(2, 4), i32(2, 1),
                           i32(2, 64), lru, block_size=64, num_device_blocks=4,
                           num_host_blocks=4, num_warps=32)
-        # The default on wave64: 16 waves (1,024 lanes) for the production tiles.
-        assert kres._launch(2048, 4096, 64, 1_000_000, True).num_warps == 16
+        # The default on wave64: 16 waves (1,024 lanes) for the sorted kernel's production
+        # tiles; the hash kernel (the decode shape's default) takes 8 (512 lanes).
+        assert kres._launch(2048, 4096, 64, 1_000_000, True, variant="sorted").num_warps == 16
+        assert kres._launch(2048, 4096, 64, 1_000_000, True).num_warps == 8
     assert torch.equal(lru, before)
     from triton.backends.compiler import GPUTarget
 

@@ -226,7 +226,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(compiled_launches):
     for sm_90,
     spills nothing, fits the shared memory of an SM and is one launch per resolve."""
     kernels = {r["kernel"] for r in compiled_launches}
-    assert kernels == {"copy_rows_kernel", "_resolve_kernel"}
+    assert kernels == {"copy_rows_kernel", "_resolve_kernel", "_resolve_hash_kernel"}
     resolves = [r for r in compiled_launches if r["variant"].startswith("resolve")]
     widths = {int(r["variant"].split("K=")[1].split()[0]) for r in resolves}
     assert widths == set(COMPILED_WIDTHS) | {1}

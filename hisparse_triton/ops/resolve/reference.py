@@ -15,7 +15,8 @@ import torch
 from hisparse_triton.ops.resolve.contract import ResolveResult, check_resolve_args
 from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
 
-__all__ = ["ResolveResult", "classify_columns", "emit_result", "first_occurrences", "resolve"]
+__all__ = ["ResolveResult", "classify_columns", "emit_result", "first_occurrences",
+           "lru_replacement", "resolve"]
 
 #: Sort key base of columns that do not go to the host path (sorts after every host key).
 _RESOLVE_KEY_SENTINEL = 1 << 62
@@ -109,6 +110,28 @@ def _padding_resolve_result(R: int, K: int, device: torch.device) -> ResolveResu
         torch.zeros(R, dtype=i32, device=device),
         torch.zeros(R, 3, dtype=i32, device=device),
     )
+
+
+def lru_replacement(evict: torch.Tensor, serving: torch.Tensor, n_fill: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The replacement policy (LRU), the torch twin of ``kernels/resolve_policy.py``'s
+    ``_lru_replacement``. Per row, in old LRU order: ``evict [R, H] bool`` (valid positions
+    serving no hit), ``serving [R, H] bool`` (positions serving a hit; the rest are invalid
+    entries), ``n_fill [R, 1]`` (misses that get a slot, ``<= evict.sum(1)``). Returns
+    ``(new_pos, filled, erank)`` ``[R, H]``: each position's new LRU index (unused evictable
+    slots in old order, then filled slots in miss order, serving slots in old order, invalid
+    entries in old order), whether it takes a miss (the ``n_fill`` oldest evictable ones) and
+    its evictable rank (the miss number it takes)."""
+    invalid = ~(evict | serving)
+    n_evict = evict.sum(1, keepdim=True)
+    n_serving = serving.sum(1, keepdim=True)
+    erank = evict.cumsum(1) - 1
+    filled = evict & (erank < n_fill)
+    new_pos = torch.where(
+        evict, torch.where(filled, n_evict - n_fill + erank, erank - n_fill),
+        torch.where(serving, n_evict + serving.cumsum(1) - 1,
+                    n_evict + n_serving + invalid.cumsum(1) - 1))
+    return new_pos, filled, erank
 
 
 def resolve(
@@ -267,16 +290,10 @@ def resolve(
 
     # LRU: evictables in old order take the misses; rewrite the order (rule 5).
     evict = valid & ~serving
-    invalid = ~valid
     n_evict = evict.sum(1, keepdim=True)
     n_serving = serving.sum(1, keepdim=True)
     n_fill = torch.minimum(n_miss, n_evict)
-    erank = evict.cumsum(1) - 1
-    filled = evict & (erank < n_fill)
-    new_pos = torch.where(
-        evict, torch.where(filled, n_evict - n_fill + erank, erank - n_fill),
-        torch.where(serving, n_evict + serving.cumsum(1) - 1,
-                    n_evict + n_serving + invalid.cumsum(1) - 1))
+    new_pos, filled, erank = lru_replacement(evict, serving, n_fill)
     new_lru = torch.empty_like(lru_raw).scatter_(1, new_pos, lru_raw)
     active = row_ok & ((n_serving + n_fill).squeeze(1) > 0)
 

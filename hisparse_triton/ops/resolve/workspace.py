@@ -12,7 +12,9 @@ fixed addresses matter. A workspace holds, per call shape ``(R rows, K columns, 
   ``old_slot_rows`` / ``old_lru`` ``[R, H] int32`` (the state rows' ``slot_host_rows`` and
   ``lru`` as they were) and ``touched [R] int32`` (1 = the call resolved this batch row and
   may have changed its state row; 0 = padding or a repeated state row);
-- the kernel's scratch tables (sort keys, slot owners, run winners, miss numbering).
+- the kernel's scratch tables (sort keys, slot owners, run winners, miss numbering) and the
+  hash kernel's per-row table (``table [R, 3 T]``, allocated clean, ``INT32_MIN`` in every
+  word, and left clean by every call: each call resets the entries it used).
 
 Results that live in the workspace are valid until the next call with the same workspace
 (every call overwrites them); keep ``rows`` in a caller-owned ``out=`` tensor when they must
@@ -28,9 +30,27 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["ResolveBuffers", "ResolveWorkspace", "restore_resolve_state", "scratch_width"]
+__all__ = ["HASH_MAX_SLOTS", "HASH_MAX_WIDTH", "HASH_TABLE_FACTOR", "ResolveBuffers",
+           "ResolveWorkspace", "hash_table_width", "restore_resolve_state", "scratch_width"]
 
 _ALIGN = 16  # elements: every view starts 64-byte aligned (Triton specialises on 16 bytes)
+
+
+#: Widest top-k and most hot slots the hash kernel (``kernels/resolve_hash.py``) takes.
+HASH_MAX_WIDTH = 2048
+HASH_MAX_SLOTS = 4096
+#: Hash-table entries per (power-of-two rounded) top-k column: load factor <= 1/16.
+HASH_TABLE_FACTOR = 16
+#: A clean hash-table word (``kernels/resolve_hash.py``: every call leaves its words so).
+HASH_EMPTY = -(2**31)
+
+
+def hash_table_width(top_k: int, slots: int) -> int:
+    """Entries ``T`` of the per-row hash table of a call shape (the table holds ``3 x T``
+    int32 words per row), 0 when the shape is not the hash kernel's."""
+    if top_k > HASH_MAX_WIDTH or slots > HASH_MAX_SLOTS:
+        return 0
+    return HASH_TABLE_FACTOR * scratch_width(top_k)
 
 
 def scratch_width(top_k: int) -> int:
@@ -56,6 +76,7 @@ class ResolveBuffers(NamedTuple):
     colm: torch.Tensor           # [R, W] int32 scratch: miss number per column
     keys: torch.Tensor           # [R, W] int64 scratch: sorted keys
     keys2: torch.Tensor          # [R, W] int64 scratch: merge buffer (wide top-k)
+    table: torch.Tensor          # [R, 3 T] int32 hash table (T = hash_table_width; kept clean)
 
 
 _INT32_FIELDS = ("rows", "miss_src", "miss_dst", "miss_count", "stats", "touched",
@@ -68,7 +89,8 @@ def _shapes(R: int, K: int, H: int) -> dict[str, tuple[int, ...]]:
     return {"rows": (R, K), "miss_src": (R, K), "miss_dst": (R, K), "miss_count": (R,),
             "stats": (R, 3), "touched": (R,), "old_slot_rows": (R, H), "old_lru": (R, H),
             "owner": (R, H), "cls": (R, H), "run_pos": (R, W), "colbuf": (R, W),
-            "colm": (R, W), "keys": (R, W), "keys2": (R, W)}
+            "colm": (R, W), "keys": (R, W), "keys2": (R, W),
+            "table": (R, 3 * hash_table_width(K, H))}
 
 
 def _size(shape: tuple[int, ...]) -> int:
@@ -122,6 +144,7 @@ class ResolveWorkspace:
         self.device = _normalise(torch.device(device))
         self._i32 = torch.empty(0, dtype=torch.int32, device=self.device)
         self._i64 = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._table = torch.empty(0, dtype=torch.int32, device=self.device)
         self._views: dict[tuple[int, int, int], ResolveBuffers] = {}
         #: The buffers of the most recent call (what ``restore_resolve_state`` reads).
         self.last: Optional[ResolveBuffers] = None
@@ -132,6 +155,13 @@ class ResolveWorkspace:
         """Grow the buffers to fit calls of up to ``max_rows x width`` against ``slots``."""
         _check_shape(max_rows, width, slots)
         n32, n64 = _need(max_rows, width, slots)
+        nt = _size(_shapes(max_rows, width, slots)["table"])
+        if nt > self._table.numel():
+            with torch.inference_mode(False):  # (see below) filled clean: kernels keep it so
+                self._table = torch.full((nt,), HASH_EMPTY, dtype=torch.int32,
+                                         device=self.device)
+            self._views.clear()
+            self.last = None
         if n32 > self._i32.numel() or n64 > self._i64.numel():
             # Ordinary tensors even inside inference mode: later calls write them in place
             # from either mode.
@@ -150,14 +180,16 @@ class ResolveWorkspace:
             self.reserve(rows, width, slots)
             shapes = _shapes(rows, width, slots)
             views = ResolveBuffers(**_carve(self._i32, _INT32_FIELDS, shapes),
-                                   **_carve(self._i64, _INT64_FIELDS, shapes))
+                                   **_carve(self._i64, _INT64_FIELDS, shapes),
+                                   **_carve(self._table, ("table",), shapes))
             self._views[(rows, width, slots)] = views
         return views
 
     @staticmethod
     def allocate(rows: int, width: int, slots: int, device: torch.device) -> ResolveBuffers:
         """One-off buffers (a call without a workspace): the returned outputs are separate
-        tensors (they never alias each other), the scratch is carved from one allocation."""
+        tensors (they never alias each other), the scratch is carved from one allocation; the
+        hash table is not cleared (the kernel launched on it clears it first)."""
         _check_shape(rows, width, slots)
         shapes = _shapes(rows, width, slots)
         scratch = _INT32_FIELDS[5:]
@@ -167,12 +199,15 @@ class ResolveWorkspace:
                           device=device)
         outputs = {name: torch.empty(shapes[name], dtype=torch.int32, device=device)
                    for name in _INT32_FIELDS[:5]}
+        # not filled: the hash kernel clears a one-off table itself (no extra launch)
+        table = torch.empty(shapes["table"], dtype=torch.int32, device=device)
         return ResolveBuffers(**outputs, **_carve(i32, scratch, shapes),
-                              **_carve(i64, _INT64_FIELDS, shapes))
+                              **_carve(i64, _INT64_FIELDS, shapes), table=table)
 
     def __repr__(self) -> str:
         return (f"ResolveWorkspace(device={self.device}, int32={self._i32.numel()}, "
-                f"int64={self._i64.numel()}, shapes={sorted(self._views)})")
+                f"int64={self._i64.numel()}, table={self._table.numel()}, "
+                f"shapes={sorted(self._views)})")
 
 
 def restore_resolve_state(workspace: ResolveWorkspace, state_rows: torch.Tensor,
