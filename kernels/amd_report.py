@@ -32,8 +32,9 @@ each to ``AmdCompiler``; this module only knows the AMD side. Per launch:
 from __future__ import annotations
 
 import re
-import time
 from typing import Any, Optional
+
+from hisparse_triton.kernels.target_compiler import TargetCompiler
 
 __all__ = ["AMD_ARCH_LIMITS", "AmdCompiler", "amd_occupancy", "asm_usage", "format_amd_report",
            "is_amd_arch", "workgroup_handoff"]
@@ -130,13 +131,13 @@ def asm_usage(asm: str) -> dict[str, Any]:
     return out
 
 
-class AmdCompiler:
-    """Compiles recorded launches for one AMD target (``"gfx942"``); identical
-    specialisations once. Same interface as ``compile_report``'s NVIDIA compiler."""
+class AmdCompiler(TargetCompiler):
+    """Compiles recorded launches for one AMD target (``"gfx942"``; ``TargetCompiler``):
+    registers, spills, LDS and occupancy from the amdgcn assembly. Same interface as
+    ``compile_report``'s NVIDIA compiler."""
 
     def __init__(self, arch: str):
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
 
         from hisparse_triton.kernels.launch_config import check_memory_model
 
@@ -147,48 +148,18 @@ class AmdCompiler:
         check_memory_model(arch)  # a threadgroup-split target is refused before compiling
         self.arch = name
         self.limits = AMD_ARCH_LIMITS[name]
-        self.target = GPUTarget("hip", name, self.limits["wave_size"])
-        self.backend = make_backend(self.target)
-        self.cache: dict[str, dict[str, Any]] = {}
+        super().__init__(GPUTarget("hip", name, self.limits["wave_size"]))
 
-    def specialise(self, fn: Any, args: tuple, kwargs: dict):
-        from triton.runtime.jit import create_function_from_signature
-
-        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        return fn._pack_args(self.backend, options, bound, specialization, options)
-
-    def compile(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-        import triton
-        from triton.compiler import ASTSource
-
-        from hisparse_triton.kernels.launch_config import check_workgroup
-
-        options, signature, constexprs, attrs = self.specialise(fn, args, kwargs)
-        key = repr((fn.fn.__qualname__, sorted(signature.items()), sorted(constexprs.items()),
-                    sorted(attrs.items()), sorted(options.__dict__.items())))
-        if key in self.cache:
-            return self.cache[key]
-        start = time.perf_counter()
-        try:
-            check_workgroup(options.num_warps, self.target.warp_size, fn.fn.__name__)
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                    target=self.target, options=options.__dict__)
-            info = asm_usage(kernel.asm["amdgcn"])
-            if info["tg_split"]:
-                raise RuntimeError("the kernel was compiled in threadgroup-split mode, which "
-                                   "the resolve hand-offs do not support")
-            info["shared_bytes"] = int(kernel.metadata.shared)
-            info["lds_bytes"] = info["lds_static_bytes"] + info["shared_bytes"]
-            info["num_warps"] = int(kernel.metadata.num_warps)
-            info.update(amd_occupancy(self.arch, info["num_warps"], info["vgprs"],
-                                      info["sgprs"], info["lds_bytes"]))
-            info["error"] = None
-        except Exception as exc:  # a kernel that does not compile is a finding, not a crash
-            info = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
-                    "num_warps": options.num_warps}
-        info["compile_s"] = round(time.perf_counter() - start, 2)
-        self.cache[key] = info
+    def usage(self, kernel: Any) -> dict[str, Any]:
+        info = asm_usage(kernel.asm["amdgcn"])
+        if info["tg_split"]:
+            raise RuntimeError("the kernel was compiled in threadgroup-split mode, which "
+                               "the resolve hand-offs do not support")
+        info["shared_bytes"] = int(kernel.metadata.shared)
+        info["lds_bytes"] = info["lds_static_bytes"] + info["shared_bytes"]
+        info["num_warps"] = int(kernel.metadata.num_warps)
+        info.update(amd_occupancy(self.arch, info["num_warps"], info["vgprs"],
+                                  info["sgprs"], info["lds_bytes"]))
         return info
 
     def payload(self) -> dict[str, Any]:

@@ -48,11 +48,11 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Callable, Optional, Sequence
 
 from hisparse_triton.kernels import sass_model
 from hisparse_triton.kernels.launches import record_launches
+from hisparse_triton.kernels.target_compiler import TargetCompiler
 
 __all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main", "occupancy",
            "report_in_subprocess"]
@@ -244,52 +244,25 @@ def _ptx_accesses(ptx: str) -> dict[str, Any]:
             "stores_not_loaded": sum((w, regs) not in loads for w, regs in stores)}
 
 
-class _Compiler:
-    """Compiles recorded launches for one architecture; identical specialisations once."""
+class _Compiler(TargetCompiler):
+    """Compiles recorded launches for one NVIDIA architecture (``TargetCompiler``): registers
+    and spills from the cubin, its SASS for the cost model, PTX accesses, occupancy."""
 
     def __init__(self, arch: int):
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
 
         self.arch = arch
-        self.target = GPUTarget("cuda", arch, 32)
-        self.backend = make_backend(self.target)
-        self.cache: dict[str, dict[str, Any]] = {}
+        super().__init__(GPUTarget("cuda", arch, 32))
 
-    def specialise(self, fn: Any, args: tuple, kwargs: dict):
-        from triton.runtime.jit import create_function_from_signature
-
-        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        return fn._pack_args(self.backend, options, bound, specialization, options)
-
-    def compile(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-        import triton
-        from triton.compiler import ASTSource
-
-        options, signature, constexprs, attrs = self.specialise(fn, args, kwargs)
-        key = repr((fn.fn.__qualname__, sorted(signature.items()), sorted(constexprs.items()),
-                    sorted(attrs.items()), sorted(options.__dict__.items())))
-        if key in self.cache:
-            return self.cache[key]
-        start = time.perf_counter()
-        try:
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                    target=self.target, options=options.__dict__)
-            info = _cubin_usage(kernel.asm["cubin"])
-            info["_sass"] = sass_model.sass_of_cubin(kernel.asm["cubin"])
-            info.update(_ptx_accesses(kernel.asm["ptx"]))
-            info["shared_bytes"] = int(kernel.metadata.shared)
-            info["num_warps"] = int(kernel.metadata.num_warps)
-            ctas, limit = occupancy(self.arch, info["num_warps"], info.get("registers", 0),
-                                    info["shared_bytes"])
-            info["ctas_per_sm"], info["limited_by"] = ctas, limit
-            info["error"] = None
-        except Exception as exc:  # a kernel that does not compile is a finding, not a crash
-            info = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
-                    "num_warps": options.num_warps}
-        info["compile_s"] = round(time.perf_counter() - start, 2)
-        self.cache[key] = info
+    def usage(self, kernel: Any) -> dict[str, Any]:
+        info = _cubin_usage(kernel.asm["cubin"])
+        info["_sass"] = sass_model.sass_of_cubin(kernel.asm["cubin"])
+        info.update(_ptx_accesses(kernel.asm["ptx"]))
+        info["shared_bytes"] = int(kernel.metadata.shared)
+        info["num_warps"] = int(kernel.metadata.num_warps)
+        ctas, limit = occupancy(self.arch, info["num_warps"], info.get("registers", 0),
+                                info["shared_bytes"])
+        info["ctas_per_sm"], info["limited_by"] = ctas, limit
         return info
 
 
