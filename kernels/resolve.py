@@ -232,11 +232,23 @@ class BoundResolve:
 
     def __call__(self, topk: torch.Tensor, state_rows: torch.Tensor,
                  out: torch.Tensor) -> ResolveResult:
+        return self.run(self.prepared(topk, state_rows, out), topk, state_rows)
+
+    def prepared(self, topk: torch.Tensor, state_rows: torch.Tensor,
+                 out: torch.Tensor) -> list:
+        """The bound call of this shape (checked and prepared on its first use): what
+        ``run`` takes. A caller that knows a later call has the same shape, dtypes, strides,
+        devices and ``out`` may keep it and ``run`` it again without this lookup."""
         key = (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
                state_rows.dtype, state_rows.device, state_rows.stride(), id(out))
         call = self._calls.get(key)
         if call is None or call[-1].rows is not out:
             call = self._calls[key] = self._prepare(topk, state_rows, out)
+        return call
+
+    def run(self, call: list, topk: torch.Tensor, state_rows: torch.Tensor) -> ResolveResult:
+        """Launch the bound call ``call`` (from ``prepared``) on ``topk`` and ``state_rows``,
+        which must match the shape, dtypes, strides and devices it was prepared for."""
         R, launch, args, bufs, direct, result = call
         self._workspace.last = bufs
         if R:

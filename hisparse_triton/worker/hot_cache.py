@@ -328,6 +328,9 @@ class HotCache:
         self.rows_out: Optional[torch.Tensor] = None   # [R, K] the last call's rows
         self.rows_view: Optional[torch.Tensor] = None  # it, in the shape returned
         self._ops = load_ops()
+        #: ``(shape key, bound call)`` of the last eager call, whose checks ``resolve_fast``
+        #: skips for a call of the same shapes, dtypes, strides and devices.
+        self._fast: Optional[tuple] = None
         self.bound = self.bound_gather = None
         if kernel == "triton":
             from hisparse_triton.kernels.gather import BoundCopy
@@ -442,8 +445,32 @@ class HotCache:
             self._events = (ready, leader, followers)
         return self._events
 
+    def resolve_fast(self, state_rows: object, topk: object) -> Optional[torch.Tensor]:
+        """``resolve(state_rows, topk)`` without its argument checks when the last call was
+        eager with the same shapes, dtypes, strides and devices (the checks read nothing
+        else: no tensor value): the decode path's repeated call. None when it does not
+        apply (the caller then takes the checked path): another shape, a tensor subclass,
+        tracing or a dispatch mode, a torch backend, a split gather."""
+        fast = self._fast
+        if fast is None or topk.__class__ is not torch.Tensor \
+                or state_rows.__class__ is not torch.Tensor:
+            return None
+        key = (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
+               state_rows.dtype, state_rows.device, state_rows.stride())
+        if key != fast[0] or not self._ops.is_eager((topk, state_rows)):
+            return None
+        result = None
+        try:
+            result = self.bound.run(fast[1], topk, state_rows)
+            self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
+            return self.rows_view
+        except BaseException:  # undo the resolve: hot state and counters
+            self._undo(state_rows, result, None)
+            raise
+
     def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
                  events: Optional[tuple] = None) -> torch.Tensor:
+        self._fast = None   # set again below by an eager call that may be repeated unchecked
         shape = tuple(topk.shape)
         if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
             topk = topk.reshape(shape[0], shape[1] * shape[2])
@@ -472,7 +499,8 @@ class HotCache:
             # workspace's plain tensors too, so the gather needs no second check)
             eager = self.bound is not None and ops.is_eager((topk, state_rows))
             if eager:
-                result = self.bound(topk, state_rows, out)
+                call = self.bound.prepared(topk, state_rows, out)
+                result = self.bound.run(call, topk, state_rows)
             else:
                 result = ops.resolve(
                     topk, state_rows, self.seq_lens, self.resident_table, self.host_blocks,
@@ -489,6 +517,10 @@ class HotCache:
                 self._gather_split(result, events)
             elif self.bound_gather is not None and (eager or ops.is_eager((result.miss_src,))):
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
+                if eager and len(shape) == 2:   # the same shapes may skip every check next
+                    self._fast = ((topk.shape, topk.dtype, topk.device, topk.stride(),
+                                   state_rows.shape, state_rows.dtype, state_rows.device,
+                                   state_rows.stride()), call)
             else:
                 ops.copy_rows(self.device_table, self.host_table, result.miss_src,
                               result.miss_dst, result.miss_count, backend=self.kernel)

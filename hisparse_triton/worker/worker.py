@@ -332,7 +332,9 @@ class HiSparseWorker(WorkerViews):
         index group's persistent output, overwritten by its next resolve. Misses are
         gathered host -> device into the hot rows of all of the index group's layers in one
         launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
-        friendly). Only shapes are checked.
+        friendly). Only shapes are checked, and a call whose tensors have the shapes, dtypes,
+        strides and devices of this index group's previous eager call skips even those
+        checks (``HotCache.resolve_fast``: the decode path's repeated call).
 
         ``stream`` (side-stream mode): the resolve and the gathers run on ``stream`` (a
         ``torch.cuda.Stream`` of this device; ``torch.cpu.Stream`` on a CPU worker) after the
@@ -344,6 +346,11 @@ class HiSparseWorker(WorkerViews):
         (``HostEvent``) and the result is the same as without a stream.
         """
         self._check_open()
+        cache = self._index_groups.get(leader_layer)
+        if cache is not None and stream is None:   # a shape checked before: no checks
+            rows = cache.resolve_fast(state_rows, topk)
+            if rows is not None:
+                return rows
         cache = self._index_group(leader_layer)
         self.check_topk(topk)
         return cache.resolve(state_rows, topk, stream=stream)
