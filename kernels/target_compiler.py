@@ -12,13 +12,14 @@ is a finding (``error`` in its record), not a crash.
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Any
 
 __all__ = ["TargetCompiler"]
 
 
-class TargetCompiler:
+class TargetCompiler(abc.ABC):
     """Compiles recorded launches for ``target`` (a ``triton.backends.compiler.GPUTarget``);
     identical specialisations once. Subclasses read the compiled kernel in ``usage``."""
 
@@ -38,9 +39,10 @@ class TargetCompiler:
         bound, specialization, options = binder(*args, **kwargs)
         return fn._pack_args(self.backend, options, bound, specialization, options)
 
+    @abc.abstractmethod
     def usage(self, kernel: Any) -> dict[str, Any]:
-        """The record of a compiled kernel (``triton.compile``'s result)."""
-        raise NotImplementedError
+        """The record of a compiled kernel (``triton.compile``'s result): what the
+        target's compiler output says about it (registers, spills, memory, occupancy)."""
 
     def compile(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The record of one launch (``usage`` plus ``error``, ``num_warps``, ``compile_s``),

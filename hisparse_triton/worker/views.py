@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from hisparse_triton.errors import RuntimeClosedError
 from hisparse_triton.worker.pools import DevicePool, HostPool
 
 if TYPE_CHECKING:
@@ -32,8 +33,12 @@ class WorkerViews:
     _host_pool: Optional[HostPool]
     _device_pool: Optional[DevicePool]
 
-    def _check_open(self) -> None:  # the worker's own check
-        raise NotImplementedError
+    _closed: bool
+
+    def _check_open(self) -> None:
+        """``RuntimeClosedError`` once the worker is closed (every public call checks)."""
+        if self._closed:
+            raise RuntimeClosedError("the HiSparseWorker is closed.")
 
     def device_cache(self, layer_name: str) -> torch.Tensor:
         """``[num_blocks, block_size, row_bytes] uint8`` view of a device layer.

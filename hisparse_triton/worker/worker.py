@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from hisparse_triton.config import EngineConfig
-from hisparse_triton.errors import RuntimeClosedError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.layout import underlying_layer_name
 from hisparse_triton.memory import check_memory
@@ -458,10 +457,6 @@ class HiSparseWorker(WorkerViews):
     _lru = property(lambda self: self._hot.lru)
     _slot_host_rows = property(lambda self: self._hot.slot_host_rows)
     _ops = property(lambda self: hot_cache.load_ops())
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeClosedError("the HiSparseWorker is closed.")
 
     @property
     def closed(self) -> bool:
