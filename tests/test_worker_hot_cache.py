@@ -219,3 +219,26 @@ def test_a_failed_gather_on_the_unchecked_path_restores_the_state(monkeypatch):
             worker.resolve_rows(L0, state_rows, topk + 12)
         after = (cache.slot_host_rows, cache.lru, cache.counters)
         assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_a_new_gather_budget_rebinds_the_gathers_and_stays_exact():
+    scheduler, worker = _offloaded("triton")
+    with worker:
+        cache = worker._index_group(L0)
+        state_rows = torch.from_numpy(scheduler.state_rows(["a", "b"]))
+        old = cache.bound_gather
+        with pytest.raises(ValueError, match="gather_programs_per_sm"):
+            worker.set_gather_programs_per_sm(-1)
+        assert cache.bound_gather is old                   # a refusal changes nothing
+        worker.set_gather_programs_per_sm(1)
+        assert cache.bound_gather is not old and cache.bound_gather.programs_per_sm == 1
+        assert worker.gather_programs_per_sm == 1
+        topk = torch.randint(-2, 34, (2, TOPK), dtype=torch.int32, generator=GEN)
+        expected, _, _ = _expected(cache, state_rows, topk)
+        assert torch.equal(worker.resolve_rows(L0, state_rows, topk), expected.rows)
+        for layer in cache.layers:                         # the misses were gathered
+            dev = worker.device_cache(layer).reshape(-1, cache.row_bytes)
+            host = worker.host_cache(layer).reshape(-1, cache.row_bytes)
+            for r, n in enumerate(expected.miss_count.tolist()):
+                src, dst = expected.miss_src[r, :n].long(), expected.miss_dst[r, :n].long()
+                assert torch.equal(dev[dst], host[src]), (layer, r)

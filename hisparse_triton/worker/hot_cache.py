@@ -333,35 +333,32 @@ class HotCache:
         self._fast: Optional[tuple] = None
         self.bound = self.bound_gather = None
         if kernel == "triton":
-            from hisparse_triton.kernels.gather import BoundCopy
             from hisparse_triton.kernels.resolve import BoundResolve
 
             self.bound = BoundResolve(seq_lens, resident_table, host_blocks, hot_table,
                                       self.slot_host_rows, self.lru, counters=self.counters,
                                       workspace=workspace, **self.sizes)
-            self.bound_gather = BoundCopy(device_table, host_table, pages=False,
-                                          kernel="gather",
-                                          programs_per_sm=gather_programs_per_sm)
-            if split_tables is not None:
-                self._split_gathers = tuple(
-                    BoundCopy(dev, host, pages=False, kernel="gather",
-                              programs_per_sm=gather_programs_per_sm)
-                    for dev, host in split_tables)
+            self._bind_gathers()
+
+    def _bind_gathers(self) -> None:
+        """The bound gathers (``BoundCopy``, Triton only) at ``gather_programs_per_sm``: the
+        whole group's, and the leader's and followers' of the side-stream mode."""
+        from hisparse_triton.kernels.gather import BoundCopy
+
+        def bound(dev: RowTable, host: RowTable) -> "BoundCopy":
+            return BoundCopy(dev, host, pages=False, kernel="gather",
+                             programs_per_sm=self.gather_programs_per_sm)
+
+        self.bound_gather = bound(self.device_table, self.host_table)
+        if self.split_tables is not None:
+            self._split_gathers = tuple(bound(dev, host) for dev, host in self.split_tables)
 
     def set_gather_programs_per_sm(self, programs_per_sm: int) -> None:
         """Change the gathers' grid budget (``BoundCopy``'s ``programs_per_sm``; 0 = none):
         the bound gathers are made again and bind on their next call."""
         self.gather_programs_per_sm = check_programs_per_sm(programs_per_sm)
-        if self.bound_gather is None:
-            return
-        from hisparse_triton.kernels.gather import BoundCopy
-
-        self.bound_gather = BoundCopy(self.device_table, self.host_table, pages=False,
-                                      kernel="gather", programs_per_sm=programs_per_sm)
-        if self.split_tables is not None:
-            self._split_gathers = tuple(
-                BoundCopy(dev, host, pages=False, kernel="gather",
-                          programs_per_sm=programs_per_sm) for dev, host in self.split_tables)
+        if self.bound_gather is not None:
+            self._bind_gathers()
 
     @classmethod
     def for_group(cls, group: IndexGroup, tables: PlanTables, layers: PoolLayers,
