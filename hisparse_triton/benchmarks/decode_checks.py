@@ -9,8 +9,8 @@ Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
   ``JITFunction.run`` per call), and of the bound resolve (whatever path ``BoundResolve``
   takes) against ``ops.resolve``; CUDA only (the CPU figure is ``bench --host``'s);
 - ``resolve_variants``: device microseconds of one resolve at R = 1, 8, 64 x K = 2048 x
-  H = 4096, for every variant ``kernels.resolve`` lists (``VARIANTS`` / ``RESOLVE_VARIANTS``
-  when it has one, passed as ``variant=``; else the one kernel);
+  H = 4096 at two miss rates, for every variant ``kernels.resolve.resolve_variants`` lists
+  (the shape's dispatch, hash, sorted), each checked against the reference first;
 - ``overlap_step``: a DeepSeek-V3.2 decode step at batch 64 with a stand-in compute kernel
   per layer (a bf16 matmul), without and with the side-stream mode (``resolve_rows(...,
   stream=)``), and with the gather grid uncapped vs capped (``gather_programs_per_sm``);
@@ -119,17 +119,13 @@ def _pinned(table: Any, device: torch.device) -> Any:
 
 # ----------------------------------------------------------------------------- resolve
 def resolve_variants(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Device us per resolve call for every variant the resolve family offers: its own
-    checked timer (``ops.resolve.variants.time_resolve_variants`` over
-    ``kernels.resolve.resolve_variants``) when it has one, else every name of
-    ``VARIANTS`` / ``RESOLVE_VARIANTS`` passed to ``ops.resolve`` as ``variant=``."""
+    """Device us per resolve call for every variant the resolve family offers
+    (``kernels.resolve.resolve_variants``: the shape's dispatch, hash, sorted), each checked
+    against the torch reference first (``ops.resolve.variants.time_resolve_variants``)."""
     if device.type != "cuda":
         return {"skipped": "device timing needs CUDA"}
-    try:
-        from hisparse_triton.ops.resolve.variants import time_resolve_variants
-    except ImportError:
-        return _resolve_variants_by_name(device, quick)
     from hisparse_triton.benchmarks.timing import L2Flush, event_time
+    from hisparse_triton.ops.resolve.variants import time_resolve_variants
     from hisparse_triton.benchmarks.workloads import ResolveWorkload
 
     flush = L2Flush(device, 64 << 20)
@@ -151,61 +147,6 @@ def resolve_variants(device: torch.device, quick: bool) -> dict[str, Any]:
     results["note"] = ("K=2048, H=4096, 32768-token histories; each variant checked against "
                        "the torch reference first; event time with the state restored and "
                        "L2 flushed before each call")
-    return results
-
-
-def _resolve_variants_by_name(device: torch.device, quick: bool) -> dict[str, Any]:
-    """``resolve_variants`` without the resolve family's timer (see there)."""
-    import inspect
-
-    import triton.testing
-
-    from hisparse_triton import ops
-    from hisparse_triton.benchmarks.host_cost import _state
-    from hisparse_triton.kernels import resolve as resolve_mod
-
-    listed = getattr(resolve_mod, "VARIANTS", None) or getattr(resolve_mod,
-                                                               "RESOLVE_VARIANTS", None)
-    names = list(listed) if listed else ["default"]
-    takes_variant = "variant" in inspect.signature(ops.resolve).parameters
-    sizes = dict(block_size=64, num_device_blocks=1 << 20, num_host_blocks=1 << 20)
-    results: dict[str, Any] = {"variants_listed": bool(listed)}
-    for name in names:
-        extra = {} if name == "default" else {"variant": name}
-        if extra and not takes_variant:
-            results[str(name)] = {"skipped": "ops.resolve takes no variant= argument"}
-            continue
-        per_r = {}
-        for R in ((1, 64) if quick else (1, 8, 64)):
-            try:
-                st = {k: v.to(device) for k, v in _state(R, 2048, 4096, 64).items()}
-                gen = torch.Generator().manual_seed(R)
-                S, P = st["host_blocks"].shape   # every page on the host, none resident
-                st["seq_lens"].fill_(P * 64)
-                st["host_blocks"].copy_(torch.arange(1, S * P + 1, dtype=torch.int32).view(
-                    S, P))
-                st["topk"].copy_(torch.randint(0, P * 64, st["topk"].shape, generator=gen))
-                saved = (st["slot_host_rows"].clone(), st["lru"].clone())
-                args = tuple(st.values())
-
-                def restore():
-                    st["slot_host_rows"].copy_(saved[0])
-                    st["lru"].copy_(saved[1])
-
-                def call():
-                    restore()
-                    ops.resolve(*args, **sizes, **extra, backend="triton")
-
-                raw = triton.testing.do_bench(call, warmup=10, rep=40 if quick else 100,
-                                              return_mode="median")
-                copy = triton.testing.do_bench(restore, warmup=10, rep=40,
-                                               return_mode="median")
-                per_r[f"R{R}_us"] = round((raw - copy) * 1e3, 2)
-            except Exception as exc:  # one shape failing keeps the others
-                per_r[f"R{R}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        results[str(name)] = per_r
-    results["note"] = ("K=2048, H=4096, every selection a miss of a cold hot buffer "
-                       "(restore of the hot state timed alone and subtracted)")
     return results
 
 
