@@ -114,11 +114,18 @@ class DirectLaunch:
         from triton.runtime.driver import driver
 
         self._runtime, self._driver = knobs.runtime, driver
+        # Pointers as addresses: the launcher reads an int as the address itself, while a
+        # tensor costs it a ``data_ptr()`` call and a driver query per argument per launch.
+        # ``self.args`` keeps every bound tensor alive.
+        values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
         self._values = values
         self._value_index = tuple(index_of_arg[p] for p in self.dynamic)
         self._alignment = tuple(_aligned(self.args[p]) for p in self.dynamic)
+        # The launcher, its function handle and packed metadata (loaded by the normal
+        # launch that compiled it): ``compiled.run`` per call would be a property lookup.
         self._compiled = compiled
-        self._bindings[self._alignment] = (compiled, values)
+        self._launcher = (compiled.run, compiled.function, compiled.packed_metadata)
+        self._bindings[self._alignment] = (compiled, values, self._launcher)
 
     def _normal(self, tensors: Sequence[torch.Tensor]) -> None:
         for position, tensor in zip(self.dynamic, tensors):
@@ -136,28 +143,36 @@ class DirectLaunch:
             self._normal(tensors)
             return
         runtime = self._runtime
-        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if (enter is not None and _hooked(enter)) or (leave is not None and _hooked(leave)):
             self._normal(tensors)
             return
         values = self._values
         for index, tensor, aligned in zip(self._value_index, tensors, self._alignment):
-            if (tensor.data_ptr() % _ALIGNMENT == 0) is not aligned:
+            address = tensor.data_ptr()
+            if (address % _ALIGNMENT == 0) is not aligned:
                 if not self._switch(tensors):
                     self._normal(tensors)
                     return
-                compiled, values = self._compiled, self._values
+                values = self._values
                 for index2, tensor2 in zip(self._value_index, tensors):
-                    values[index2] = tensor2
+                    values[index2] = tensor2.data_ptr()
                 break
-            values[index] = tensor
+            values[index] = address
+        run, function, metadata = self._launcher
         active = self._driver.active
         stream = active.get_current_stream(active.get_current_device())
         g0, g1, g2 = self.grid3
-        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *values)
+        run(g0, g1, g2, stream, function, metadata, None, None, None, *values)
         self.direct_calls += 1
 
     __call__ = launch
+
+    @property
+    def bound(self) -> bool:
+        """Whether calls go to the compiled launcher (after a first normal launch, unless
+        direct launches are off or the kernel is interpreted)."""
+        return self._compiled is not None
 
     def _switch(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Make the binding of ``tensors``' alignment pattern the current one, if bound."""
@@ -165,7 +180,7 @@ class DirectLaunch:
         bound = self._bindings.get(alignment)
         if bound is None:
             return False
-        self._compiled, self._values = bound
+        self._compiled, self._values, self._launcher = bound
         self._alignment = alignment
         return True
 

@@ -61,7 +61,7 @@ from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
 
 __all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "LaunchShape", "copy_rows_kernel",
-           "gather_rows", "launch_copy", "launch_shape", "restore_pages", "sm_count",
+           "device_guard", "gather_rows", "launch_copy", "launch_shape", "restore_pages", "sm_count",
            "validate_pool"]
 
 @triton.jit
@@ -302,7 +302,7 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
     prepared = dst.cached(key, lambda: _prepare(dst, src, device, rows, cols, pages=pages,
                                                 kernel=kernel, config=config))
     has_counts = counts is not None
-    with _device_guard(src_ids):
+    with device_guard(src_ids):
         copy_rows_kernel[prepared.grid](
             *prepared.args,
             src_ids, dst_ids, counts if has_counts else src_ids,
@@ -364,7 +364,7 @@ class BoundCopy:
                 copy_rows_kernel, grid, args, constexprs, dynamic=(4, 5, 6))
             self._shaped[key] = launch
         if launch is not None:
-            with _device_guard(src_ids):
+            with device_guard(src_ids):
                 launch(src_ids, dst_ids, counts if counts is not None else src_ids)
 
     def _prepare(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
@@ -386,6 +386,25 @@ class BoundCopy:
         return (prepared.grid, args, dict(HAS_COUNTS=has_counts, **prepared.constexprs),
                 src_ids, dst_ids, counts, None)
 
+    def direct_launch(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                      counts: Optional[torch.Tensor] = None) -> Optional[DirectLaunch]:
+        """The launch ``bound(src_ids, dst_ids, counts)`` makes once it is bound to these very
+        plan tensors and goes straight to the compiled launcher (its kernel still the
+        module's: no launch recorder replaced it): calling it (no arguments) is that copy.
+        None before the first call, for an empty plan, or off the direct path."""
+        call = self._calls.get((id(src_ids), id(dst_ids), id(counts)))
+        if call is None or call[3] is not src_ids or call[4] is not dst_ids \
+                or call[5] is not counts:
+            return None
+        launch = call[6]
+        return launch if launch is not None and self.launches_directly(launch) else None
+
+    @staticmethod
+    def launches_directly(launch: DirectLaunch) -> bool:
+        """Whether ``launch`` (from ``direct_launch``) still goes straight to the compiled
+        launcher of the module's kernel (a launch recorder may have replaced it since)."""
+        return launch.bound and launch.kernel is copy_rows_kernel
+
     def __call__(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
                  counts: Optional[torch.Tensor] = None) -> None:
         key = (id(src_ids), id(dst_ids), id(counts))
@@ -400,14 +419,14 @@ class BoundCopy:
                 # (a launch recorder may have replaced the kernel since: rebind)
                 launch = DirectLaunch(copy_rows_kernel, grid, args, constexprs)
                 self._calls[key] = (*call[:6], launch)
-            with _device_guard(src_ids):
+            with device_guard(src_ids):
                 launch()
 
 
 _NO_GUARD = nullcontext()
 
 
-def _device_guard(tensor: torch.Tensor):
+def device_guard(tensor: torch.Tensor):
     """Triton launches on the current CUDA device: make it ``tensor``'s (a no-op context
     when it already is, or off CUDA)."""
     if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():

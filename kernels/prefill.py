@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.kernels.gather import _device_guard
+from hisparse_triton.kernels.gather import device_guard
 from hisparse_triton.ops.prefill.contract import PrefillPlan, check_prefill_args
 from hisparse_triton.ops.prefill.workspace import RANK_TILE, ROW_MARK, PrefillWorkspace
 
@@ -193,7 +193,7 @@ def plan_prefill(
     block_k = _block_k(K)
     token_grid = (T, -(-K // block_k))
     tiles = ws.tile_sums.numel()
-    with _device_guard(topk):
+    with device_guard(topk):
         try:
             if T:
                 _prefill_columns_kernel[token_grid](

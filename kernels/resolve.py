@@ -35,7 +35,7 @@ import torch
 
 from hisparse_triton.kernels import resolve_hash as _hash
 from hisparse_triton.kernels.direct_launch import DirectLaunch
-from hisparse_triton.kernels.gather import _device_guard
+from hisparse_triton.kernels.gather import device_guard
 from hisparse_triton.kernels.resolve_hash import _resolve_hash_kernel
 from hisparse_triton.kernels.resolve_sorted import (  # noqa: F401 (jit helpers others reuse)
     _lower_bound,
@@ -246,6 +246,16 @@ class BoundResolve:
             call = self._calls[key] = self._prepare(topk, state_rows, out)
         return call
 
+    def direct_launch(self, call: list) -> Optional[DirectLaunch]:
+        """The launch of the bound call ``call`` (from ``prepared``) when it goes straight to
+        the compiled launcher and its kernel is still the module's (no launch recorder
+        replaced it): ``launch(topk, state_rows)`` then does what ``run`` does besides
+        setting ``workspace.last`` to ``call``'s buffers (the caller's job). Else None."""
+        direct = call[4]
+        if direct is None or not direct.bound or direct.kernel is not _kernel_of(call[1]):
+            return None
+        return direct
+
     def run(self, call: list, topk: torch.Tensor, state_rows: torch.Tensor) -> ResolveResult:
         """Launch the bound call ``call`` (from ``prepared``) on ``topk`` and ``state_rows``,
         which must match the shape, dtypes, strides and devices it was prepared for."""
@@ -257,7 +267,7 @@ class BoundResolve:
                 # (first call, or a launch recorder replaced the kernel since: rebind)
                 direct = call[4] = DirectLaunch(kernel, (R,), args, launch.constexprs,
                                                 dynamic=(0, 1))
-            with _device_guard(topk):
+            with device_guard(topk):
                 direct(topk, state_rows)
         return result
 
@@ -372,6 +382,6 @@ def _resolve(
     constexprs = launch.constexprs
     if workspace is None and launch.variant == "hash":  # a one-off table: the kernel clears it
         constexprs = {**constexprs, "CLEAN_FIRST": True}
-    with _device_guard(topk):
+    with device_guard(topk):
         _kernel_of(launch)[(R,)](*args, **constexprs)
     return result

@@ -24,7 +24,7 @@ from hisparse_triton.integrations.vllm_checks import (
     check_upconvert_addresses,
     checked,
 )
-from hisparse_triton.kernels.gather import _device_guard, validate_pool
+from hisparse_triton.kernels.gather import device_guard, validate_pool
 
 __all__ = ["cp_gather_and_upconvert_fp8_kv_cache"]
 
@@ -140,7 +140,7 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
         _check_backend(device)
     src8 = src_cache.view(torch.uint8)
     host8 = host_cache.view(torch.uint8) if host_cache is not None else src8
-    with _device_guard(dst):
+    with device_guard(dst):
         _upconvert_kernel[(-(-T // _TOKENS),)](
             src8, src8.view(torch.int16), src8.view(torch.int32), host8,
             host8.view(torch.int16), host8.view(torch.int32), dst.view(torch.int16),

@@ -54,7 +54,7 @@ from hisparse_triton.integrations.vllm_checks import (
     check_resolve_residency,
     checked,
 )
-from hisparse_triton.kernels.gather import _device_guard
+from hisparse_triton.kernels.gather import device_guard
 from hisparse_triton.kernels.resolve import _lower_bound, _sorted_tile  # noqa: F401 (jit)
 from hisparse_triton.ops.resolve.workspace import scratch_width
 
@@ -560,7 +560,7 @@ def hisparse_resolve_residency(
     attn = attention_indices if attention_indices is not None else dummy
     valid = valid_counts if valid_counts is not None else dummy
     has_swap = swap_counts is not None
-    with _device_guard(global_indices):
+    with device_guard(global_indices):
         _resolve_residency_kernel[(R,)](
             global_indices, global_indices.stride(0),
             request_ids if request_ids is not None else dummy,
@@ -601,7 +601,7 @@ def hisparse_invalidate_written_slots(device_global_indices, request_state_indic
     if device.type != "cuda":
         _check_backend(device)
     block = min(_INVALIDATE_BLOCK, _pow2(max(region, 16)))
-    with _device_guard(device_global_indices):
+    with device_guard(device_global_indices):
         _invalidate_kernel[(T, -(-region // block))](
             device_global_indices, request_state_indices, req_id_per_token, written_slots,
             request_state_indices.numel(), S, region, BLOCK=block,

@@ -41,9 +41,15 @@ _STANDIN_CHECK = textwrap.dedent('''
                           device="cpu")
     out = {}
 
+    def value(x):  # what the launcher reads: a tensor's address, or the value itself
+        return x.data_ptr() if isinstance(x, torch.Tensor) else x
+
     def same(a, b):
         return a.grid == b.grid and len(a.args) == len(b.args) and all(
-            (x is y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a.args, b.args))
+            value(x) == value(y) for x, y in zip(a.args, b.args))
+
+    def addresses_only(call):  # a direct launch hands the launcher no tensor at all
+        return not any(isinstance(x, torch.Tensor) for x in call.args)
 
     with standin_cuda_driver() as launch:
         gather.launch_copy(dst, src, s, d, c, pages=False, kernel="gather")  # normal path
@@ -54,6 +60,7 @@ _STANDIN_CHECK = textwrap.dedent('''
         direct = bound._calls[(id(s), id(d), id(c))][6]
         out["bound_paths"] = [direct.fallback_calls, direct.direct_calls]
         out["bound_same_args"] = all(same(call, normal) for call in launch.calls[-3:])
+        out["bound_addresses"] = [addresses_only(call) for call in launch.calls[-3:]]
 
         # A DirectLaunch with a dynamic tensor: same arguments as the normal path, a new
         # address of the same alignment stays direct, a misaligned one falls back.
@@ -65,29 +72,32 @@ _STANDIN_CHECK = textwrap.dedent('''
         constexprs["num_warps"], constexprs["num_stages"] = 4, 2
         at = names.index("src_ids_ptr") if "src_ids_ptr" in names else 4
         one = DirectLaunch(kernel, normal.grid[:2], positional, constexprs, dynamic=(at,))
-        one(s); one(s.clone())
+        moved = s.clone()
+        one(s); one(moved)
         out["dynamic_paths"] = [one.fallback_calls, one.direct_calls]
         first, second = launch.calls[-2], launch.calls[-1]
-        out["dynamic_same_args"] = (same(first, normal) and second.args[at] is not s
-                                    and second.args[:at] == first.args[:at])
+        out["dynamic_same_args"] = (same(first, normal) and value(second.args[at]) == moved.data_ptr()
+                                    and same(second._replace(args=second.args[:at]),
+                                             first._replace(args=first.args[:at])))
         shifted = torch.zeros(s.numel() + 1, dtype=s.dtype)[1:].view(s.shape)
         one(shifted)
         out["misaligned_paths"] = [one.fallback_calls, one.direct_calls]
         # both alignment patterns are bound now: alternating stays direct
         one(s); one(shifted); one(s.clone())
         out["alternating_paths"] = [one.fallback_calls, one.direct_calls]
-        out["alternating_args"] = launch.calls[-2].args[at] is shifted
+        out["alternating_args"] = value(launch.calls[-2].args[at]) == shifted.data_ptr()
 
         # BoundCopy.shaped: new plan tensors of one layout every call, bound once
         bound2 = gather.BoundCopy(dst, src, pages=False, kernel="gather")
-        for _ in range(3):
-            bound2.shaped(s.clone(), d.clone(), c.clone())
+        plans = [(s.clone(), d.clone(), c.clone()) for _ in range(3)]
+        for plan in plans:
+            bound2.shaped(*plan)
         shaped = next(iter(bound2._shaped.values()))
         out["shaped_paths"] = [shaped.fallback_calls, shaped.direct_calls]
+        # each call reads its own plan's tensors, everything else as the normal path
         out["shaped_same_args"] = all(
-            a.grid == normal.grid and len(a.args) == len(normal.args) and all(
-                (x.shape == y.shape and torch.equal(x, y)) if isinstance(x, torch.Tensor)
-                else x == y for x, y in zip(a.args, normal.args)) for a in launch.calls[-3:])
+            same(a, normal._replace(args=normal.args[:at] + plan + normal.args[at + 3:]))
+            for a, plan in zip(launch.calls[-3:], plans))
 
         hook = lambda metadata: None
         knobs.runtime.launch_enter_hook.add(hook)
@@ -117,6 +127,7 @@ def test_direct_launches_pass_the_normal_paths_arguments():
     out = _run_standin_check()
     assert out["bound_paths"] == [1, 2]            # bound once by the normal path, then direct
     assert out["bound_same_args"]
+    assert out["bound_addresses"] == [False, True, True]  # the normal path passes tensors
     assert out["dynamic_paths"] == [1, 1]
     assert out["dynamic_same_args"]
     assert out["misaligned_paths"] == [2, 1]       # an alignment change takes the normal path

@@ -331,6 +331,8 @@ class HotCache:
         #: ``(shape key, bound call)`` of the last eager call, whose checks ``resolve_fast``
         #: skips for a call of the same shapes, dtypes, strides and devices.
         self._fast: Optional[tuple] = None
+        #: ``(bound call, bound gather, launches)``: ``_direct_launches``' answer for them
+        self._launches: Optional[tuple] = None
         self.bound = self.bound_gather = None
         if kernel == "triton":
             from hisparse_triton.kernels.resolve import BoundResolve
@@ -456,14 +458,54 @@ class HotCache:
                state_rows.dtype, state_rows.device, state_rows.stride())
         if key != fast[0] or not self._ops.is_eager((topk, state_rows)):
             return None
+        call = fast[1]
+        launches = self._direct_launches(call)
         result = None
         try:
-            result = self.bound.run(fast[1], topk, state_rows)
-            self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
+            if launches is None:
+                result = self.bound.run(call, topk, state_rows)
+                self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
+            else:  # both bound to the compiled launchers: what the two calls above do
+                resolve_launch, gather_launch, bufs, call_result, device_guard = launches
+                self.workspace.last = bufs
+                with device_guard(topk):
+                    resolve_launch(topk, state_rows)
+                    result = call_result
+                    gather_launch()
             return self.rows_view
         except BaseException:  # undo the resolve: hot state and counters
             self._undo(state_rows, result, None)
             raise
+
+    def _direct_launches(self, call: list) -> Optional[tuple]:
+        """``(resolve launch, gather launch, workspace buffers, result, device guard)`` of the
+        bound call ``call`` when the resolve and the gather of its miss plan both go
+        straight to their compiled launchers; None otherwise. Kept per (call, bound
+        gather); a launch recorder that replaced a kernel since is noticed (the kernels are
+        compared on every call)."""
+        kept = self._launches
+        if kept is None or kept[0] is not call or kept[1] is not self.bound_gather:
+            kept = self._launches = (call, self.bound_gather, self._bind_launches(call))
+        launches = kept[2]
+        if launches is None or self.bound.direct_launch(call) is not launches[0] \
+                or not self.bound_gather.launches_directly(launches[1]):
+            return None
+        return launches
+
+    def _bind_launches(self, call: list) -> Optional[tuple]:
+        """``_direct_launches``' tuple for ``call``, looked up in the bound resolve and gather
+        (None when either is not on the direct path)."""
+        resolve_launch = self.bound.direct_launch(call)
+        if resolve_launch is None:
+            return None
+        result = call[5]
+        gather_launch = self.bound_gather.direct_launch(result.miss_src, result.miss_dst,
+                                                        result.miss_count)
+        if gather_launch is None:
+            return None
+        from hisparse_triton.kernels.gather import device_guard
+
+        return resolve_launch, gather_launch, call[3], result, device_guard
 
     def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
                  events: Optional[tuple] = None) -> torch.Tensor:
