@@ -8,7 +8,11 @@ decode path the same launch repeats with the same shapes, strides and ints; only
 normal path once, keeps the ``CompiledKernel`` it returned, and from then on calls
 ``compiled.run(grid, stream, function, metadata, ..., *args)`` itself: the launcher of the
 already compiled specialisation, with the arguments in the order the binder produces
-(every parameter, constexprs included, as Triton 3.6 to 3.9 pass them).
+(every parameter, constexprs included, as Triton 3.6 to 3.9 pass them). Pointers go to the
+launcher as addresses (ints), which its C code takes as they are: for a tensor it would call
+``data_ptr()`` and query the driver about the pointer, per tensor argument per launch. The
+bound tensors stay referenced (``args``), and the first launch of every binding took the
+normal path, which checked each of them.
 
 What a direct call must keep true, and how it is checked per call:
 

@@ -30,7 +30,7 @@ from hisparse_triton.integrations.vllm_checks import (
 )
 from hisparse_triton.kernels.gather import (
     GRID_PROGRAMS_PER_SM,
-    _device_guard,
+    device_guard,
     sm_count,
     validate_pool,
 )
@@ -104,7 +104,7 @@ def _launch(host_cache, hot_cache, src, dst, mask, rsi, counts, attn, R: int, K:
     dtype = torch.int32 if word == 4 else torch.uint8
     items = R * -(-K // _COLS)
     programs = GRID_PROGRAMS_PER_SM * sm_count(device)
-    with _device_guard(src):
+    with device_guard(src):
         _gather_rows_kernel[(max(1, min(items, programs)),)](
             host_cache.view(dtype), hot_cache.view(dtype), src, dst,
             mask if mask is not None else src, rsi if rsi is not None else src,
