@@ -455,9 +455,10 @@ class StepPlan:
             self._check_invalidate(limits)
 
     def _tables_fit(self, limits: PlanLimits) -> bool:
-        """Whether ``reset_rows``, the writes and the mirror rows pass ``check`` (one sort
-        or a few reductions per non-empty section). False may also mean "look closer":
-        ``check`` then runs ``_check_tables``, which names the bad entry."""
+        """Whether ``reset_rows``, the writes and the mirror rows pass ``check``: a few
+        numpy calls per non-empty section, none of them a ufunc reduction (``argmin`` /
+        ``count_nonzero`` cost a third of one on small arrays). False may also mean "look
+        closer": ``check`` then runs ``_check_tables``, which names the bad entry."""
         L, data, B = limits.layout, self.data, limits.block_size
         r, w, m = self.num_resets, self.num_writes, self.num_mirror
         if r and not _distinct_in(data[:r], 0, L.max_num_seqs):
@@ -467,14 +468,15 @@ class StepPlan:
             if not _distinct_in(index, 0, L.num_entries):
                 return False
             bounds = limits._column_limits.take(index % L.width)
-            if not np.less(data[r + w:r + 2 * w].view(np.uint32), bounds).all():
+            if np.count_nonzero(np.less(data[r + w:r + 2 * w].view(np.uint32), bounds)) != w:
                 return False
         if m:
             start = r + 2 * w
             if not _distinct_in(data[start:start + m], B, limits.num_host_blocks * B):
                 return False
             device = data[start + m:start + m * (1 + self.num_resident)]
-            if device.min() < B or device.max() >= limits.num_device_blocks * B:
+            if (device[device.argmin()] < B
+                    or device[device.argmax()] >= limits.num_device_blocks * B):
                 return False
         return True
 
@@ -540,9 +542,12 @@ class StepPlan:
                              f"[0, {host_rows}].")
 
 
-#: The names of the int fields, in ``_INT_FIELDS`` order (``_plain_copy``).
+#: The names of the int fields, in ``_INT_FIELDS`` order (``_plain_copy``, which relies
+#: on ``step`` being the only one whose smallest value is not 0).
 _INT_NAMES = tuple(name for name, _ in _INT_FIELDS)
+assert [m for _, m in _INT_FIELDS] == [1] + [0] * (len(_INT_FIELDS) - 1)
 _INT32_DTYPE = np.dtype(np.int32)
+_ONLY_INT = {int}
 
 
 def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
@@ -552,17 +557,15 @@ def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
     plan: the caller takes the general path, which names what is wrong."""
     try:
         fields = object.__getattribute__(plan, "__dict__")
-        values = [fields[name] for name in _INT_NAMES]
+        values = tuple(map(fields.__getitem__, _INT_NAMES))
         commit, data = fields["commit"], fields["data"]
     except (AttributeError, KeyError):
         return None
-    for value, (_, minimum) in zip(values, _INT_FIELDS):
-        if type(value) is not int or not minimum <= value <= _INT64[1]:
-            return None
-    (_, _, resets, writes, mirror, resident, lost, _, invalidate) = values
-    if (type(commit) is not bool or type(data) is not np.ndarray
-            or data.dtype is not _INT32_DTYPE or data.ndim != 1
-            or (mirror and not resident)
+    step, _, resets, writes, mirror, resident, lost, _, invalidate = values
+    if (set(map(type, values)) != _ONLY_INT or step < 1 or min(values) < 0
+            or max(values) > _INT64[1] or type(commit) is not bool
+            or type(data) is not np.ndarray or data.dtype is not _INT32_DTYPE
+            or data.ndim != 1 or (mirror and not resident)
             or data.size != (resets + 2 * writes + mirror * (1 + resident) + 3 * lost
                              + 3 * invalidate)):
         return None
@@ -572,10 +575,14 @@ def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
 
 
 def _distinct_in(values: np.ndarray, lo: int, hi: int) -> bool:
-    """Whether the (non-empty) ``values`` are distinct and inside ``[lo, hi)``: one sort."""
-    ordered = np.sort(values)
-    return (lo <= ordered[0] and ordered[-1] < hi
-            and bool((ordered[1:] != ordered[:-1]).all()))
+    """Whether the (non-empty) ``values`` are distinct and inside ``[lo, hi)``: one
+    comparison when they are increasing (as a scheduler writes them), else a sort too."""
+    n = values.size
+    if np.count_nonzero(np.less(values[:-1], values[1:])) != n - 1:
+        values = np.sort(values)
+        if np.count_nonzero(np.less(values[:-1], values[1:])) != n - 1:
+            return False
+    return lo <= values[0] and values[-1] < hi
 
 
 def _in_range(step: int, name: str, values: np.ndarray, lo: int, hi: int,
