@@ -286,18 +286,23 @@ class PlanTables:
     def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
         due = self.due
         if due and due[-1].packed is None:  # its device data survives the next upload
-            due = (*due[:-1], due[-1]._replace(
+            # (kept as the due list even if this apply fails: the upload overwrites it)
+            self.due = due = (*due[:-1], due[-1]._replace(
                 packed=self._ring.last(due[-1].plan.data).clone()))
         data = self._ring.upload(packed)
-        undo = self._save(plan, data)
+        r, w = plan.num_resets, plan.num_writes
+        resets = index = values = None
+        if r or w:  # one split for the sections the writes read
+            resets, index, values, _ = data.split_with_sizes(
+                (r, w, w, packed.size - r - 2 * w))
+        undo = self._save(plan, data, resets if r else None, index if w else None)
         kept = (self._last, self.next_step, self.last_applied, self.due)
         try:
-            r, w = plan.num_resets, plan.num_writes
             if r:
-                self.arena[undo.resets] = 0
-                self._row_state.reset_rows(undo.resets)
+                self.arena[resets] = 0
+                self._row_state.reset_rows(resets)
             if w:
-                self.flat.index_put_((undo.index,), data[r + w:r + 2 * w])
+                self.flat.index_put_((index,), values)
             if plan.num_invalidate:  # data: the plan's, then the distinct rows, entry rows
                 v, end = plan.num_invalidate, plan.data.size
                 entries = data[end - 3 * v:end].view(v, 3)
@@ -319,19 +324,18 @@ class PlanTables:
         self._last, self.next_step, self.last_applied, self.due = (
             None, undo.step, None, tuple(d for d in self.due if d.plan.step != undo.step))
 
-    def _save(self, plan: StepPlan, data: torch.Tensor) -> "_Undo":
-        """What applying ``plan`` (its device ``data``) will overwrite; reads only. The
-        invalidated rows' state is saved before the resets too: restoring both gives the
-        state before the plan whatever the order."""
-        r, w = plan.num_resets, plan.num_writes
-        resets = arena_rows = index = old_values = invalidated = None
+    def _save(self, plan: StepPlan, data: torch.Tensor, resets: Optional[torch.Tensor],
+              index: Optional[torch.Tensor]) -> "_Undo":
+        """What applying ``plan`` (its device ``data``; ``resets`` and ``index``: its
+        sections there, None when empty) will overwrite; reads only. The invalidated rows'
+        state is saved before the resets too: restoring both gives the state before the
+        plan whatever the order."""
+        arena_rows = old_values = invalidated = None
         row_state = invalidated_state = ()
-        if r:
-            resets = data[:r]
+        if resets is not None:
             arena_rows = self.arena.index_select(0, resets)
             row_state = self._row_state.save_rows(resets)
-        if w:
-            index = data[r:r + w]
+        if index is not None:
             old_values = self.flat.index_select(0, index)
         if plan.num_invalidate:
             end, v = plan.data.size, plan.num_invalidate
@@ -350,8 +354,8 @@ class PlanTables:
     def mirrored(self, draft: bool) -> tuple["DueMirror", ...]:
         """The due list once part ``draft`` of every due plan's mirror is done (the caller
         assigns it in one statement, with its byte count)."""
-        left = (d._replace(parts=d.parts - {draft}) for d in self.due)
-        return tuple(d for d in left if d.parts)
+        only = _ONLY_PART[draft]
+        return tuple(d._replace(parts=d.parts - only) for d in self.due if d.parts != only)
 
     def mark_mirrored(self) -> None:
         """Every part of every due plan's mirror was copied (or needs no copy here)."""
@@ -365,6 +369,10 @@ class PlanTables:
         if undo.resets is not None:
             self.arena[undo.resets] = undo.arena_rows
             self._row_state.restore_rows(undo.resets, undo.row_state)
+
+
+#: ``{part}`` of each mirror part (``mirrored``).
+_ONLY_PART = {False: frozenset({False}), True: frozenset({True})}
 
 
 def _same_plan(a: StepPlan, b: StepPlan) -> bool:
