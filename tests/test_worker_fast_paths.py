@@ -202,3 +202,33 @@ def test_mirror_sets_read_the_packed_plan_by_view_or_by_gather():
             assert src.tolist() == [[plan.mirror_device_rows[g].tolist()] for g in rows]
             assert dst.tolist() == [[[40, 41, 42]]] * 2
         assert calls[0][2].stride()[0] == 0 and calls[1][2].stride()[0] != 0
+
+
+def test_a_set_of_one_resident_group_lands_its_rows_in_the_host_pool():
+    """The view path with the reference copy: the rows of every layer reach the host."""
+    from hisparse_triton.worker import hot_cache
+    from tests.worker_helpers import write_rows
+
+    scheduler, worker = make_pair()
+    with worker:
+        scheduler.add_request("a", 13, 4)
+        rows = scheduler.append_slots("a", 13)
+        plan = scheduler.step()
+        worker.apply(plan)
+        write_rows(worker, rows, torch.Generator().manual_seed(5))
+        resident = [g.position for g in worker.groups.resident]
+        layers = tuple(x for x in scheduler.source_layers
+                       if worker.groups.resident_of_layer[x] == resident[0])
+        device_table, host_table, row_bytes = worker._layers.row_tables(list(layers))
+        mset = MirrorSet(layers, row_bytes, torch.zeros(len(layers), dtype=torch.int64),
+                         device_table, host_table)
+        assert len(layers) > 1 and mset.one_resident == 0
+        HostMirror([mset], hot_cache.copy_rows, backend="torch").copy(
+            plan, worker._tables.packed())
+        host_rows = plan.mirror_host_rows.tolist()
+        for layer in layers:
+            device = worker.device_cache(layer)
+            ids = torch.as_tensor(rows[layer], dtype=torch.int64)
+            written = device[ids // device.shape[1], ids % device.shape[1]]
+            host = worker.host_cache(layer).reshape(-1, device.shape[2])
+            assert torch.equal(host[host_rows], written), layer
