@@ -145,6 +145,13 @@ class PlanLimits:
         bounds[L.host_col:L.host_col + L.host_width] = self.num_host_blocks
         return bounds
 
+    @functools.cached_property
+    def _column_limits(self) -> np.ndarray:
+        """``[width] uint32``: ``column_bounds`` capped at ``2**31`` (no int32 value reaches
+        it), for ``StepPlan``'s vectorised check of values viewed as ``uint32`` (a negative
+        value is then ``>= 2**31``, outside every column)."""
+        return np.minimum(self.column_bounds, 2**31).astype(np.uint32)
+
 
 #: The byte header of ``to_bytes``: magic, format version, then step, layout, commit, the
 #: counts (resets, writes, mirror, resident, lost), released_pages, num_invalidate.
@@ -232,6 +239,10 @@ class StepPlan:
         object whose attributes anyone may have changed: unpickling skips the constructor's
         checks). The copy owns its data, so later changes to the sender's array do not reach
         it. ``what`` names the receiving call in the message."""
+        if cls is StepPlan and type(plan) is StepPlan:
+            copy = _plain_copy(plan)
+            if copy is not None:
+                return copy
         if not isinstance(plan, StepPlan):
             raise ValueError(f"{what} takes a StepPlan, got {type(plan).__name__}.")
         fields = {}
@@ -436,6 +447,43 @@ class StepPlan:
         if self.num_mirror and self.num_resident != resident:
             raise ValueError(f"StepPlan {step} mirrors {self.num_resident} resident "
                              f"groups; this plan has {resident}.")
+        if not self._tables_fit(limits):  # the detailed checks name the first bad value
+            self._check_tables(limits)
+        if self.num_lost:
+            self._check_lost(limits)
+        if self.num_invalidate:
+            self._check_invalidate(limits)
+
+    def _tables_fit(self, limits: PlanLimits) -> bool:
+        """Whether ``reset_rows``, the writes and the mirror rows pass ``check``: a few
+        numpy calls per non-empty section, none of them a ufunc reduction (``argmin`` /
+        ``count_nonzero`` cost a third of one on small arrays). False may also mean "look
+        closer": ``check`` then runs ``_check_tables``, which names the bad entry."""
+        L, data, B = limits.layout, self.data, limits.block_size
+        r, w, m = self.num_resets, self.num_writes, self.num_mirror
+        if r and not _distinct_in(data[:r], 0, L.max_num_seqs):
+            return False
+        if w:
+            index = data[r:r + w]
+            if not _distinct_in(index, 0, L.num_entries):
+                return False
+            bounds = limits._column_limits.take(index % L.width)
+            if np.count_nonzero(np.less(data[r + w:r + 2 * w].view(np.uint32), bounds)) != w:
+                return False
+        if m:
+            start = r + 2 * w
+            if not _distinct_in(data[start:start + m], B, limits.num_host_blocks * B):
+                return False
+            device = data[start + m:start + m * (1 + self.num_resident)]
+            if (device[device.argmin()] < B
+                    or device[device.argmax()] >= limits.num_device_blocks * B):
+                return False
+        return True
+
+    def _check_tables(self, limits: PlanLimits) -> None:
+        """``check``'s entry-by-entry checks of ``reset_rows``, the writes and the mirror
+        rows: ``ValueError`` naming the first bad one."""
+        L, step = limits.layout, self.step
         S, B = L.max_num_seqs, limits.block_size
         host_rows, device_rows = limits.num_host_blocks * B, limits.num_device_blocks * B
         _in_range(step, "reset_rows", self.reset_rows, 0, S)
@@ -458,32 +506,83 @@ class StepPlan:
         _distinct(step, "mirror_host_rows", self.mirror_host_rows)
         _in_range(step, "mirror_device_rows", self.mirror_device_rows.reshape(-1), B,
                   device_rows, " (rows of block 0, the null block, hold no token)")
-        if self.num_lost:
-            lost = self.lost
-            _in_range(step, "lost state rows (column 0)", lost[:, 0], 0, S)
-            positions = np.asarray(limits.resident, dtype=np.int64)
-            not_resident = ~np.isin(lost[:, 1], positions)
-            if not_resident.any():
-                e = int(np.flatnonzero(not_resident)[0])
-                raise ValueError(f"StepPlan {step}: lost[{e}] names device group "
-                                 f"{int(lost[e, 1])} (column 1), not a resident group "
-                                 f"{list(limits.resident)}.")
-            widths = np.asarray(L.group_widths, dtype=np.int64)[lost[:, 1]]
-            bad = (lost[:, 2] < 0) | (lost[:, 2] >= widths)
-            if bad.any():
-                e = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"StepPlan {step}: lost[{e}] names page {int(lost[e, 2])} "
-                                 f"(column 2), outside [0, {int(widths[e])}).")
-        if self.num_invalidate:
-            entries = self.invalidate
-            _in_range(step, "invalidate state rows (column 0)", entries[:, 0], 0, S)
-            lo, hi = entries[:, 1], entries[:, 2]
-            bad = (lo < 0) | (hi < lo) | (hi > host_rows)
-            if bad.any():
-                e = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"StepPlan {step}: invalidate[{e}] is host rows "
-                                 f"[{int(lo[e])}, {int(hi[e])}), not a range inside "
-                                 f"[0, {host_rows}].")
+
+    def _check_lost(self, limits: PlanLimits) -> None:
+        """``check`` of the ``lost`` section: ``ValueError`` naming the first bad entry."""
+        L, step, S = limits.layout, self.step, limits.layout.max_num_seqs
+        lost = self.lost
+        _in_range(step, "lost state rows (column 0)", lost[:, 0], 0, S)
+        positions = np.asarray(limits.resident, dtype=np.int64)
+        not_resident = ~np.isin(lost[:, 1], positions)
+        if not_resident.any():
+            e = int(np.flatnonzero(not_resident)[0])
+            raise ValueError(f"StepPlan {step}: lost[{e}] names device group "
+                             f"{int(lost[e, 1])} (column 1), not a resident group "
+                             f"{list(limits.resident)}.")
+        widths = np.asarray(L.group_widths, dtype=np.int64)[lost[:, 1]]
+        bad = (lost[:, 2] < 0) | (lost[:, 2] >= widths)
+        if bad.any():
+            e = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"StepPlan {step}: lost[{e}] names page {int(lost[e, 2])} "
+                             f"(column 2), outside [0, {int(widths[e])}).")
+
+    def _check_invalidate(self, limits: PlanLimits) -> None:
+        """``check`` of the ``invalidate`` section: ``ValueError`` naming the first bad
+        entry."""
+        step, S = self.step, limits.layout.max_num_seqs
+        host_rows = limits.num_host_blocks * limits.block_size
+        entries = self.invalidate
+        _in_range(step, "invalidate state rows (column 0)", entries[:, 0], 0, S)
+        lo, hi = entries[:, 1], entries[:, 2]
+        bad = (lo < 0) | (hi < lo) | (hi > host_rows)
+        if bad.any():
+            e = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"StepPlan {step}: invalidate[{e}] is host rows "
+                             f"[{int(lo[e])}, {int(hi[e])}), not a range inside "
+                             f"[0, {host_rows}].")
+
+
+#: The names of the int fields, in ``_INT_FIELDS`` order (``_plain_copy``, which relies
+#: on ``step`` being the only one whose smallest value is not 0).
+_INT_NAMES = tuple(name for name, _ in _INT_FIELDS)
+assert [m for _, m in _INT_FIELDS] == [1] + [0] * (len(_INT_FIELDS) - 1)
+_INT32_DTYPE = np.dtype(np.int32)
+_ONLY_INT = {int}
+
+
+def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
+    """``StepPlan.received``'s copy of a plan whose fields are all plain: ``int`` fields
+    inside their ranges, a ``bool`` commit, a 1-D native int32 array of the size its counts
+    need (what the constructor accepts, without its general checks). None for any other
+    plan: the caller takes the general path, which names what is wrong."""
+    try:
+        fields = object.__getattribute__(plan, "__dict__")
+        values = tuple(map(fields.__getitem__, _INT_NAMES))
+        commit, data = fields["commit"], fields["data"]
+    except (AttributeError, KeyError):
+        return None
+    step, _, resets, writes, mirror, resident, lost, _, invalidate = values
+    if (set(map(type, values)) != _ONLY_INT or step < 1 or min(values) < 0
+            or max(values) > _INT64[1] or type(commit) is not bool
+            or type(data) is not np.ndarray or data.dtype is not _INT32_DTYPE
+            or data.ndim != 1 or (mirror and not resident)
+            or data.size != (resets + 2 * writes + mirror * (1 + resident) + 3 * lost
+                             + 3 * invalidate)):
+        return None
+    copy = object.__new__(StepPlan)
+    copy.__dict__.update(zip(_INT_NAMES, values), commit=commit, data=data.copy())
+    return copy
+
+
+def _distinct_in(values: np.ndarray, lo: int, hi: int) -> bool:
+    """Whether the (non-empty) ``values`` are distinct and inside ``[lo, hi)``: one
+    comparison when they are increasing (as a scheduler writes them), else a sort too."""
+    n = values.size
+    if np.count_nonzero(np.less(values[:-1], values[1:])) != n - 1:
+        values = np.sort(values)
+        if np.count_nonzero(np.less(values[:-1], values[1:])) != n - 1:
+            return False
+    return lo <= values[0] and values[-1] < hi
 
 
 def _in_range(step: int, name: str, values: np.ndarray, lo: int, hi: int,

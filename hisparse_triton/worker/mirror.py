@@ -15,7 +15,7 @@ main part and, with draft layers, a draft part.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
@@ -40,7 +40,9 @@ class MirrorSet:
 
     ``resident_of_layer [L] int64``: for each layer, its resident group's row of
     ``plan.mirror_device_rows``; ``device_table`` / ``host_table``: the layers' rows in the
-    two pools; ``draft``: whether they are draft layers (copied by the draft part)."""
+    two pools; ``draft``: whether they are draft layers (copied by the draft part).
+    ``one_resident`` (derived): that row when every layer has the same one (the copy's
+    source rows are then a view of the plan, no gather), else None."""
 
     layers: tuple[str, ...]
     row_bytes: int
@@ -48,6 +50,11 @@ class MirrorSet:
     device_table: RowTable
     host_table: RowTable
     draft: bool = False
+    one_resident: Optional[int] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        rows = set(self.resident_of_layer.tolist())   # once, when the worker is built
+        object.__setattr__(self, "one_resident", rows.pop() if len(rows) == 1 else None)
 
 
 class HostMirror:
@@ -60,6 +67,9 @@ class HostMirror:
     def __init__(self, sets: Sequence[MirrorSet], copy: CopyRows, *,
                  backend: Optional[str]) -> None:
         self.sets = tuple(sets)
+        #: The sets of each part (False: the main layers, True: the draft layers).
+        self._part_sets = {part: tuple(s for s in self.sets if s.draft == part)
+                           for part in (False, True)}
         self._copy, self.backend = copy, backend
         self.d2h_bytes = 0
         self.last: tuple[int, int] = (0, 0)
@@ -112,24 +122,36 @@ class HostMirror:
         layers with ``draft``); returns the bytes they move, which the caller counts
         (``counted``) once every copy was enqueued. ``packed``: the plan's int32 data where
         the copies run (its mirror sections are read there: no host -> device copy)."""
-        n = plan.num_mirror
-        if not n:
+        if not plan.num_mirror:
             return 0
+        if torch.is_inference_mode_enabled():  # the views and gathers as ordinary tensors
+            with torch.inference_mode(False), torch.no_grad():
+                return self._copy_sets(plan, packed, self._part_sets[draft])
+        return self._copy_sets(plan, packed, self._part_sets[draft])
+
+    def _copy_sets(self, plan: StepPlan, packed: torch.Tensor,
+                   sets: tuple[MirrorSet, ...]) -> int:
+        """``copy`` of ``sets``: per set, the host rows as a ``[L, 1, n]`` view of
+        ``packed`` (stride 0 over the layers) and the device rows gathered by resident
+        group (or a view too, for a set of ``one_resident``), then one copy call."""
+        n, resident = plan.num_mirror, plan.num_resident
+        if packed.stride(0) != 1:
+            packed = packed.contiguous()
+        start = packed.storage_offset() + plan.num_resets + 2 * plan.num_writes
+        device = None   # [num_resident, 1, n] the device rows, made when a set gathers
         moved = 0
-        with torch.inference_mode(False), torch.no_grad():
-            start = plan.num_resets + 2 * plan.num_writes
-            host = packed[start:start + n]
-            device = packed[start + n:start + n * (1 + plan.num_resident)].view(
-                plan.num_resident, n)
-            for mset in self.sets:
-                if mset.draft != draft:
-                    continue
-                layers = len(mset.layers)
-                src = device.index_select(0, mset.resident_of_layer).unsqueeze(1)
-                dst = host.view(1, 1, n).expand(layers, 1, n)
-                self._copy(mset.host_table, mset.device_table, src, dst,
-                           backend=self.backend)
-                moved += n * layers * mset.row_bytes
+        for mset in sets:
+            layers = len(mset.layers)
+            dst = packed.as_strided((layers, 1, n), (0, n, 1), start)
+            if mset.one_resident is not None:
+                src = packed.as_strided((layers, 1, n), (0, n, 1),
+                                        start + n * (1 + mset.one_resident))
+            else:
+                if device is None:
+                    device = packed.as_strided((resident, 1, n), (n, n, 1), start + n)
+                src = device.index_select(0, mset.resident_of_layer)
+            self._copy(mset.host_table, mset.device_table, src, dst, backend=self.backend)
+            moved += n * layers * mset.row_bytes
         return moved
 
     def copy_due(self, tables: "PlanTables", *, draft: bool, writes_host: bool) -> None:

@@ -25,7 +25,7 @@ object holds afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Callable, NamedTuple, Optional, Protocol
 
 import numpy as np
@@ -68,9 +68,17 @@ class StagingRing:
         self._events: list[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
         self._device_buffer = torch.empty(0, dtype=torch.int32, device=device)
+        #: ``(values, device tensor)`` of the last upload (``last`` hands the tensor back).
+        self._last: tuple[Optional[np.ndarray], Optional[torch.Tensor]] = (None, None)
 
     def upload(self, values: np.ndarray) -> torch.Tensor:
         """``values`` (1-D int32) on the device: valid until the next ``upload``."""
+        self._last = (None, None)
+        data = self._upload(values)
+        self._last = (values, data)
+        return data
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(values)
         if self.device.type == "cpu":
             return host
@@ -96,27 +104,41 @@ class StagingRing:
         return data
 
     def last(self, values: np.ndarray) -> torch.Tensor:
-        """The device copy of ``values``, the data of the last ``upload``."""
+        """The device copy of ``values``, the data of the last ``upload`` (the very tensor
+        ``upload`` returned when ``values`` is the array uploaded)."""
+        uploaded, data = self._last
+        if uploaded is values:
+            return data
         if self.device.type == "cpu":
             return torch.from_numpy(values)
         return self._device_buffer[:values.size]
 
 
 def _ordinary_tensors(method: Callable) -> Callable:
-    """``method`` run outside inference mode and without autograd (the tables are ordinary
-    tensors whatever the caller's mode); as a decorator, so no context exit runs in it."""
-    return torch.inference_mode(False)(torch.no_grad()(method))
+    """``method`` run outside inference mode (the tables are ordinary tensors whatever the
+    caller's mode); as a decorator, so no context exit runs in it. Outside inference mode
+    it is called as is: no tensor it touches requires grad, so autograd records nothing
+    either way, and entering the contexts would cost microseconds per call. Inside, it
+    runs under ``inference_mode(False)`` and ``no_grad``."""
+    ordinary = torch.inference_mode(False)(torch.no_grad()(method))
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return ordinary(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return run
 
 
-@dataclass(frozen=True)
-class _Undo:
+class _Undo(NamedTuple):
     """What one applied plan overwrote."""
 
     step: int
     resets: Optional[torch.Tensor]      # [r] state rows reset (None: no resets)
     arena_rows: Optional[torch.Tensor]  # [r, width] their arena rows before
     row_state: tuple                    # RowState.save_rows(resets)
-    index: torch.Tensor                 # [w] flat arena indices written
+    index: Optional[torch.Tensor]       # [w] flat arena indices written (None: no writes)
     old_values: Optional[torch.Tensor]  # [w] their values before (None: no writes)
     invalidated: Optional[torch.Tensor] = None  # [u] state rows invalidated (None: none)
     invalidated_state: tuple = ()       # RowState.save_rows(invalidated), before the plan
@@ -264,18 +286,23 @@ class PlanTables:
     def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
         due = self.due
         if due and due[-1].packed is None:  # its device data survives the next upload
-            due = (*due[:-1], due[-1]._replace(
+            # (kept as the due list even if this apply fails: the upload overwrites it)
+            self.due = due = (*due[:-1], due[-1]._replace(
                 packed=self._ring.last(due[-1].plan.data).clone()))
         data = self._ring.upload(packed)
-        undo = self._save(plan, data)
+        r, w = plan.num_resets, plan.num_writes
+        resets = index = values = None
+        if r or w:  # one split for the sections the writes read
+            resets, index, values, _ = data.split_with_sizes(
+                (r, w, w, packed.size - r - 2 * w))
+        undo = self._save(plan, data, resets if r else None, index if w else None)
         kept = (self._last, self.next_step, self.last_applied, self.due)
         try:
-            r, w = plan.num_resets, plan.num_writes
             if r:
-                self.arena[undo.resets] = 0
-                self._row_state.reset_rows(undo.resets)
+                self.arena[resets] = 0
+                self._row_state.reset_rows(resets)
             if w:
-                self.flat[undo.index] = data[r + w:r + 2 * w]
+                self.flat.index_put_((index,), values)
             if plan.num_invalidate:  # data: the plan's, then the distinct rows, entry rows
                 v, end = plan.num_invalidate, plan.data.size
                 entries = data[end - 3 * v:end].view(v, 3)
@@ -297,23 +324,25 @@ class PlanTables:
         self._last, self.next_step, self.last_applied, self.due = (
             None, undo.step, None, tuple(d for d in self.due if d.plan.step != undo.step))
 
-    def _save(self, plan: StepPlan, data: torch.Tensor) -> "_Undo":
-        """What applying ``plan`` (its device ``data``) will overwrite; reads only. The
-        invalidated rows' state is saved before the resets too: restoring both gives the
-        state before the plan whatever the order."""
-        r, w = plan.num_resets, plan.num_writes
-        resets, index = data[:r], data[r:r + w]
-        invalidated = None
+    def _save(self, plan: StepPlan, data: torch.Tensor, resets: Optional[torch.Tensor],
+              index: Optional[torch.Tensor]) -> "_Undo":
+        """What applying ``plan`` (its device ``data``; ``resets`` and ``index``: its
+        sections there, None when empty) will overwrite; reads only. The invalidated rows'
+        state is saved before the resets too: restoring both gives the state before the
+        plan whatever the order."""
+        arena_rows = old_values = invalidated = None
+        row_state = invalidated_state = ()
+        if resets is not None:
+            arena_rows = self.arena.index_select(0, resets)
+            row_state = self._row_state.save_rows(resets)
+        if index is not None:
+            old_values = self.flat.index_select(0, index)
         if plan.num_invalidate:
             end, v = plan.data.size, plan.num_invalidate
             invalidated = data[end:data.numel() - v]
-        return _Undo(step=plan.step, resets=resets if r else None,
-                     arena_rows=self.arena[resets].clone() if r else None,
-                     row_state=self._row_state.save_rows(resets) if r else (),
-                     index=index, old_values=self.flat[index] if w else None,
-                     invalidated=invalidated,
-                     invalidated_state=(self._row_state.save_rows(invalidated)
-                                        if invalidated is not None else ()))
+            invalidated_state = self._row_state.save_rows(invalidated)
+        return _Undo(plan.step, resets, arena_rows, row_state, index, old_values,
+                     invalidated, invalidated_state)
 
     def packed(self, due: Optional["DueMirror"] = None) -> torch.Tensor:
         """A due plan's int32 data on the device (its mirror sections are read from there),
@@ -325,8 +354,8 @@ class PlanTables:
     def mirrored(self, draft: bool) -> tuple["DueMirror", ...]:
         """The due list once part ``draft`` of every due plan's mirror is done (the caller
         assigns it in one statement, with its byte count)."""
-        left = (d._replace(parts=d.parts - {draft}) for d in self.due)
-        return tuple(d for d in left if d.parts)
+        only = _ONLY_PART[draft]
+        return tuple(d._replace(parts=d.parts - only) for d in self.due if d.parts != only)
 
     def mark_mirrored(self) -> None:
         """Every part of every due plan's mirror was copied (or needs no copy here)."""
@@ -342,10 +371,21 @@ class PlanTables:
             self._row_state.restore_rows(undo.resets, undo.row_state)
 
 
+#: ``{part}`` of each mirror part (``mirrored``).
+_ONLY_PART = {False: frozenset({False}), True: frozenset({True})}
+
+
 def _same_plan(a: StepPlan, b: StepPlan) -> bool:
     """Whether two plans have the same header and sections."""
     return (a.step, a.layout, a.commit, a.num_resets, a.num_writes, a.num_mirror,
             a.num_resident, a.num_lost, a.released_pages, a.num_invalidate) == (
         b.step, b.layout, b.commit, b.num_resets, b.num_writes, b.num_mirror,
         b.num_resident, b.num_lost, b.released_pages, b.num_invalidate) and \
-        isinstance(a.data, np.ndarray) and np.array_equal(a.data, b.data)
+        isinstance(a.data, np.ndarray) and _same_values(a.data, b.data)
+
+
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal(a, b)``; for two 1-D arrays of one integer dtype, by their bytes (faster)."""
+    if a.dtype == b.dtype and a.dtype.kind in "iu" and a.ndim == b.ndim == 1:
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
