@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout, _plain_copy
+from hisparse_triton.step_plan import _INT_FIELDS, PlanLimits, StepPlan, TableLayout, _plain_copy
 from hisparse_triton.worker.mirror import HostMirror, MirrorSet
 from hisparse_triton.worker.tables import StagingRing, _same_values
-from tests.worker_helpers import make_pair
+from worker_helpers import make_pair
 
 S, B, ND, NH = 3, 4, 10, 10
 LAYOUT = TableLayout(max_num_seqs=S, width=8, host_col=1, host_width=3, group_cols=(4, 6),
@@ -61,6 +61,12 @@ def _forged(plan: StepPlan, **fields) -> StepPlan:
     for name, value in fields.items():
         object.__setattr__(copy, name, value)
     return copy
+
+
+def test_only_the_step_field_has_a_floor_above_zero():
+    """What ``_plain_copy``'s range test assumes of the int fields (step >= 1, others >= 0)."""
+    assert [floor for _, floor in _INT_FIELDS] == [1] + [0] * (len(_INT_FIELDS) - 1)
+    assert _INT_FIELDS[0][0] == "step"
 
 
 def test_a_plain_plan_is_copied_by_the_fast_path():

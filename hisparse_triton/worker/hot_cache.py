@@ -162,11 +162,14 @@ class MirrorCopy:
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
         self._bound: dict[tuple[int, int], tuple] = {}
+        self._ops: Optional[ModuleType] = None   # hisparse_triton.ops, on first use
 
     def __call__(self, dst: RowTable, src: RowTable, src_rows: torch.Tensor,
                  dst_rows: torch.Tensor, counts: Optional[torch.Tensor] = None, *,
                  backend: Optional[str]) -> None:
-        ops = load_ops()
+        ops = self._ops
+        if ops is None:
+            ops = self._ops = load_ops()
         if self.kernel != "triton" or not ops.is_eager((src_rows, dst_rows, counts)):
             copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
             return
