@@ -24,6 +24,18 @@ from hisparse_triton.specs import cdiv
 
 
 @dataclass(frozen=True)
+class DecodeCount:
+    """A counted plain decode batch (``Capacity.plain_decode``): every request appends one
+    token that brings no ids; all the pages it starts fit as the pools are."""
+
+    reqs: list[Request]               # in batch order
+    rows: list[int]                   # their state rows
+    positions: list[int]              # their lengths before the token (its position)
+    starts: list[tuple[int, list[int]]]   # (batch index, new blocks per paged group) of
+                                          # the requests whose token starts a page
+
+
+@dataclass(frozen=True)
 class Admission:
     """A counted admission: what ``add_request`` will take (all of it fits)."""
 
@@ -144,5 +156,38 @@ class Capacity:
             reqs.append(req)
         return reqs if needed <= self.available_device_blocks else None
 
+    def plain_decode(self, request_ids: Sequence[Hashable]) -> Optional[DecodeCount]:
+        """``decode_batch`` for the common decode step, in one loop: distinct live ids,
+        each request under its reservation and ``max_num_batched_tokens``, none whose
+        token brings or closes a token-id chain (``token_ids`` unknown or its chain
+        closed), every started page's blocks fitting. None for anything else (the general
+        path counts it again and reports its error)."""
+        try:
+            if len(set(request_ids)) != len(request_ids):
+                return None
+        except TypeError:
+            return None
+        reqs = self.requests.lookup(request_ids)
+        if reqs is None:
+            return None
+        devices, max_uncommitted = self.devices, self.max_num_batched_tokens
+        B, starts_no_page = devices.uniform_block_size, devices.starts_no_page
+        rows, positions, starting = [], [], []
+        for i, req in enumerate(reqs):
+            s = req.seq_len
+            if s >= req.prompt_len + req.max_new_tokens \
+                    or (max_uncommitted is not None
+                        and s + 1 - req.scheduled_len > max_uncommitted) \
+                    or (req.token_ids is not None and req.chain_open):
+                return None
+            rows.append(req.row)
+            positions.append(s)
+            if (not s % B) if B else not starts_no_page(s):
+                starting.append(i)
+        starts = [(i, devices.count_new_blocks(reqs[i], positions[i] + 1)) for i in starting]
+        if starts and sum(sum(c) for _, c in starts) > self.available_device_blocks:
+            return None
+        return DecodeCount(reqs=reqs, rows=rows, positions=positions, starts=starts)
 
-__all__ = ["Admission", "Capacity"]
+
+__all__ = ["Admission", "Capacity", "DecodeCount"]

@@ -64,19 +64,26 @@ class Durability:
     def make_durable(self) -> int:
         """Mark the mirrored tokens durable; publish and release what that allows. Returns
         the pages released (unpinned or out of every window)."""
-        j, values = self.journal, self.counters.values
+        values = self.counters.values
         before = values["unpinned_pages"] + values["window_released_pages"]
         pressure = self.policy.under_pressure(self.device_pool.num_truly_free)
         keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave the GPU at once
+        set_attr = self.journal.setattr if self.journal.active else setattr
+        publish = self.prefix is not None
+        # Requests whose releasable pages do not go past their released ones skip the call.
+        releasable = self.policy.releasable_limit if self.devices.resident else None
+        windowed = bool(self.devices.windowed)
         for req in list(self.requests.values()):
             if req.scheduled_len > req.committed_len:
-                j.setattr(req, "committed_len", req.scheduled_len)
-                if self.prefix is not None and req.page_hashes:   # newly durable full pages
+                set_attr(req, "committed_len", req.scheduled_len)
+                if publish and req.page_hashes:   # newly durable full pages
                     self.prefix.publish_durable(req, partial(
                         self.devices.page_blocks, req, resident=keep_gpu_copies),
                         self.prefix_required, self.block_size)
-            self.release_resident(req, pressure)
-            self.devices.release_windows(req)
+            if releasable is not None and releasable(req) > req.released_pages:
+                self.release_resident(req, pressure)
+            if windowed:
+                self.devices.release_windows(req)
         return values["unpinned_pages"] + values["window_released_pages"] - before
 
 

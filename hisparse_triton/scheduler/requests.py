@@ -20,6 +20,7 @@ from hisparse_triton.errors import (
     UnknownRequestError,
 )
 from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.plan_builder import MirrorSpans
 from hisparse_triton.scheduler.prefix_cache import page_hashes
 from hisparse_triton.specs import cdiv
 
@@ -194,6 +195,11 @@ class Request:
                 None if self.token_ids is None else list(self.token_ids), self.chain_open)
 
 
+def _set_seq_lens(reqs: Sequence[Request], seq_lens: Sequence[int]) -> None:
+    for req, seq_len in zip(reqs, seq_lens):
+        req.seq_len = seq_len
+
+
 class RequestTable:
     """Live requests by id (a read-only mapping) and the free state rows."""
 
@@ -231,6 +237,12 @@ class RequestTable:
             return self._by_id[request_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(request_id, what) from None
+
+    def lookup(self, request_ids: Sequence[Hashable]) -> Optional[list[Request]]:
+        """The live requests of hashable ``request_ids``, in order; None when one is not
+        live (``get`` names it)."""
+        reqs = list(map(self._by_id.get, request_ids))
+        return None if None in reqs else reqs
 
     @property
     def num_free_rows(self) -> int:
@@ -287,6 +299,14 @@ class RequestTable:
                                       pages, hashes[-1] if hashes else b""))
             j.record(lambda: hashes.__delitem__(slice(pages, None)))
 
+    def advance(self, reqs: Sequence[Request]) -> None:
+        """Every request of ``reqs`` one token longer (a decode step), undone as one entry."""
+        if self._journal.active:
+            old = [req.seq_len for req in reqs]
+            self._journal.record(lambda: _set_seq_lens(reqs, old))
+        for req in reqs:
+            req.seq_len += 1
+
     def truncate(self, req: Request, new_len: int, block_size: int) -> None:
         """``req`` keeps its first ``new_len`` tokens (``check_truncate`` passed): its
         lengths, and the ids and page hashes of tokens past the end (the prompt's ids
@@ -313,15 +333,26 @@ class RequestTable:
     def clear(self) -> None:
         self._by_id.clear()
 
-    def schedule_mirror(self) -> list[tuple[np.ndarray, int, int, int]]:
-        """Spans ``(host_array, row, start, end)`` of every request's tokens not yet in a
-        mirrored plan, in table order; they are scheduled from now on."""
-        spans = []
+    def schedule_mirror(self, block_size: int) -> MirrorSpans:
+        """Every request's tokens not yet in a mirrored plan, in table order (one-token
+        spans with their host rows); they are scheduled from now on."""
+        work = MirrorSpans()
+        spans, single_host = work.spans, work.single_host
+        single_rows, single_positions = work.single_rows, work.single_positions
+        set_attr = self._journal.setattr if self._journal.active else setattr
         for req in self._by_id.values():
-            if req.scheduled_len != req.seq_len:
-                spans.append((req.host_array, req.row, req.scheduled_len, req.seq_len))
-                self._journal.setattr(req, "scheduled_len", req.seq_len)
-        return spans
+            start, end = req.scheduled_len, req.seq_len
+            if start == end:
+                continue
+            if end - start == 1:
+                page, offset = divmod(start, block_size)
+                single_host.append(req.host_blocks[page] * block_size + offset)
+                single_rows.append(req.row)
+                single_positions.append(start)
+            else:
+                spans.append((req.host_array, req.row, start, end))
+            set_attr(req, "scheduled_len", end)
+        return work
 
     # -- batches -------------------------------------------------------------------------
     def decode_token_ids(self, request_ids: Sequence[Hashable],

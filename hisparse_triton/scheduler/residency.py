@@ -103,7 +103,8 @@ class ResidencyPolicy:
     def releasable_limit(self, req: Request) -> int:
         """Resident pages ``[0, limit)`` are durable and outside the active tail."""
         B = self.block_size
-        return min(req.committed_len // B, cdiv(req.seq_len, B) - ACTIVE_TAIL_PAGES)
+        return min(req.committed_len // B,   # cdiv inlined: asked of every request per step
+                   -(-req.seq_len // B) - ACTIVE_TAIL_PAGES)
 
     def pinned_clean(self, req: Request) -> int:
         """Durable pages outside the active tail the request still owns."""
