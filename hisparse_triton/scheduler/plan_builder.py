@@ -31,6 +31,13 @@ def _restore(mapping: dict, old: Sequence[tuple[int, object]]) -> None:
             mapping[key] = value
 
 
+def _triples(entries: list[tuple[int, int, int]]) -> np.ndarray:
+    """``[n, 3] int32`` of a plan section's entries."""
+    if not entries:
+        return np.zeros((0, 3), dtype=np.int32)
+    return np.asarray(entries, dtype=np.int32).reshape(-1, 3)
+
+
 class PlanBuilder:
     """The pending plan of one scheduler (see the module docstring)."""
 
@@ -64,9 +71,10 @@ class PlanBuilder:
         self._journal.setitem(self._writes, row * self._width + TableLayout.SEQ_LEN_COL,
                               seq_len)
 
-    def write_seq_lens(self, rows: Sequence[int], seq_lens: Sequence[int]) -> None:
-        """``write_seq_len`` of each pair in order, undone as one entry."""
-        keys = [row * self._width + TableLayout.SEQ_LEN_COL for row in rows]
+    def write_seq_lens(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        """``write_seq_len`` of each pair in order (``[n]`` int arrays), undone as one entry."""
+        keys = (rows * self._width + TableLayout.SEQ_LEN_COL).tolist()
+        seq_lens = seq_lens.tolist()
         writes = self._writes
         if self._journal.active:
             old = [(key, writes.get(key, _MISSING)) for key in keys]
@@ -121,15 +129,14 @@ class PlanBuilder:
             write_value=np.fromiter(self._writes.values(), dtype=np.int32,
                                     count=len(self._writes)),
             mirror_host_rows=mirror_host_rows, mirror_device_rows=mirror_device_rows,
-            lost=np.asarray(self._lost, dtype=np.int32).reshape(-1, 3),
-            released_pages=released_pages,
-            invalidate=np.asarray(self._invalidate, dtype=np.int32).reshape(-1, 3))
-        j = self._journal
-        j.setattr(self, "_resets", {})
-        j.setattr(self, "_writes", {})
-        j.setattr(self, "_lost", [])
-        j.setattr(self, "_invalidate", [])
-        j.setattr(self, "step", self.step + 1)
+            lost=_triples(self._lost), released_pages=released_pages,
+            invalidate=_triples(self._invalidate))
+        set_attr = self._journal.setattr if self._journal.active else setattr
+        set_attr(self, "_resets", {})
+        set_attr(self, "_writes", {})
+        set_attr(self, "_lost", [])
+        set_attr(self, "_invalidate", [])
+        set_attr(self, "step", self.step + 1)
         return plan
 
     def snapshot(self) -> tuple:
@@ -145,9 +152,9 @@ class MirrorSpans:
     and position."""
 
     spans: list[tuple[np.ndarray, int, int, int]] = field(default_factory=list)
-    single_host: list[int] = field(default_factory=list)
-    single_rows: list[int] = field(default_factory=list)
-    single_positions: list[int] = field(default_factory=list)
+    single_host: list[int] | np.ndarray = field(default_factory=list)
+    single_rows: list[int] | np.ndarray = field(default_factory=list)
+    single_positions: list[int] | np.ndarray = field(default_factory=list)
 
 
 def mirror_rows(spans: Sequence[tuple[np.ndarray, int, int, int]],
@@ -193,7 +200,7 @@ def pack_mirror_rows(work: MirrorSpans, resident_blocks: Sequence[np.ndarray],
         device_rows.append(np.stack([blocks[row, page].astype(np.int64) * B + offset
                                      for blocks in resident_blocks])
                            if g else np.zeros((0, pos.size), np.int64))
-    if work.single_host:
+    if len(work.single_host):
         rows = np.asarray(work.single_rows, dtype=np.int64)
         positions = np.asarray(work.single_positions, dtype=np.int64)
         host_rows.append(np.asarray(work.single_host, dtype=np.int64))

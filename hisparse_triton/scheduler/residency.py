@@ -103,8 +103,12 @@ class ResidencyPolicy:
     def releasable_limit(self, req: Request) -> int:
         """Resident pages ``[0, limit)`` are durable and outside the active tail."""
         B = self.block_size
-        return min(req.committed_len // B,   # cdiv inlined: asked of every request per step
-                   -(-req.seq_len // B) - ACTIVE_TAIL_PAGES)
+        return min(req.committed_len // B, cdiv(req.seq_len, B) - ACTIVE_TAIL_PAGES)
+
+    def releasable_limits(self, committed_len: np.ndarray, seq_len: np.ndarray) -> np.ndarray:
+        """``releasable_limit`` of many requests at once (their lengths, ``int64``)."""
+        B = self.block_size
+        return np.minimum(committed_len // B, -(-seq_len // B) - ACTIVE_TAIL_PAGES)
 
     def pinned_clean(self, req: Request) -> int:
         """Durable pages outside the active tail the request still owns."""

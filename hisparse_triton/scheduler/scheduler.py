@@ -127,7 +127,7 @@ class HiSparseScheduler(SchedulerQueries):
             window_tokens=None if self.max_num_batched_tokens is None else config.in_flight_tokens)
         self.plan_builder = PlanBuilder(self.layout, j)
         self.counters = Counters(j)
-        self._requests = RequestTable(self.max_num_seqs, j)
+        self._requests = RequestTable(self.max_num_seqs, j, self.layout.host_width)
         self.devices = d = GroupCoordinator(self.groups, self.device_block_pool,
                                             self.plan_builder, j, self.counters,
                                             self.max_num_seqs)
@@ -285,24 +285,22 @@ class HiSparseScheduler(SchedulerQueries):
         """Grow a counted plain decode batch by one token each; ``[paged groups, R]`` rows.
         The requests between two that start a page grow together; the order of every
         change (pool, plan writes) is the one-by-one order."""
-        reqs, rows = count.reqs, count.rows
+        reqs, rows, positions = count.reqs, count.rows, count.positions
         done = 0
         for i, counts in count.starts:
-            self._advance(reqs, rows, done, i)
-            self.devices.grow(reqs[i], reqs[i].seq_len + 1, counts)
-            self._advance(reqs, rows, i, i + 1)
+            self._advance(rows[done:i], positions[done:i])
+            self.devices.grow(reqs[i], int(positions[i]) + 1, counts)
+            self._advance(rows[i:i + 1], positions[i:i + 1])
             self.durability.track_peaks()
             done = i + 1
-        self._advance(reqs, rows, done, len(reqs))
-        return self.devices.decode_rows(np.asarray(rows, dtype=np.int64),
-                                        np.asarray(count.positions, dtype=np.int64))
+        self._advance(rows[done:], positions[done:])
+        return self.devices.decode_rows(rows, positions)
 
-    def _advance(self, reqs: list[Request], rows: list[int], start: int, end: int) -> None:
-        """Requests ``[start, end)`` of a plain decode batch one token longer (tables too)."""
-        if end > start:
-            batch = reqs[start:end]
-            self._requests.advance(batch)
-            self.plan_builder.write_seq_lens(rows[start:end], [r.seq_len for r in batch])
+    def _advance(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """The requests of ``rows`` (at ``positions`` tokens) one token longer, tables too."""
+        if rows.size:
+            self._requests.advance(rows)
+            self.plan_builder.write_seq_lens(rows, positions + 1)
 
     def _by_layer(self, table: np.ndarray) -> dict[str, np.ndarray]:
         """``append_decode``'s result: each paged group's rows under each of its layers."""
