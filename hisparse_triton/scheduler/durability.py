@@ -75,14 +75,13 @@ class Durability:
         pressure = self.policy.under_pressure(self.device_pool.num_truly_free)
         reqs, rows = self.requests.in_order()
         cols = self.requests.columns
-        scheduled, committed = cols.scheduled_len[rows], cols.committed_len[rows]
-        newly = scheduled > committed
-        if np.count_nonzero(newly):
-            self.journal.write(cols.committed_len, rows[newly], scheduled[newly])
-            committed = np.where(newly, scheduled, committed)
+        scheduled = cols.scheduled_len[rows]
+        newly = scheduled > cols.committed_len[rows]
+        if np.count_nonzero(newly):   # committed_len <= scheduled_len: all take scheduled
+            self.journal.write(cols.committed_len, rows, scheduled)
         # Only requests added with token ids have page hashes to publish.
         publish = newly & cols.tracks_ids[rows] if self.prefix is not None else None
-        release = (self.policy.releasable_limits(committed, cols.seq_len[rows])
+        release = (self.policy.releasable_limits(scheduled, cols.seq_len[rows])
                    > cols.released_pages[rows]) if self.devices.resident else None
         acting = self.devices.windowed or _any(publish) or _any(release)
         for i in range(len(reqs)) if acting else ():

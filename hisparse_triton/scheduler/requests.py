@@ -418,18 +418,20 @@ class RequestTable:
         cols, B = self.columns, block_size
         start, end = cols.scheduled_len[rows], cols.seq_len[rows]
         count = end - start
-        moved = count != 0
-        if not np.count_nonzero(moved):
-            return MirrorSpans()
-        single = count == 1
-        rows_1, start_1 = rows[single], start[single]
+        if np.count_nonzero(count == 1) == len(reqs):   # the decode step: one token each
+            rows_1, start_1, spans = rows, start, []
+        else:
+            if not np.count_nonzero(count):
+                return MirrorSpans()
+            single = count == 1
+            rows_1, start_1 = rows[single], start[single]
+            spans = [(reqs[i].host_array, reqs[i].row, int(start[i]), int(end[i]))
+                     for i in (count > 1).nonzero()[0].tolist()]
         page = start_1 // B
         work = MirrorSpans(
-            spans=[(reqs[i].host_array, reqs[i].row, int(start[i]), int(end[i]))
-                   for i in (count > 1).nonzero()[0].tolist()],
-            single_host=cols.host[rows_1, page].astype(np.int64) * B + (start_1 - page * B),
-            single_rows=rows_1, single_positions=start_1)
-        self._journal.write(cols.scheduled_len, rows[moved], end[moved])
+            spans=spans, single_rows=rows_1, single_positions=start_1,
+            single_host=cols.host[rows_1, page].astype(np.int64) * B + (start_1 - page * B))
+        self._journal.write(cols.scheduled_len, rows, end)   # the unmoved keep theirs
         return work
 
     # -- batches -------------------------------------------------------------------------
