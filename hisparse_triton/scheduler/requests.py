@@ -3,7 +3,10 @@
 A live request owns one *state row* of the workers' per-request tables (``[0,
 max_num_seqs)``, lowest free row first). ``Request`` holds what the scheduler knows about
 one request besides its device blocks (each group's manager owns those, by state row): its
-lengths, host blocks, prompt page hashes and residency progress.
+lengths, host blocks, prompt page hashes and residency progress. Its four lengths live in
+the table's ``RequestColumns`` (numpy arrays by state row, read through properties), with
+copies of the reservations and host blocks, so a decode step reads and writes them for the
+whole batch at once.
 """
 
 from __future__ import annotations

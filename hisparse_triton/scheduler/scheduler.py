@@ -25,6 +25,10 @@ unpinned*, readable in its free block until reused -> *lost*, read from the host
 before anything is built), ``block_pool``, ``prefix_cache`` (a request with ``token_ids``
 reuses the longest cached prefix; models with sliding-window layers get no hits),
 ``plan_builder``, ``stats``; ``queries`` holds the read-only calls (a mixin).
+The decode step runs over the batch at once: a plain ``append_decode`` (one token each, no
+token ids, the started pages fitting; ``Capacity.plain_decode``) and ``step()`` read and
+write the requests' lengths as numpy columns by state row (``requests.RequestColumns``);
+anything else takes the general path, one request after the other.
 Chunked prefill: with ``max_num_batched_tokens`` set, a request may not have more tokens
 appended since its last plan than that (``UncommittedTokensError``: step first).
 
