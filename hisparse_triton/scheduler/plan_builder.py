@@ -45,6 +45,9 @@ class PlanBuilder:
         self.layout = layout
         self._journal = journal
         self._width = layout.width
+        #: The seq_len entry of every state row's table (``write_seq_lens``).
+        self._seq_len_index = (np.arange(layout.max_num_seqs, dtype=np.int64) * layout.width
+                               + TableLayout.SEQ_LEN_COL)
         self._resets: dict[int, None] = {}
         self._writes: dict[int, int] = {}
         self._lost: list[tuple[int, int, int]] = []
@@ -73,7 +76,7 @@ class PlanBuilder:
 
     def write_seq_lens(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
         """``write_seq_len`` of each pair in order (``[n]`` int arrays), undone as one entry."""
-        keys = (rows * self._width + TableLayout.SEQ_LEN_COL).tolist()
+        keys = self._seq_len_index[rows].tolist()
         seq_lens = seq_lens.tolist()
         writes = self._writes
         if self._journal.active:

@@ -381,10 +381,9 @@ class RequestTable:
                                       pages, hashes[-1] if hashes else b""))
             j.record(lambda: hashes.__delitem__(slice(pages, None)))
 
-    def advance(self, rows: np.ndarray) -> None:
-        """The requests of state rows ``rows`` (distinct) one token longer (a decode step)."""
-        seq_len = self.columns.seq_len
-        self._journal.write(seq_len, rows, seq_len[rows] + 1)
+    def set_seq_lens(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        """The requests of state rows ``rows`` (distinct) get ``seq_lens`` (a decode step)."""
+        self._journal.write(self.columns.seq_len, rows, seq_lens)
 
     def truncate(self, req: Request, new_len: int, block_size: int) -> None:
         """``req`` keeps its first ``new_len`` tokens (``check_truncate`` passed): its

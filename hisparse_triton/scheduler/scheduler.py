@@ -303,8 +303,9 @@ class HiSparseScheduler(SchedulerQueries):
     def _advance(self, rows: np.ndarray, positions: np.ndarray) -> None:
         """The requests of ``rows`` (at ``positions`` tokens) one token longer, tables too."""
         if rows.size:
-            self._requests.advance(rows)
-            self.plan_builder.write_seq_lens(rows, positions + 1)
+            seq_lens = positions + 1
+            self._requests.set_seq_lens(rows, seq_lens)
+            self.plan_builder.write_seq_lens(rows, seq_lens)
 
     def _by_layer(self, table: np.ndarray) -> dict[str, np.ndarray]:
         """``append_decode``'s result: each paged group's rows under each of its layers."""
