@@ -9,7 +9,8 @@ construction):
 | --- | --- |
 | each block pool (device, host) | ``BYTES_PER_POOL_BLOCK`` (24) per block |
 | the paged groups' block tables | 4 per ``max_num_seqs`` x block-table column |
-| the requests' host block lists (at most) | ``BYTES_PER_HOST_ENTRY`` (44) per ``max_num_seqs`` x host page |
+| the requests' host block lists (at most) | ``BYTES_PER_HOST_ENTRY`` (48) per ``max_num_seqs`` x host page |
+| the requests' lengths (``RequestColumns``) | ``BYTES_PER_STATE_ROW`` (41) per ``max_num_seqs`` |
 
 Costs that grow with use are small and bounded by what is live: a pending plan (a few
 dozen bytes per table entry written), a prefix-cache entry (about 400 B per published page)
@@ -25,8 +26,11 @@ from hisparse_triton.step_plan import TableLayout
 
 #: ``BlockPool``: reference and reader counts and the two free queues' links (6 int32).
 BYTES_PER_POOL_BLOCK = 24
-#: A request's host block list entry: a list slot, a Python int, an int64 array copy.
-BYTES_PER_HOST_ENTRY = 44
+#: A request's host block list entry: a list slot, a Python int, an int64 array copy, and
+#: its int32 entry in the request columns' host table.
+BYTES_PER_HOST_ENTRY = 48
+#: The request columns' entries of a state row: five int64 numbers and a flag.
+BYTES_PER_STATE_ROW = 41
 
 
 def bookkeeping_items(groups: PlanGroups, layout: TableLayout, *, num_device_blocks: int,
@@ -38,6 +42,7 @@ def bookkeeping_items(groups: PlanGroups, layout: TableLayout, *, num_device_blo
         ("host block pool", BYTES_PER_POOL_BLOCK * num_host_blocks),
         ("block tables", 4 * max_num_seqs * columns),
         ("request host block lists", BYTES_PER_HOST_ENTRY * max_num_seqs * layout.host_width),
+        ("request lengths", BYTES_PER_STATE_ROW * max_num_seqs),
     ]
 
 
@@ -76,5 +81,5 @@ def check_bookkeeping(items: list[tuple[str, int]], max_ram_fraction: float = 0.
             available=available)
 
 
-__all__ = ["BYTES_PER_HOST_ENTRY", "BYTES_PER_POOL_BLOCK", "bookkeeping_items",
+__all__ = ["BYTES_PER_HOST_ENTRY", "BYTES_PER_POOL_BLOCK", "BYTES_PER_STATE_ROW", "bookkeeping_items",
            "check_bookkeeping", "check_plan"]

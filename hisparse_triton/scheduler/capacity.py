@@ -12,7 +12,10 @@ counts without the error. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Hashable, Optional, Sequence
+
+import numpy as np
 
 from hisparse_triton.errors import CapacityError
 from hisparse_triton.scheduler.block_pool import BlockPool
@@ -21,6 +24,21 @@ from hisparse_triton.scheduler.prefix_cache import PrefixCache, PrefixEntry, pro
 from hisparse_triton.scheduler.requests import Request, RequestTable, check_lengths
 from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
 from hisparse_triton.specs import cdiv
+
+
+_ROW = attrgetter("row")
+
+
+@dataclass
+class DecodeCount:
+    """A counted plain decode batch (``Capacity.plain_decode``): every request appends one
+    token that brings no ids; all the pages it starts fit as the pools are."""
+
+    reqs: list[Request]               # in batch order
+    rows: np.ndarray                  # their state rows, [R] int64
+    positions: np.ndarray             # their lengths before the token (its position)
+    starts: list[tuple[int, list[int]]]   # (batch index, new blocks per paged group) of
+                                          # the requests whose token starts a page
 
 
 @dataclass(frozen=True)
@@ -144,5 +162,45 @@ class Capacity:
             reqs.append(req)
         return reqs if needed <= self.available_device_blocks else None
 
+    def plain_decode(self, request_ids: Sequence[Hashable]) -> Optional[DecodeCount]:
+        """``decode_batch`` for the common decode step, counted over the batch at once:
+        distinct live ids, each request under its reservation and
+        ``max_num_batched_tokens``, none whose token brings or closes a token-id chain
+        (added with ``token_ids``, its chain open), every started page's blocks fitting.
+        None for anything else (the general path counts it again and reports its error)."""
+        try:
+            if len(set(request_ids)) != len(request_ids):
+                return None
+        except TypeError:
+            return None
+        reqs = self.requests.lookup(request_ids)
+        if reqs is None:
+            return None
+        cols = self.requests.columns
+        rows = np.fromiter(map(_ROW, reqs), dtype=np.int64, count=len(reqs))
+        positions = cols.seq_len[rows]
+        if np.count_nonzero(positions >= cols.reserved[rows]):
+            return None
+        limit = self.max_num_batched_tokens
+        if limit is not None and np.count_nonzero(positions - cols.scheduled_len[rows] >= limit):
+            return None
+        tracks_ids = cols.tracks_ids[rows]
+        if np.count_nonzero(tracks_ids) \
+                and any(reqs[i].chain_open for i in tracks_ids.nonzero()[0].tolist()):
+            return None
+        starts = [(i, self.devices.count_new_blocks(reqs[i], int(positions[i]) + 1))
+                  for i in self._starting(positions)]
+        if starts and sum(sum(c) for _, c in starts) > self.available_device_blocks:
+            return None
+        return DecodeCount(reqs=reqs, rows=rows, positions=positions, starts=starts)
 
-__all__ = ["Admission", "Capacity"]
+    def _starting(self, positions: np.ndarray) -> list[int]:
+        """Indices of the ``positions`` whose token starts a page in some paged group."""
+        B = self.devices.uniform_block_size
+        if B:
+            return (positions % B == 0).nonzero()[0].tolist()
+        starts_no_page = self.devices.starts_no_page
+        return [i for i, p in enumerate(positions.tolist()) if not starts_no_page(p)]
+
+
+__all__ = ["Admission", "Capacity", "DecodeCount"]

@@ -9,7 +9,7 @@ resident groups when the pool reuses a block they read.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -52,6 +52,14 @@ class GroupCoordinator:
         self.row_names = [m.group.model_layer_names if isinstance(m.group, ResidentGroup)
                           else m.group.layer_names for m in self.paged]
         self._block_sizes = sorted({m.block_size for m in self.paged})
+        #: Every paged group's block table in one ``[paged groups, max_num_seqs, width]``
+        #: array (the managers' ``blocks`` are views of it), when they share one block
+        #: size and width (None otherwise): a decode batch's rows in one gather.
+        self.tables = _stack_tables(self.paged)
+        #: The paged groups' one block size when ``tables`` is set (0 otherwise).
+        self.uniform_block_size = self.paged[0].block_size if self.tables is not None else 0
+        self._resident_index = np.array([i for i, m in enumerate(self.paged)
+                                         if isinstance(m, ResidentManager)], dtype=np.int64)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -99,9 +107,26 @@ class GroupCoordinator:
 
     def decode_rows(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``[paged groups, R] int64`` device rows of one position per state row."""
-        if not rows.size:
-            return np.empty((len(self.paged), 0), dtype=np.int64)
-        return np.stack([m.decode_rows(rows, positions) for m in self.paged])
+        return self._decode_rows(self.paged, slice(None), rows, positions)
+
+    def resident_decode_rows(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``[resident groups, R] int64`` device rows of one position per state row."""
+        return self._decode_rows(self.resident, self._resident_index[:, None], rows,
+                                 positions)
+
+    def _decode_rows(self, managers: Sequence[PagedManager], which: object,
+                     rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The rows of ``managers`` (``tables[which]`` when stacked): one gather."""
+        if not rows.size or not managers:
+            return np.empty((len(managers), rows.size), dtype=np.int64)
+        if self.tables is None:
+            return np.stack([m.decode_rows(rows, positions) for m in managers])
+        B = self.uniform_block_size
+        page = positions // B
+        table = self.tables[which, rows, page].astype(np.int64)
+        table *= B
+        table += positions - page * B
+        return table
 
     # -- lifecycle -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -170,6 +195,17 @@ class GroupCoordinator:
     # -- checks ----------------------------------------------------------------------------
     def snapshot(self) -> tuple:
         return tuple(m.snapshot() for m in self.managers)
+
+
+def _stack_tables(paged: Sequence[PagedManager]) -> Optional[np.ndarray]:
+    """One array holding every ``paged`` manager's block table (each keeps a view), when
+    they share one block size and one table shape; None otherwise (or none paged)."""
+    if not paged or len({(m.block_size, m.blocks.shape) for m in paged}) != 1:
+        return None
+    tables = np.zeros((len(paged), *paged[0].blocks.shape), dtype=np.int32)
+    for m, table in zip(paged, tables):
+        m.use_table(table)
+    return tables
 
 
 __all__ = ["GroupCoordinator"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Optional
 
+import numpy as np
+
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
 from hisparse_triton.scheduler.journal import Journal
@@ -63,21 +65,45 @@ class Durability:
 
     def make_durable(self) -> int:
         """Mark the mirrored tokens durable; publish and release what that allows. Returns
-        the pages released (unpinned or out of every window)."""
-        j, values = self.journal, self.counters.values
+        the pages released (unpinned or out of every window).
+
+        The lengths move for every request at once; then the requests with something to
+        publish or release act, in table order (as if one after the other: each acts on
+        its own pages, and a request's lengths are read only by its own actions)."""
+        values = self.counters.values
         before = values["unpinned_pages"] + values["window_released_pages"]
         pressure = self.policy.under_pressure(self.device_pool.num_truly_free)
-        keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave the GPU at once
-        for req in list(self.requests.values()):
-            if req.scheduled_len > req.committed_len:
-                j.setattr(req, "committed_len", req.scheduled_len)
-                if self.prefix is not None and req.page_hashes:   # newly durable full pages
-                    self.prefix.publish_durable(req, partial(
-                        self.devices.page_blocks, req, resident=keep_gpu_copies),
-                        self.prefix_required, self.block_size)
-            self.release_resident(req, pressure)
-            self.devices.release_windows(req)
+        reqs, rows = self.requests.in_order()
+        cols = self.requests.columns
+        scheduled = cols.scheduled_len[rows]
+        newly = scheduled > cols.committed_len[rows]
+        if np.count_nonzero(newly):   # committed_len <= scheduled_len: all take scheduled
+            self.journal.write(cols.committed_len, rows, scheduled)
+        # Only requests added with token ids have page hashes to publish.
+        publish = newly & cols.tracks_ids[rows] if self.prefix is not None else None
+        release = (self.policy.releasable_limits(scheduled, cols.seq_len[rows])
+                   > cols.released_pages[rows]) if self.devices.resident else None
+        acting = self.devices.windowed or _any(publish) or _any(release)
+        for i in range(len(reqs)) if acting else ():
+            self._act(reqs[i], publish is not None and publish[i],
+                      release is not None and release[i], pressure)
         return values["unpinned_pages"] + values["window_released_pages"] - before
+
+    def _act(self, req: Request, publish: bool, release: bool, pressure: bool) -> None:
+        """What newly durable tokens let ``req`` do: publish its full pages, release its
+        resident pages (``release``: it has some past those released), its window pages."""
+        if publish and req.page_hashes:
+            keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave at once
+            self.prefix.publish_durable(req, partial(
+                self.devices.page_blocks, req, resident=keep_gpu_copies),
+                self.prefix_required, self.block_size)
+        if release:
+            self.release_resident(req, pressure)
+        self.devices.release_windows(req)
+
+
+def _any(mask: Optional[np.ndarray]) -> bool:
+    return mask is not None and bool(np.count_nonzero(mask))
 
 
 __all__ = ["Durability"]

@@ -95,6 +95,15 @@ class PagedManager(GroupManager):
         super().__init__(group, pool, plan_builder, journal, counters, max_num_seqs)
         self.blocks = np.zeros((max_num_seqs, group.width), dtype=np.int32)
 
+    def use_table(self, table: np.ndarray) -> None:
+        """Keep the block table in ``table`` from now on (a view into the coordinator's
+        stacked tables, of the same shape and dtype), its entries copied over."""
+        if table.shape != self.blocks.shape or table.dtype != self.blocks.dtype:
+            raise ValueError(f"group {self.position}: a block table of shape "
+                             f"{self.blocks.shape} cannot live in {table.shape} {table.dtype}.")
+        table[...] = self.blocks
+        self.blocks = table
+
     def count_new_blocks(self, req: Request, new_len: int) -> int:
         return self.group.new_pages(req.seq_len, new_len)
 

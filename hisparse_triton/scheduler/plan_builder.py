@@ -10,12 +10,32 @@ No torch.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.step_plan import StepPlan, TableLayout
+
+
+_MISSING = object()
+
+
+def _restore(mapping: dict, old: Sequence[tuple[int, object]]) -> None:
+    """Undo writes whose old values (``_MISSING``: a new key) ``old`` lists, newest first."""
+    for key, value in reversed(old):
+        if value is _MISSING:
+            mapping.pop(key, None)
+        else:
+            mapping[key] = value
+
+
+def _triples(entries: list[tuple[int, int, int]]) -> np.ndarray:
+    """``[n, 3] int32`` of a plan section's entries."""
+    if not entries:
+        return np.zeros((0, 3), dtype=np.int32)
+    return np.asarray(entries, dtype=np.int32).reshape(-1, 3)
 
 
 class PlanBuilder:
@@ -25,6 +45,9 @@ class PlanBuilder:
         self.layout = layout
         self._journal = journal
         self._width = layout.width
+        #: The seq_len entry of every state row's table (``write_seq_lens``).
+        self._seq_len_index = (np.arange(layout.max_num_seqs, dtype=np.int64) * layout.width
+                               + TableLayout.SEQ_LEN_COL)
         self._resets: dict[int, None] = {}
         self._writes: dict[int, int] = {}
         self._lost: list[tuple[int, int, int]] = []
@@ -50,6 +73,16 @@ class PlanBuilder:
     def write_seq_len(self, row: int, seq_len: int) -> None:
         self._journal.setitem(self._writes, row * self._width + TableLayout.SEQ_LEN_COL,
                               seq_len)
+
+    def write_seq_lens(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        """``write_seq_len`` of each pair in order (``[n]`` int arrays), undone as one entry."""
+        keys = self._seq_len_index[rows].tolist()
+        seq_lens = seq_lens.tolist()
+        writes = self._writes
+        if self._journal.active:
+            old = [(key, writes.get(key, _MISSING)) for key in keys]
+            self._journal.record(lambda: _restore(writes, old))
+        writes.update(zip(keys, seq_lens))
 
     def write_host_blocks(self, row: int, blocks: Iterable[int]) -> None:
         """The request's host block of every page, from page 0."""
@@ -99,21 +132,32 @@ class PlanBuilder:
             write_value=np.fromiter(self._writes.values(), dtype=np.int32,
                                     count=len(self._writes)),
             mirror_host_rows=mirror_host_rows, mirror_device_rows=mirror_device_rows,
-            lost=np.asarray(self._lost, dtype=np.int32).reshape(-1, 3),
-            released_pages=released_pages,
-            invalidate=np.asarray(self._invalidate, dtype=np.int32).reshape(-1, 3))
-        j = self._journal
-        j.setattr(self, "_resets", {})
-        j.setattr(self, "_writes", {})
-        j.setattr(self, "_lost", [])
-        j.setattr(self, "_invalidate", [])
-        j.setattr(self, "step", self.step + 1)
+            lost=_triples(self._lost), released_pages=released_pages,
+            invalidate=_triples(self._invalidate))
+        set_attr = self._journal.setattr if self._journal.active else setattr
+        set_attr(self, "_resets", {})
+        set_attr(self, "_writes", {})
+        set_attr(self, "_lost", [])
+        set_attr(self, "_invalidate", [])
+        set_attr(self, "step", self.step + 1)
         return plan
 
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""
         return (list(self._resets), list(self._writes.items()), list(self._lost),
                 list(self._invalidate), self.step)
+
+
+@dataclass
+class MirrorSpans:
+    """The tokens a plan mirrors: spans of several tokens ``(host_array, row, start, end)``
+    and, as columns, the one-token spans (the decode step): each one's host row, state row
+    and position."""
+
+    spans: list[tuple[np.ndarray, int, int, int]] = field(default_factory=list)
+    single_host: list[int] | np.ndarray = field(default_factory=list)
+    single_rows: list[int] | np.ndarray = field(default_factory=list)
+    single_positions: list[int] | np.ndarray = field(default_factory=list)
 
 
 def mirror_rows(spans: Sequence[tuple[np.ndarray, int, int, int]],
@@ -125,33 +169,52 @@ def mirror_rows(spans: Sequence[tuple[np.ndarray, int, int, int]],
     ``resident_blocks[g]``: resident group ``g``'s ``[max_num_seqs, pages]`` block table.
     Spans of one token (the decode step) come last, computed together.
     """
+    B, work = block_size, MirrorSpans()
+    for span in spans:
+        host_array, row, start, end = span
+        if end - start == 1:
+            page, offset = divmod(start, B)
+            work.single_host.append(int(host_array[page]) * B + offset)
+            work.single_rows.append(row)
+            work.single_positions.append(start)
+        else:
+            work.spans.append(span)
+
+    def single_device_rows(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return np.stack([blocks[rows, positions // B].astype(np.int64) * B + positions % B
+                         for blocks in resident_blocks])
+    return pack_mirror_rows(work, resident_blocks, B, single_device_rows)
+
+
+def pack_mirror_rows(work: MirrorSpans, resident_blocks: Sequence[np.ndarray],
+                     block_size: int,
+                     single_device_rows: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``mirror_rows`` of ``work``: its spans in order, then its one-token spans, whose
+    ``[g, n] int64`` device rows ``single_device_rows(state rows, positions)`` gives."""
     B = block_size
     g = len(resident_blocks)
     host_rows: list[np.ndarray] = []
     device_rows: list[np.ndarray] = []
-    single: list[tuple[int, int, int]] = []          # (host row, state row, position)
-    for host_array, row, start, end in spans:
-        if end - start == 1:
-            page, offset = divmod(start, B)
-            single.append((int(host_array[page]) * B + offset, row, start))
-            continue
+    for host_array, row, start, end in work.spans:
         pos = np.arange(start, end, dtype=np.int64)
         page, offset = pos // B, pos % B
         host_rows.append(host_array[page] * B + offset)
         device_rows.append(np.stack([blocks[row, page].astype(np.int64) * B + offset
                                      for blocks in resident_blocks])
                            if g else np.zeros((0, pos.size), np.int64))
-    if single:
-        host, rows, pos = (np.asarray(column, dtype=np.int64) for column in zip(*single))
-        page, offset = pos // B, pos % B
-        host_rows.append(host)
-        device_rows.append(np.stack([blocks[rows, page].astype(np.int64) * B + offset
-                                     for blocks in resident_blocks])
-                           if g else np.zeros((0, pos.size), np.int64))
+    if len(work.single_host):
+        rows = np.asarray(work.single_rows, dtype=np.int64)
+        positions = np.asarray(work.single_positions, dtype=np.int64)
+        host_rows.append(np.asarray(work.single_host, dtype=np.int64))
+        device_rows.append(single_device_rows(rows, positions)
+                           if g else np.zeros((0, rows.size), np.int64))
     if not host_rows:
         return np.zeros(0, np.int32), np.zeros((g, 0), np.int32)
+    if len(host_rows) == 1:
+        return host_rows[0].astype(np.int32), device_rows[0].astype(np.int32)
     return (np.concatenate(host_rows).astype(np.int32),
             np.concatenate(device_rows, axis=1).astype(np.int32))
 
 
-__all__ = ["PlanBuilder", "mirror_rows"]
+__all__ = ["MirrorSpans", "PlanBuilder", "mirror_rows", "pack_mirror_rows"]

@@ -3,12 +3,16 @@
 A live request owns one *state row* of the workers' per-request tables (``[0,
 max_num_seqs)``, lowest free row first). ``Request`` holds what the scheduler knows about
 one request besides its device blocks (each group's manager owns those, by state row): its
-lengths, host blocks, prompt page hashes and residency progress.
+lengths, host blocks, prompt page hashes and residency progress. Its four lengths live in
+the table's ``RequestColumns`` (numpy arrays by state row, read through properties), with
+copies of the reservations and host blocks, so a decode step reads and writes them for the
+whole batch at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Hashable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -20,6 +24,7 @@ from hisparse_triton.errors import (
     UnknownRequestError,
 )
 from hisparse_triton.scheduler.journal import Journal
+from hisparse_triton.scheduler.plan_builder import MirrorSpans
 from hisparse_triton.scheduler.prefix_cache import page_hashes
 from hisparse_triton.specs import cdiv
 
@@ -48,6 +53,8 @@ def check_request_id(request_id: object) -> None:
 def check_id_list(request_ids: object) -> None:
     """A batch's ids must be a sequence (list/tuple), one per batch row: a lone str would be
     split into characters and a set or dict has no row order."""
+    if type(request_ids) in (list, tuple):
+        return
     if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
         raise ValueError(f"request_ids must be a list or tuple of request ids (one per batch "
                          f"row), got {type(request_ids).__name__} {request_ids!r}.")
@@ -82,7 +89,8 @@ class Request:
     hashes of the full pages of ``token_ids``; pages ``[0, published_pages)`` were
     considered for the prefix cache. ``released_pages``: resident pages ``[0, released_pages)`` left the request's
     ownership (unpinned or lost). ``hot``: hot group position -> the request's hot region
-    (``None`` until it offloads; the hot managers fill it).
+    (``None`` until it offloads; the hot managers fill it). The four lengths live in the
+    table's ``RequestColumns`` (read and written like attributes).
     """
 
     request_id: Hashable
@@ -93,17 +101,18 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     host_array: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     published_pages: int = 0
-    seq_len: int = 0
-    scheduled_len: int = 0
-    committed_len: int = 0
-    released_pages: int = 0
     hot: Optional[dict[int, list[int]]] = None
     token_ids: Optional[list[int]] = None
     chain_open: bool = True
+    #: Where the lengths live (``RequestTable.columns``; a row of its own if not given).
+    columns: "RequestColumns" = field(default=None, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.host_array is None:
             self.host_array = np.asarray(self.host_blocks, dtype=np.int64)
+        if self.columns is None:
+            self.columns = RequestColumns(self.row + 1)
+        self._slot = self.row   # its entry of ``columns`` (the state row it was given)
 
     @property
     def reserved_tokens(self) -> int:
@@ -194,13 +203,66 @@ class Request:
                 None if self.token_ids is None else list(self.token_ids), self.chain_open)
 
 
+_ROW = attrgetter("row")
+
+
+class RequestColumns:
+    """The requests' per-state-row numbers, for the batch paths (decode, step) to read and
+    write many at once: the lengths ``seq_len``, ``scheduled_len``, ``committed_len``,
+    ``released_pages`` and the reservation ``reserved`` (``[max_num_seqs] int64``),
+    ``tracks_ids`` (``bool``: added with token ids) and ``host`` (``[max_num_seqs, pages]
+    int32``: the host blocks, 0 past the last). A ``Request`` reads and writes its lengths
+    here through properties. Entries of free rows mean nothing. Changes are journaled by
+    their callers like any other state."""
+
+    LENGTHS = ("seq_len", "scheduled_len", "committed_len", "released_pages")
+
+    def __init__(self, max_num_seqs: int, host_width: int = 0) -> None:
+        self.seq_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.scheduled_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.committed_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.released_pages = np.zeros(max_num_seqs, dtype=np.int64)
+        #: Scalar access as plain Python ints (``Request``'s properties).
+        self.views = {name: memoryview(getattr(self, name)) for name in self.LENGTHS}
+        self.reserved = np.zeros(max_num_seqs, dtype=np.int64)
+        self.tracks_ids = np.zeros(max_num_seqs, dtype=bool)
+        self.host = np.zeros((max_num_seqs, host_width), dtype=np.int32)
+
+    def set_host_row(self, row: int, blocks: Sequence[int]) -> None:
+        """State row ``row``'s host blocks (the table widens when they do not fit)."""
+        width = self.host.shape[1]
+        if len(blocks) > width:
+            wider = np.zeros((self.host.shape[0], len(blocks)), dtype=np.int32)
+            wider[:, :width] = self.host
+            self.host = wider
+        self.host[row, :len(blocks)] = blocks
+        self.host[row, len(blocks):] = 0
+
+
+def _length(name: str) -> property:
+    """A ``Request`` length kept in ``columns`` (its state row's entry)."""
+    def get(req: Request) -> int:
+        return req.columns.views[name][req._slot]
+
+    def put(req: Request, value: int) -> None:
+        req.columns.views[name][req._slot] = value
+    return property(get, put, doc=f"The request's ``{name}`` (``RequestColumns``).")
+
+
+for _name in RequestColumns.LENGTHS:
+    setattr(Request, _name, _length(_name))
+
+
 class RequestTable:
     """Live requests by id (a read-only mapping) and the free state rows."""
 
-    def __init__(self, max_num_seqs: int, journal: Journal) -> None:
+    def __init__(self, max_num_seqs: int, journal: Journal, host_width: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         self._journal = journal
         self._by_id: dict[Hashable, Request] = {}
+        #: The live requests' lengths, reservations and host blocks by state row.
+        self.columns = RequestColumns(max_num_seqs, host_width)
+        self._order: Optional[tuple[list[Request], np.ndarray]] = None   # in_order()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() -> lowest row
 
     # -- mapping ---------------------------------------------------------------------------
@@ -232,6 +294,29 @@ class RequestTable:
         except (KeyError, TypeError):
             raise UnknownRequestError(request_id, what) from None
 
+    def in_order(self) -> tuple[list[Request], np.ndarray]:
+        """The live requests in table order (oldest first) and their ``[n] int64`` state
+        rows (kept until a request comes or goes; do not change them)."""
+        if self._order is None:
+            reqs = list(self._by_id.values())
+            self._order = (reqs, np.fromiter(map(_ROW, reqs), dtype=np.int64,
+                                             count=len(reqs)))
+        return self._order
+
+    def _reorder(self) -> None:
+        """A request came or went: ``in_order`` is built anew (after an undo too)."""
+        self._order = None
+        self._journal.record(self._forget_order)
+
+    def _forget_order(self) -> None:
+        self._order = None
+
+    def lookup(self, request_ids: Sequence[Hashable]) -> Optional[list[Request]]:
+        """The live requests of hashable ``request_ids``, in order; None when one is not
+        live (``get`` names it)."""
+        reqs = list(map(self._by_id.get, request_ids))
+        return None if None in reqs else reqs
+
     @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)
@@ -250,14 +335,23 @@ class RequestTable:
             host_blocks: list[int], page_hashes: list[bytes],
             token_ids: Optional[Sequence[int]] = None) -> Request:
         """A new live request on the lowest free state row (the caller checked one is free)."""
-        j = self._journal
+        j, cols = self._journal, self.columns
         row = j.pop(self._free_rows)
+        for name in RequestColumns.LENGTHS:
+            j.write(getattr(cols, name), row, 0)
+        j.write(cols.reserved, row, prompt_len + max_new_tokens)
+        j.write(cols.tracks_ids, row, token_ids is not None)
+        old_host = cols.host[row].tolist()
+        cols.set_host_row(row, host_blocks)
+        j.record(lambda: cols.set_host_row(row, old_host))
         req = Request(request_id=request_id, row=row, prompt_len=prompt_len,
                       max_new_tokens=max_new_tokens, host_blocks=host_blocks,
                       page_hashes=list(page_hashes),
                       token_ids=(None if token_ids is None
-                                 else np.asarray(token_ids, dtype=np.int64).tolist()))
+                                 else np.asarray(token_ids, dtype=np.int64).tolist()),
+                      columns=cols)
         j.setitem(self._by_id, request_id, req)
+        self._reorder()
         return req
 
     def start_cached(self, req: Request, pages: int, block_size: int) -> None:
@@ -287,6 +381,10 @@ class RequestTable:
                                       pages, hashes[-1] if hashes else b""))
             j.record(lambda: hashes.__delitem__(slice(pages, None)))
 
+    def set_seq_lens(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        """The requests of state rows ``rows`` (distinct) get ``seq_lens`` (a decode step)."""
+        self._journal.write(self.columns.seq_len, rows, seq_lens)
+
     def truncate(self, req: Request, new_len: int, block_size: int) -> None:
         """``req`` keeps its first ``new_len`` tokens (``check_truncate`` passed): its
         lengths, and the ids and page hashes of tokens past the end (the prompt's ids
@@ -309,19 +407,34 @@ class RequestTable:
         j = self._journal
         j.replace_list(self._free_rows, sorted([*self._free_rows, req.row], reverse=True))
         j.delitem(self._by_id, req.request_id)
+        self._reorder()
 
     def clear(self) -> None:
         self._by_id.clear()
+        self._order = None
 
-    def schedule_mirror(self) -> list[tuple[np.ndarray, int, int, int]]:
-        """Spans ``(host_array, row, start, end)`` of every request's tokens not yet in a
-        mirrored plan, in table order; they are scheduled from now on."""
-        spans = []
-        for req in self._by_id.values():
-            if req.scheduled_len != req.seq_len:
-                spans.append((req.host_array, req.row, req.scheduled_len, req.seq_len))
-                self._journal.setattr(req, "scheduled_len", req.seq_len)
-        return spans
+    def schedule_mirror(self, block_size: int) -> MirrorSpans:
+        """Every request's tokens not yet in a mirrored plan, in table order (the one-token
+        spans with their host rows); they are scheduled from now on."""
+        reqs, rows = self.in_order()
+        cols, B = self.columns, block_size
+        start, end = cols.scheduled_len[rows], cols.seq_len[rows]
+        count = end - start
+        if np.count_nonzero(count == 1) == len(reqs):   # the decode step: one token each
+            rows_1, start_1, spans = rows, start, []
+        else:
+            if not np.count_nonzero(count):
+                return MirrorSpans()
+            single = count == 1
+            rows_1, start_1 = rows[single], start[single]
+            spans = [(reqs[i].host_array, reqs[i].row, int(start[i]), int(end[i]))
+                     for i in (count > 1).nonzero()[0].tolist()]
+        page = start_1 // B
+        work = MirrorSpans(
+            spans=spans, single_rows=rows_1, single_positions=start_1,
+            single_host=cols.host[rows_1, page].astype(np.int64) * B + (start_1 - page * B))
+        self._journal.write(cols.scheduled_len, rows, end)   # the unmoved keep theirs
+        return work
 
     # -- batches -------------------------------------------------------------------------
     def decode_token_ids(self, request_ids: Sequence[Hashable],
@@ -372,7 +485,20 @@ class RequestTable:
             if req.host_array.tolist() != req.host_blocks or 0 in req.host_blocks \
                     or len(req.host_blocks) != cdiv(req.reserved_tokens, block_size):
                 problems.append(f"request {request_id!r}: host blocks inconsistent")
+            problems += self._column_problems(req)
         return problems
+
+    def _column_problems(self, req: Request) -> list[str]:
+        """Whether ``req``'s entries of ``columns`` (but its lengths) say what it holds."""
+        cols, row = self.columns, req.row
+        host = cols.host[row]
+        if req.columns is not cols or req._slot != row or int(cols.reserved[row]) != req.reserved_tokens \
+                or bool(cols.tracks_ids[row]) != (req.token_ids is not None) \
+                or host[:len(req.host_blocks)].tolist() != req.host_blocks \
+                or host[len(req.host_blocks):].any():
+            return [f"request {req.request_id!r}: its columns (reservation, token ids, host "
+                    f"blocks) disagree with it"]
+        return []
 
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""

@@ -105,6 +105,11 @@ class ResidencyPolicy:
         B = self.block_size
         return min(req.committed_len // B, cdiv(req.seq_len, B) - ACTIVE_TAIL_PAGES)
 
+    def releasable_limits(self, committed_len: np.ndarray, seq_len: np.ndarray) -> np.ndarray:
+        """``releasable_limit`` of many requests at once (their lengths, ``int64``)."""
+        B = self.block_size
+        return np.minimum(committed_len // B, (seq_len + (B - 1)) // B - ACTIVE_TAIL_PAGES)
+
     def pinned_clean(self, req: Request) -> int:
         """Durable pages outside the active tail the request still owns."""
         return self.releasable_limit(req) - req.released_pages

@@ -25,6 +25,10 @@ unpinned*, readable in its free block until reused -> *lost*, read from the host
 before anything is built), ``block_pool``, ``prefix_cache`` (a request with ``token_ids``
 reuses the longest cached prefix; models with sliding-window layers get no hits),
 ``plan_builder``, ``stats``; ``queries`` holds the read-only calls (a mixin).
+The decode step runs over the batch at once: a plain ``append_decode`` (one token each, no
+token ids, the started pages fitting; ``Capacity.plain_decode``) and ``step()`` read and
+write the requests' lengths as numpy columns by state row (``requests.RequestColumns``);
+anything else takes the general path, one request after the other.
 Chunked prefill: with ``max_num_batched_tokens`` set, a request may not have more tokens
 appended since its last plan than that (``UncommittedTokensError``: step first).
 
@@ -46,12 +50,12 @@ from hisparse_triton.errors import HiSparseError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.bookkeeping import check_plan
-from hisparse_triton.scheduler.capacity import Admission, Capacity
+from hisparse_triton.scheduler.capacity import Admission, Capacity, DecodeCount
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
 from hisparse_triton.scheduler.durability import Durability
 from hisparse_triton.scheduler.invariants import scheduler_problems, scheduler_snapshot
 from hisparse_triton.scheduler.journal import Journal
-from hisparse_triton.scheduler.plan_builder import PlanBuilder, mirror_rows
+from hisparse_triton.scheduler.plan_builder import PlanBuilder, pack_mirror_rows
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
 from hisparse_triton.scheduler.queries import SchedulerQueries
 from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
@@ -127,7 +131,7 @@ class HiSparseScheduler(SchedulerQueries):
             window_tokens=None if self.max_num_batched_tokens is None else config.in_flight_tokens)
         self.plan_builder = PlanBuilder(self.layout, j)
         self.counters = Counters(j)
-        self._requests = RequestTable(self.max_num_seqs, j)
+        self._requests = RequestTable(self.max_num_seqs, j, self.layout.host_width)
         self.devices = d = GroupCoordinator(self.groups, self.device_block_pool,
                                             self.plan_builder, j, self.counters,
                                             self.max_num_seqs)
@@ -146,6 +150,9 @@ class HiSparseScheduler(SchedulerQueries):
             host_pool=self.host_block_pool, prefix=self._prefix if self.prefix_caching else None,
             policy=self.policy, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens)
+        #: (layer, paged group index) of every layer ``append_decode`` returns rows for.
+        self._layer_rows = [(name, i) for i, names in enumerate(d.row_names)
+                            for name in names]
         self._closed = False
 
     # ------------------------------------------------------------------ admission
@@ -252,6 +259,9 @@ class HiSparseScheduler(SchedulerQueries):
         All-or-nothing; the same errors as ``append_slots``."""
         self._check_open()
         check_id_list(request_ids)
+        count = self.capacity.plain_decode(request_ids) if token_ids is None else None
+        if count is not None:
+            return self._by_layer(self._append_plain_decode(count))
         per_request = self._requests.decode_token_ids(request_ids, token_ids)
         reqs = self.capacity.decode_batch(request_ids)
         if reqs is None:   # one id twice or a reclaim: one request after the other
@@ -273,8 +283,34 @@ class HiSparseScheduler(SchedulerQueries):
                 self._grow(req, new_len, None if devices.starts_no_page(req.seq_len)
                            else devices.count_new_blocks(req, new_len), ids)
             table = devices.decode_rows(rows, positions)
-        return {name: table[i] for i, names in enumerate(self.devices.row_names)
-                for name in names}
+        return self._by_layer(table)
+
+    def _append_plain_decode(self, count: DecodeCount) -> np.ndarray:
+        """Grow a counted plain decode batch by one token each; ``[paged groups, R]`` rows.
+        The requests between two that start a page grow together; the order of every
+        change (pool, plan writes) is the one-by-one order."""
+        reqs, rows, positions = count.reqs, count.rows, count.positions
+        done = 0
+        for i, counts in count.starts:
+            self._advance(rows[done:i], positions[done:i])
+            self.devices.grow(reqs[i], int(positions[i]) + 1, counts)
+            self._advance(rows[i:i + 1], positions[i:i + 1])
+            self.durability.track_peaks()
+            done = i + 1
+        self._advance(rows[done:], positions[done:])
+        return self.devices.decode_rows(rows, positions)
+
+    def _advance(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """The requests of ``rows`` (at ``positions`` tokens) one token longer, tables too."""
+        if rows.size:
+            seq_lens = positions + 1
+            self._requests.set_seq_lens(rows, seq_lens)
+            self.plan_builder.write_seq_lens(rows, seq_lens)
+
+    def _by_layer(self, table: np.ndarray) -> dict[str, np.ndarray]:
+        """``append_decode``'s result: each paged group's rows under each of its layers."""
+        views = list(table)
+        return {name: views[i] for name, i in self._layer_rows}
 
     def _grow(self, req: Request, new_len: int, counts: Optional[list[int]],
               ids: Optional[np.ndarray] = None) -> None:
@@ -358,9 +394,10 @@ class HiSparseScheduler(SchedulerQueries):
         return self._build(commit=False, released_pages=0)
 
     def _build(self, *, commit: bool, released_pages: int) -> StepPlan:
-        spans = self._requests.schedule_mirror()
-        host_rows, device_rows = mirror_rows(
-            spans, [m.blocks for m in self.devices.resident], self.block_size)
+        work = self._requests.schedule_mirror(self.block_size)
+        host_rows, device_rows = pack_mirror_rows(
+            work, [m.blocks for m in self.devices.resident], self.block_size,
+            self.devices.resident_decode_rows)
         return self.plan_builder.build(commit=commit, mirror_host_rows=host_rows,
                                        mirror_device_rows=device_rows,
                                        released_pages=released_pages)
