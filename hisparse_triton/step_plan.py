@@ -204,8 +204,11 @@ class StepPlan:
     def __post_init__(self) -> None:
         """Check the structure (types, counts, the data's dtype and size); values are
         checked by ``check`` against a receiver's own tables and pools."""
+        fields = self.__dict__
         for name, minimum in _INT_FIELDS:
-            value = getattr(self, name)
+            value = fields[name]
+            if type(value) is int and minimum <= value <= _INT64[1]:
+                continue  # (the common case; anything else is checked and converted below)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"StepPlan.{name} must be an int, got {value!r}.")
             value = int(value)
@@ -213,7 +216,7 @@ class StepPlan:
                 raise ValueError(f"StepPlan.{name} is {value}, outside [{minimum}, "
                                  f"{_INT64[1]}].")
             object.__setattr__(self, name, value)
-        if not isinstance(self.commit, (bool, np.bool_)):
+        if self.commit.__class__ is not bool and not isinstance(self.commit, (bool, np.bool_)):
             raise ValueError(f"StepPlan.commit must be True or False, got {self.commit!r}.")
         object.__setattr__(self, "commit", bool(self.commit))
         data = self.data

@@ -2,7 +2,7 @@
 real compiles, launches recorded instead of run): a repeated ``resolve_rows`` is two direct
 launches (resolve, then the gather of its miss plan) that hand the launcher addresses only,
 with the arguments of the bound calls they stand for; a gather that raises there undoes the
-resolve. Runs in a subprocess without ``TRITON_INTERPRET`` (the kernels must compile)."""
+resolve; a launch recorder that replaces the kernels gets the launches. Runs in a subprocess without ``TRITON_INTERPRET`` (the kernels must compile)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,16 @@ _SCRIPT = textwrap.dedent('''
                 a.grid == b.grid and a.args == b.args for a, b in zip(pair, slow))
             out["same_rows"] = worker.resolve_rows(L0, state_rows, topk) is cache.rows_view
 
+            # a launch recorder replacing the kernels is seen at once, and left behind
+            from hisparse_triton.kernels.launches import record_launches
+            before = launch.count
+            with record_launches() as recorded:
+                worker.resolve_rows(L0, state_rows, topk)
+            out["recorded"] = [len(recorded), launch.count - before]
+            for _ in range(2):   # the real kernels bound again (normal path), then the pair
+                worker.resolve_rows(L0, state_rows, topk)
+            out["pair_after_recorder"] = cache._direct_launches(cache._fast[1]) is not None
+
             # a gather that raises on the pair path: the resolve is undone with its result
             gather_launch = cache._direct_launches(cache._fast[1])[1]
             undone = []
@@ -80,4 +90,6 @@ def test_a_repeated_resolve_is_two_direct_launches_of_addresses():
     assert out["pair_launches"] == 2 and out["pair_taken"]
     assert out["pair_addresses_only"]
     assert out["same_args"] and out["same_rows"]
+    assert out["recorded"] == [2, 0]            # both launches went to the recorder
+    assert out["pair_after_recorder"]
     assert out["raised"] and out["undone_with_result"] == [True]

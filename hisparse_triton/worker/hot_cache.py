@@ -484,31 +484,33 @@ class HotCache:
         """``(resolve launch, gather launch, workspace buffers, result, device guard)`` of the
         bound call ``call`` when the resolve and the gather of its miss plan both go
         straight to their compiled launchers; None otherwise. Kept per (call, bound
-        gather); a launch recorder that replaced a kernel since is noticed (the kernels are
-        compared on every call)."""
+        gather) and looked up again whenever a launch recorder replaced or restored the
+        kernels since (``kernels.launches.generation``)."""
         kept = self._launches
-        if kept is None or kept[0] is not call or kept[1] is not self.bound_gather:
-            kept = self._launches = (call, self.bound_gather, self._bind_launches(call))
-        launches = kept[2]
-        if launches is None or self.bound.direct_launch(call) is not launches[0] \
-                or not self.bound_gather.launches_directly(launches[1]):
-            return None
-        return launches
+        if kept is None or kept[0] is not call or kept[1] is not self.bound_gather \
+                or kept[3] != kept[4].generation() or kept[5]:
+            kept = self._launches = (call, self.bound_gather, *self._bind_launches(call))
+        return kept[2]
 
-    def _bind_launches(self, call: list) -> Optional[tuple]:
-        """``_direct_launches``' tuple for ``call``, looked up in the bound resolve and gather
-        (None when either is not on the direct path)."""
-        resolve_launch = self.bound.direct_launch(call)
-        if resolve_launch is None:
-            return None
-        result = call[5]
-        gather_launch = self.bound_gather.direct_launch(result.miss_src, result.miss_dst,
-                                                        result.miss_count)
-        if gather_launch is None:
-            return None
+    def _bind_launches(self, call: list) -> tuple:
+        """``(launches, generation, kernels.launches, retry)``: ``_direct_launches``' tuple
+        for ``call``, looked up in the bound resolve and gather (None when either is not on
+        the direct path), the launch recorders' generation it holds for, and whether a None
+        is to be looked up again next time (direct launches are on, so the launches bind
+        on their next normal launch)."""
+        from hisparse_triton.kernels import launches as recorders
+        from hisparse_triton.kernels.direct_launch import direct_launch_enabled
         from hisparse_triton.kernels.gather import device_guard
 
-        return resolve_launch, gather_launch, call[3], result, device_guard
+        generation = recorders.generation()
+        resolve_launch = self.bound.direct_launch(call)
+        result = call[5]
+        gather_launch = None if resolve_launch is None else self.bound_gather.direct_launch(
+            result.miss_src, result.miss_dst, result.miss_count)
+        if gather_launch is None:
+            return None, generation, recorders, direct_launch_enabled()
+        return ((resolve_launch, gather_launch, call[3], result, device_guard), generation,
+                recorders, False)
 
     def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
                  events: Optional[tuple] = None) -> torch.Tensor:
