@@ -147,8 +147,10 @@ class DirectLaunch:
             self._normal(tensors)
             return
         runtime = self._runtime
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if (enter is not None and _hooked(enter)) or (leave is not None and _hooked(leave)):
+        # A hook would run: Triton 3.6+ keeps hooks in a HookChain (its ``calls`` list, empty
+        # by default); older versions hold None or the hook itself.
+        if getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook) \
+                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook):
             self._normal(tensors)
             return
         values = self._values
@@ -187,15 +189,6 @@ class DirectLaunch:
         self._compiled, self._values, self._launcher = bound
         self._alignment = alignment
         return True
-
-
-def _hooked(hook: Any) -> bool:
-    """Whether a launch hook would run: Triton 3.6+ keeps hooks in a ``HookChain`` (empty by
-    default); older versions use ``None``."""
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if calls is not None else True
 
 
 def _has_default(param: Any) -> bool:
