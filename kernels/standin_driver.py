@@ -54,18 +54,22 @@ class StandInLaunch:
     as it allows (a class check per argument, ``isinstance`` only for what is neither a
     plain tensor nor a plain scalar: ``isinstance(x, torch.Tensor)`` costs about 0.1 us per
     argument through torch's metaclass, which the C launcher never pays), about 2 us per
-    launch of 30-50 arguments on this project's CPU machine."""
+    launch of 30-50 arguments on this project's CPU machine. ``read_addresses=False``
+    leaves them out: what is left is Triton's own Python launch path alone (the C launcher's
+    work, emulated or not, is then not counted at all)."""
 
-    def __init__(self, record: bool = True) -> None:
+    def __init__(self, record: bool = True, read_addresses: bool = True) -> None:
         self.record = record
+        self.read_addresses = read_addresses
         self.calls: list[LaunchCall] = []
         self.count = 0
 
     def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
-        for arg in args:
-            cls = arg.__class__
-            if cls is _TENSOR or (cls not in _PLAIN and isinstance(arg, _TENSOR)):
-                arg.data_ptr()
+        if self.read_addresses:
+            for arg in args:
+                cls = arg.__class__
+                if cls is _TENSOR or (cls not in _PLAIN and isinstance(arg, _TENSOR)):
+                    arg.data_ptr()
         self.count += 1
         if self.record:
             self.calls.append(LaunchCall(grid, args))
@@ -176,9 +180,11 @@ def _make_driver(arch: int, launch: StandInLaunch):
 
 
 @contextlib.contextmanager
-def standin_cuda_driver(arch: int = 90, *, record: bool = True) -> Iterator[StandInLaunch]:
+def standin_cuda_driver(arch: int = 90, *, record: bool = True,
+                        read_addresses: bool = True) -> Iterator[StandInLaunch]:
     """Within the block Triton's active driver is a stand-in NVIDIA ``sm_<arch>`` GPU (see
-    the module docstring); yields the ``StandInLaunch`` that receives every launch.
+    the module docstring); yields the ``StandInLaunch`` that receives every launch
+    (``record``, ``read_addresses``: its options).
 
     Must run without ``TRITON_INTERPRET=1`` (the interpreter bypasses drivers). Kernels
     compiled inside the block are cached per device by Triton; they are dropped on exit so
@@ -191,7 +197,7 @@ def standin_cuda_driver(arch: int = 90, *, record: bool = True) -> Iterator[Stan
                            "TRITON_INTERPRET (e.g. run it in a subprocess).")
     from triton.runtime.driver import driver
 
-    launch = StandInLaunch(record=record)
+    launch = StandInLaunch(record=record, read_addresses=read_addresses)
     standin = _make_driver(arch, launch)
     previous = driver._active
     driver.set_active(standin)

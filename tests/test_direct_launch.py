@@ -177,7 +177,26 @@ def test_launch_path_host_cost_runs_the_real_launch_path():
     small = dict(top_k=64, device_buffer_size=128, prompt_len=64, layers=2)
     before = launch_path_host_cost(4, 2, direct=False, **small)
     after = launch_path_host_cost(4, 2, direct=True, **small)
+    bare = launch_path_host_cost(4, 2, direct=True, read_addresses=False, **small)
     assert "off" in before["launch_path"] and "on" in after["launch_path"]
-    assert before["step_launches"] == after["step_launches"] == 2 * 2 + 1
+    assert "left out" in bare["launch_path"] and "left out" not in after["launch_path"]
+    assert before["step_launches"] == after["step_launches"] == bare["step_launches"] == 2 * 2 + 1
     assert after["resolve_rows_launches"] == 2
     assert after["step_ms"] > 0 and before["step_ms"] > 0
+
+
+def test_the_standin_reads_tensor_addresses_unless_told_not_to():
+    from hisparse_triton.kernels.standin_driver import StandInLaunch
+
+    reads = []
+
+    class Counting(torch.Tensor):
+        def data_ptr(self):
+            reads.append(1)
+            return super().data_ptr()
+
+    args = (torch.zeros(2), torch.zeros(2).as_subclass(Counting), 7, None, 123456789)
+    StandInLaunch(record=False)((1, 1, 1), args)
+    assert reads == [1]                   # the subclass's address was read (and the tensor's)
+    StandInLaunch(record=False, read_addresses=False)((1, 1, 1), args)
+    assert reads == [1]

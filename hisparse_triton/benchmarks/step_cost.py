@@ -90,12 +90,14 @@ class _Counted:
 
 
 @contextmanager
-def _standin_launches() -> Iterator[_Counted]:
+def _standin_launches(read_addresses: bool = True) -> Iterator[_Counted]:
     """Triton's real Python launch path against the stand-in sm_90 driver
     (``kernels.standin_driver``): real compiles, ``JITFunction.run`` (or the direct launches
     bound from it) per launch, the C launch replaced by a counting stand-in. The launchers
     accept CPU tensors as CUDA ones (their backend checks are lifted in the block). Needs a
-    process whose kernels were imported without ``TRITON_INTERPRET=1``."""
+    process whose kernels were imported without ``TRITON_INTERPRET=1``. ``read_addresses``:
+    the stand-in's emulation of the C launcher's per-argument address reads
+    (``StandInLaunch``)."""
     from triton.runtime.jit import JITFunction
 
     from hisparse_triton.kernels import gather, launches
@@ -115,7 +117,7 @@ def _standin_launches() -> Iterator[_Counted]:
     for module, name, _ in saved[1:]:
         setattr(module, name, lambda device: None)
     try:
-        with standin_cuda_driver(record=False) as launch:
+        with standin_cuda_driver(record=False, read_addresses=read_addresses) as launch:
             yield _Counted(launch)
     finally:
         for module, name, value in reversed(saved):
@@ -126,17 +128,20 @@ def _standin_launches() -> Iterator[_Counted]:
 def _launch_mode(mode: str) -> Iterator[Any]:
     """``"stubbed"``: launches replaced by counting stand-ins (the interpreter env lets the
     Triton backend accept CPU tensors); ``"standin"``: Triton's real launch path
-    (``_standin_launches``). Yields a ``len()``-able, ``clear()``-able launch count."""
+    (``_standin_launches``); ``"standin_bare"``: the same without the stand-in's emulated
+    per-argument address reads (Triton's Python launch path alone). Yields a ``len()``-able,
+    ``clear()``-able launch count."""
     if mode == "stubbed":
         from hisparse_triton.kernels.launches import record_launches
 
         with _interpreter_env(), record_launches(store=False) as launches:
             yield launches
-    elif mode == "standin":
-        with _standin_launches() as launches:
+    elif mode in ("standin", "standin_bare"):
+        with _standin_launches(read_addresses=mode == "standin") as launches:
             yield launches
     else:
-        raise ValueError(f"launches must be 'stubbed' or 'standin', got {mode!r}.")
+        raise ValueError(f"launches must be 'stubbed', 'standin' or 'standin_bare', got "
+                         f"{mode!r}.")
 
 
 def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048,
@@ -149,7 +154,8 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
     ``launches``: ``"stubbed"`` (every Triton launch a counting stand-in: the runtime's own
     Python only) or ``"standin"`` (Triton's real Python launch path against the stand-in
     sm_90 driver, direct launches where bound: ``$HISPARSE_TRITON_DIRECT_LAUNCH=0`` turns
-    them off; needs a fresh process, see ``launch_path_host_cost``)."""
+    them off; needs a fresh process, see ``launch_path_host_cost``) or ``"standin_bare"``
+    (the same without the stand-in's Python emulation of the C launcher's address reads)."""
     from hisparse_triton.runtime import HiSparseRuntime
     from hisparse_triton.workload import plan_for_workload
 
@@ -241,21 +247,27 @@ _LAUNCH_PATHS = {
                         + ("on" if os.environ.get("HISPARSE_TRITON_DIRECT_LAUNCH", "1") != "0"
                            else "off (HISPARSE_TRITON_DIRECT_LAUNCH=0)")),
 }
+_LAUNCH_PATHS["standin_bare"] = lambda: (_LAUNCH_PATHS["standin"]() + "; the stand-in's "
+                                         "emulated per-argument address reads left out")
 
 _SUBPROCESS = """
 import json, sys
 from hisparse_triton.benchmarks.step_cost import decode_step_host_cost
 kwargs = json.loads(sys.argv[1])
-print(json.dumps(decode_step_host_cost(launches="standin", **kwargs)))
+mode = kwargs.pop("launches")
+print(json.dumps(decode_step_host_cost(launches=mode, **kwargs)))
 """
 
 
 def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = True,
-                          timeout: float = 1800, **kwargs: Any) -> dict[str, Any]:
+                          read_addresses: bool = True, timeout: float = 1800,
+                          **kwargs: Any) -> dict[str, Any]:
     """``decode_step_host_cost(launches="standin")`` in a fresh Python process (its kernels
     imported without ``TRITON_INTERPRET``), with direct launches on (``direct``) or off
     (``HISPARSE_TRITON_DIRECT_LAUNCH=0``: every launch through ``JITFunction.run``). The
     first run compiles the kernels for sm_90 (Triton's disk cache keeps them).
+    ``read_addresses=False``: launch mode ``"standin_bare"`` (the stand-in does not emulate
+    the C launcher's address reads: Triton's Python launch path alone).
     ``RuntimeError`` with the child's error output when it fails."""
     import json
     import subprocess
@@ -263,7 +275,8 @@ def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = Tr
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["HISPARSE_TRITON_DIRECT_LAUNCH"] = "1" if direct else "0"
-    args = json.dumps(dict(batch=batch, steps=steps, **kwargs))
+    args = json.dumps(dict(batch=batch, steps=steps,
+                           launches="standin" if read_addresses else "standin_bare", **kwargs))
     proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, args], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

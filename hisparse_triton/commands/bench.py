@@ -265,18 +265,25 @@ def run_host(args: argparse.Namespace) -> int:
         lines.append("host cost with Triton's real Python launch path (JITFunction.run or "
                      "direct launches) against a STAND-IN sm_90 driver on CPU: real compiles, "
                      "each launch's arguments read, nothing launched:")
-        for label, direct in (("before", False), ("after", True)):
+        # after_bare: the stand-in's Python emulation of the C launcher's per-argument
+        # address reads left out (Triton's Python launch path alone)
+        for label, direct, reads in (("before", False, True), ("after", True, True),
+                                     ("after_bare", True, False)):
             try:
                 launch_path[label] = launch_path_host_cost(batch, steps, top_k=top_k,
                                                            device_buffer_size=hot,
-                                                           direct=direct)
+                                                           direct=direct,
+                                                           read_addresses=reads)
             except Exception as exc:  # the stubbed numbers above still stand
                 launch_path[label] = {"error": str(exc)[-500:]}
                 lines.append(f"  {label}: failed: {str(exc)[-200:]}")
                 continue
             r = launch_path[label]
+            how = "direct launches" if direct else "JITFunction.run per launch"
+            if not reads:
+                how += ", no emulated address reads"
             lines.append(
-                f"  {label:6s} ({'direct launches' if direct else 'JITFunction.run per launch'}"
+                f"  {label:10s} ({how}"
                 f"): step {r['step_ms']:.3f} ms (target <= {LAUNCH_PATH_TARGET_MS:g}), "
                 f"worker.resolve_rows {r['resolve_rows_us']:.1f} us, bookkeeping "
                 f"{r['bookkeeping_ms']:.3f} ms, {r['step_launches']} launches")
