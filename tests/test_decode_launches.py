@@ -2,17 +2,17 @@
 real compiles, launches recorded instead of run): a repeated ``resolve_rows`` is two direct
 launches (resolve, then the gather of its miss plan) that hand the launcher addresses only,
 with the arguments of the bound calls they stand for; a gather that raises there undoes the
-resolve; a launch recorder that replaces the kernels gets the launches. Runs in a subprocess without ``TRITON_INTERPRET`` (the kernels must compile)."""
+resolve; a launch recorder that replaces the kernels gets the launches. Runs in a
+subprocess without ``TRITON_INTERPRET`` (the kernels must compile)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from compiled_run import run_compiled
 
 _SCRIPT = textwrap.dedent('''
     import json, sys, torch
@@ -81,12 +81,7 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
 def test_a_repeated_resolve_is_two_direct_launches_of_addresses():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, tests], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_compiled(_SCRIPT)
     assert out["pair_launches"] == 2 and out["pair_taken"]
     assert out["pair_addresses_only"]
     assert out["same_args"] and out["same_rows"]

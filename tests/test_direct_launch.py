@@ -10,7 +10,6 @@ compiles with Triton's ptxas, launches recorded instead of run). Under the inter
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -19,6 +18,7 @@ import torch
 
 from hisparse_triton.kernels import gather
 from hisparse_triton.kernels.direct_launch import DirectLaunch, direct_launch_enabled
+from compiled_run import run_compiled
 from test_copy_reference import make_table, random_plan, run_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -111,15 +111,7 @@ _STANDIN_CHECK = textwrap.dedent('''
 
 
 def _run_standin_check(extra_env: dict[str, str] | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(extra_env or {})
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", _STANDIN_CHECK, tests_dir], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compiled(_STANDIN_CHECK, extra_env=extra_env, timeout=600)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")

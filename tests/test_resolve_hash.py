@@ -8,11 +8,8 @@ check compiles for sm_90 in a subprocess under the stand-in driver (skipped with
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,6 +18,7 @@ import torch
 from hisparse_triton.kernels import resolve as kres
 from hisparse_triton.ops import ResolveWorkspace
 from hisparse_triton.ops.resolve.workspace import HASH_EMPTY, hash_table_width
+from compiled_run import run_compiled
 from test_resolve_kernel import pair, run_both
 from test_resolve_reference import (
     INT32_MAX,
@@ -276,12 +274,7 @@ def _ptxas() -> bool:
 
 @pytest.mark.skipif(not _ptxas(), reason="needs Triton's ptxas (sm_90 compile)")
 def test_bound_resolve_launches_directly_under_the_standin_driver() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", _STANDIN_CHECK, tests], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_compiled(_STANDIN_CHECK)
     assert out["kernel"] == "hash"
     assert out["paths"] == [1, 2]  # the first call binds (normal path), then direct
     assert out["same_grid"] and out["same_len"]
