@@ -12,7 +12,6 @@ counts without the error. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
@@ -21,12 +20,14 @@ from hisparse_triton.errors import CapacityError
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
 from hisparse_triton.scheduler.prefix_cache import PrefixCache, PrefixEntry, prompt_page_hashes
-from hisparse_triton.scheduler.requests import Request, RequestTable, check_lengths
+from hisparse_triton.scheduler.requests import (
+    Request,
+    RequestTable,
+    check_lengths,
+    state_rows_of,
+)
 from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
 from hisparse_triton.specs import cdiv
-
-
-_ROW = attrgetter("row")
 
 
 @dataclass
@@ -177,7 +178,7 @@ class Capacity:
         if reqs is None:
             return None
         cols = self.requests.columns
-        rows = np.fromiter(map(_ROW, reqs), dtype=np.int64, count=len(reqs))
+        rows = state_rows_of(reqs)
         positions = cols.seq_len[rows]
         if np.count_nonzero(positions >= cols.reserved[rows]):
             return None

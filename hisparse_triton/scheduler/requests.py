@@ -206,6 +206,11 @@ class Request:
 _ROW = attrgetter("row")
 
 
+def state_rows_of(reqs: Sequence[Request]) -> np.ndarray:
+    """``[len(reqs)] int64``: the requests' state rows, in order."""
+    return np.fromiter(map(_ROW, reqs), dtype=np.int64, count=len(reqs))
+
+
 class RequestColumns:
     """The requests' per-state-row numbers, for the batch paths (decode, step) to read and
     write many at once: the lengths ``seq_len``, ``scheduled_len``, ``committed_len``,
@@ -299,8 +304,7 @@ class RequestTable:
         rows (kept until a request comes or goes; do not change them)."""
         if self._order is None:
             reqs = list(self._by_id.values())
-            self._order = (reqs, np.fromiter(map(_ROW, reqs), dtype=np.int64,
-                                             count=len(reqs)))
+            self._order = (reqs, state_rows_of(reqs))
         return self._order
 
     def _reorder(self) -> None:
@@ -492,7 +496,8 @@ class RequestTable:
         """Whether ``req``'s entries of ``columns`` (but its lengths) say what it holds."""
         cols, row = self.columns, req.row
         host = cols.host[row]
-        if req.columns is not cols or req._slot != row or int(cols.reserved[row]) != req.reserved_tokens \
+        if req.columns is not cols or req._slot != row \
+                or int(cols.reserved[row]) != req.reserved_tokens \
                 or bool(cols.tracks_ids[row]) != (req.token_ids is not None) \
                 or host[:len(req.host_blocks)].tolist() != req.host_blocks \
                 or host[len(req.host_blocks):].any():
@@ -507,4 +512,4 @@ class RequestTable:
 
 
 __all__ = ["Request", "RequestTable", "check_id_list", "check_lengths", "check_request_id",
-           "int_at_least"]
+           "int_at_least", "state_rows_of"]

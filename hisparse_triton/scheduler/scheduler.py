@@ -58,7 +58,13 @@ from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, pack_mirror_rows
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
 from hisparse_triton.scheduler.queries import SchedulerQueries
-from hisparse_triton.scheduler.requests import Request, RequestTable, check_id_list, int_at_least
+from hisparse_triton.scheduler.requests import (
+    Request,
+    RequestTable,
+    check_id_list,
+    int_at_least,
+    state_rows_of,
+)
 from hisparse_triton.scheduler.residency import ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
 from hisparse_triton.specs import KVCacheConfig
@@ -275,7 +281,7 @@ class HiSparseScheduler(SchedulerQueries):
         else:
             devices = self.devices
             new_ids = [req.new_token_ids(1, ids) for req, ids in zip(reqs, per_request)]
-            rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+            rows = state_rows_of(reqs)
             positions = np.fromiter((r.seq_len for r in reqs), dtype=np.int64,
                                     count=len(reqs))
             for req, ids in zip(reqs, new_ids):
