@@ -61,8 +61,8 @@ from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
 
 __all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "LaunchShape", "copy_rows_kernel",
-           "device_guard", "gather_rows", "launch_copy", "launch_shape", "restore_pages", "sm_count",
-           "validate_pool"]
+           "device_guard", "gather_rows", "launch_copy", "launch_shape", "restore_pages",
+           "sm_count", "validate_pool"]
 
 @triton.jit
 def copy_rows_kernel(
@@ -386,31 +386,32 @@ class BoundCopy:
         return (prepared.grid, args, dict(HAS_COUNTS=has_counts, **prepared.constexprs),
                 src_ids, dst_ids, counts, None)
 
+    def _bound_call(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                    counts: Optional[torch.Tensor]) -> Optional[tuple]:
+        """The call bound to these very plan tensors (None before their first call)."""
+        call = self._calls.get((id(src_ids), id(dst_ids), id(counts)))
+        if call is None or call[3] is not src_ids or call[4] is not dst_ids \
+                or call[5] is not counts:
+            return None
+        return call
+
     def direct_launch(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
                       counts: Optional[torch.Tensor] = None) -> Optional[DirectLaunch]:
         """The launch ``bound(src_ids, dst_ids, counts)`` makes once it is bound to these very
         plan tensors and goes straight to the compiled launcher (its kernel still the
         module's: no launch recorder replaced it): calling it (no arguments) is that copy.
         None before the first call, for an empty plan, or off the direct path."""
-        call = self._calls.get((id(src_ids), id(dst_ids), id(counts)))
-        if call is None or call[3] is not src_ids or call[4] is not dst_ids \
-                or call[5] is not counts:
+        call = self._bound_call(src_ids, dst_ids, counts)
+        launch = None if call is None else call[6]
+        if launch is None or not launch.bound or launch.kernel is not copy_rows_kernel:
             return None
-        launch = call[6]
-        return launch if launch is not None and self.launches_directly(launch) else None
-
-    @staticmethod
-    def launches_directly(launch: DirectLaunch) -> bool:
-        """Whether ``launch`` (from ``direct_launch``) still goes straight to the compiled
-        launcher of the module's kernel (a launch recorder may have replaced it since)."""
-        return launch.bound and launch.kernel is copy_rows_kernel
+        return launch
 
     def __call__(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
                  counts: Optional[torch.Tensor] = None) -> None:
         key = (id(src_ids), id(dst_ids), id(counts))
-        call = self._calls.get(key)
-        if call is None or call[3] is not src_ids or call[4] is not dst_ids \
-                or call[5] is not counts:
+        call = self._bound_call(src_ids, dst_ids, counts)
+        if call is None:
             call = self._calls[key] = self._prepare(src_ids, dst_ids, counts)
         grid, args, constexprs = call[:3]
         if grid is not None:
