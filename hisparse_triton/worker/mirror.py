@@ -16,7 +16,7 @@ main part and, with draft layers, a draft part.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -24,9 +24,7 @@ from hisparse_triton.groups import PlanGroups
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.step_plan import StepPlan
 from hisparse_triton.worker.layers import PoolLayers
-
-if TYPE_CHECKING:
-    from hisparse_triton.worker.tables import PlanTables
+from hisparse_triton.worker.tables import PlanTables, ordinary_tensors
 
 __all__ = ["CopyRows", "HostMirror", "MirrorSet"]
 
@@ -124,11 +122,9 @@ class HostMirror:
         the copies run (its mirror sections are read there: no host -> device copy)."""
         if not plan.num_mirror:
             return 0
-        if torch.is_inference_mode_enabled():  # the views and gathers as ordinary tensors
-            with torch.inference_mode(False), torch.no_grad():
-                return self._copy_sets(plan, packed, self._part_sets[draft])
         return self._copy_sets(plan, packed, self._part_sets[draft])
 
+    @ordinary_tensors   # the views and gathers as ordinary tensors in any mode
     def _copy_sets(self, plan: StepPlan, packed: torch.Tensor,
                    sets: tuple[MirrorSet, ...]) -> int:
         """``copy`` of ``sets``: per set, the host rows as a ``[L, 1, n]`` view of

@@ -114,7 +114,7 @@ class StagingRing:
         return self._device_buffer[:values.size]
 
 
-def _ordinary_tensors(method: Callable) -> Callable:
+def ordinary_tensors(method: Callable) -> Callable:
     """``method`` run outside inference mode (the tables are ordinary tensors whatever the
     caller's mode); as a decorator, so no context exit runs in it. Outside inference mode
     it is called as is: no tensor it touches requires grad, so autograd records nothing
@@ -282,7 +282,7 @@ class PlanTables:
     # The two methods below end with ONE statement that records the new step (after every
     # tensor write): whatever raises before it leaves the step count untouched, and the
     # tensor writes are undone first.
-    @_ordinary_tensors
+    @ordinary_tensors
     def _apply(self, plan: StepPlan, packed: np.ndarray) -> None:
         due = self.due
         if due and due[-1].packed is None:  # its device data survives the next upload
@@ -318,7 +318,7 @@ class PlanTables:
             self._last, self.next_step, self.last_applied, self.due = kept
             raise
 
-    @_ordinary_tensors
+    @ordinary_tensors
     def _revert(self, undo: "_Undo") -> None:
         self._restore(undo)
         self._last, self.next_step, self.last_applied, self.due = (
