@@ -227,9 +227,8 @@ class StepPlan:
         if self.num_mirror and self.num_resident == 0:
             raise ValueError(f"StepPlan {self.step} has {self.num_mirror} mirror rows but "
                              f"num_resident is 0.")
-        expected = (self.num_resets + 2 * self.num_writes
-                    + self.num_mirror * (1 + self.num_resident) + 3 * self.num_lost
-                    + 3 * self.num_invalidate)
+        expected = _data_size(self.num_resets, self.num_writes, self.num_mirror,
+                              self.num_resident, self.num_lost, self.num_invalidate)
         if data.size != expected:
             raise ValueError(f"StepPlan.data holds {data.size} entries; its counts need "
                              f"{expected}.")
@@ -552,6 +551,12 @@ _INT32_DTYPE = np.dtype(np.int32)
 _ONLY_INT = {int}
 
 
+def _data_size(resets: int, writes: int, mirror: int, resident: int, lost: int,
+               invalidate: int) -> int:
+    """Entries of a plan's ``data`` for its section counts."""
+    return resets + 2 * writes + mirror * (1 + resident) + 3 * lost + 3 * invalidate
+
+
 def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
     """``StepPlan.received``'s copy of a plan whose fields are all plain: ``int`` fields
     inside their ranges, a ``bool`` commit, a 1-D native int32 array of the size its counts
@@ -568,8 +573,7 @@ def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
             or max(values) > _INT64[1] or type(commit) is not bool
             or type(data) is not np.ndarray or data.dtype is not _INT32_DTYPE
             or data.ndim != 1 or (mirror and not resident)
-            or data.size != (resets + 2 * writes + mirror * (1 + resident) + 3 * lost
-                             + 3 * invalidate)):
+            or data.size != _data_size(resets, writes, mirror, resident, lost, invalidate)):
         return None
     copy = object.__new__(StepPlan)
     copy.__dict__.update(zip(_INT_NAMES, values), commit=commit, data=data.copy())
