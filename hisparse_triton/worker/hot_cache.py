@@ -286,6 +286,17 @@ class HotState:
         self.slot_host_rows[:, rows] = slots
 
 
+class _KeptLaunches(NamedTuple):
+    """``HotCache._direct_launches``' answer for one bound call, and what it holds for."""
+
+    call: list                  # the bound resolve call (``BoundResolve.prepared``)
+    gather: object              # the bound gather (``BoundCopy``) it was looked up in
+    launches: Optional[tuple]   # the answer (None: not on the direct path)
+    generation: int             # ``kernels.launches.generation()`` then
+    recorders: ModuleType       # ``hisparse_triton.kernels.launches``
+    retry: bool                 # look a None answer up again next time
+
+
 class HotCache:
     """One index group's hot cache (see the module docstring).
 
@@ -334,8 +345,8 @@ class HotCache:
         #: ``(shape key, bound call)`` of the last eager call, whose checks ``resolve_fast``
         #: skips for a call of the same shapes, dtypes, strides and devices.
         self._fast: Optional[tuple] = None
-        #: ``(bound call, bound gather, launches)``: ``_direct_launches``' answer for them
-        self._launches: Optional[tuple] = None
+        #: ``_direct_launches``' answer and what it holds for
+        self._launches: Optional[_KeptLaunches] = None
         self.bound = self.bound_gather = None
         if kernel == "triton":
             from hisparse_triton.kernels.resolve import BoundResolve
@@ -487,30 +498,28 @@ class HotCache:
         gather) and looked up again whenever a launch recorder replaced or restored the
         kernels since (``kernels.launches.generation``)."""
         kept = self._launches
-        if kept is None or kept[0] is not call or kept[1] is not self.bound_gather \
-                or kept[3] != kept[4].generation() or kept[5]:
-            kept = self._launches = (call, self.bound_gather, *self._bind_launches(call))
-        return kept[2]
+        if kept is None or kept.call is not call or kept.gather is not self.bound_gather \
+                or kept.generation != kept.recorders.generation() or kept.retry:
+            kept = self._launches = self._bind_launches(call)
+        return kept.launches
 
-    def _bind_launches(self, call: list) -> tuple:
-        """``(launches, generation, kernels.launches, retry)``: ``_direct_launches``' tuple
-        for ``call``, looked up in the bound resolve and gather (None when either is not on
-        the direct path), the launch recorders' generation it holds for, and whether a None
-        is to be looked up again next time (direct launches are on, so the launches bind
-        on their next normal launch)."""
+    def _bind_launches(self, call: list) -> "_KeptLaunches":
+        """``_direct_launches``' answer for ``call``, looked up in the bound resolve and
+        gather, with what it holds for."""
         from hisparse_triton.kernels import launches as recorders
         from hisparse_triton.kernels.direct_launch import direct_launch_enabled
         from hisparse_triton.kernels.gather import device_guard
 
-        generation = recorders.generation()
+        kept = _KeptLaunches(call, self.bound_gather, None, recorders.generation(),
+                             recorders, False)
         resolve_launch = self.bound.direct_launch(call)
         result = call[5]
         gather_launch = None if resolve_launch is None else self.bound_gather.direct_launch(
             result.miss_src, result.miss_dst, result.miss_count)
-        if gather_launch is None:
-            return None, generation, recorders, direct_launch_enabled()
-        return ((resolve_launch, gather_launch, call[3], result, device_guard), generation,
-                recorders, False)
+        if gather_launch is None:   # bound on a next normal launch, if direct launches are on
+            return kept._replace(retry=direct_launch_enabled())
+        return kept._replace(launches=(resolve_launch, gather_launch, call[3], result,
+                                       device_guard))
 
     def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
                  events: Optional[tuple] = None) -> torch.Tensor:
