@@ -76,7 +76,8 @@ _STANDIN_CHECK = textwrap.dedent('''
         one(s); one(moved)
         out["dynamic_paths"] = [one.fallback_calls, one.direct_calls]
         first, second = launch.calls[-2], launch.calls[-1]
-        out["dynamic_same_args"] = (same(first, normal) and value(second.args[at]) == moved.data_ptr()
+        out["dynamic_same_args"] = (same(first, normal)
+                                    and value(second.args[at]) == moved.data_ptr()
                                     and same(second._replace(args=second.args[:at]),
                                              first._replace(args=first.args[:at])))
         shifted = torch.zeros(s.numel() + 1, dtype=s.dtype)[1:].view(s.shape)

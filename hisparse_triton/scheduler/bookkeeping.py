@@ -81,5 +81,5 @@ def check_bookkeeping(items: list[tuple[str, int]], max_ram_fraction: float = 0.
             available=available)
 
 
-__all__ = ["BYTES_PER_HOST_ENTRY", "BYTES_PER_POOL_BLOCK", "BYTES_PER_STATE_ROW", "bookkeeping_items",
-           "check_bookkeeping", "check_plan"]
+__all__ = ["BYTES_PER_HOST_ENTRY", "BYTES_PER_POOL_BLOCK", "BYTES_PER_STATE_ROW",
+           "bookkeeping_items", "check_bookkeeping", "check_plan"]

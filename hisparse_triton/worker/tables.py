@@ -385,7 +385,8 @@ def _same_plan(a: StepPlan, b: StepPlan) -> bool:
 
 
 def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal(a, b)``; for two 1-D arrays of one integer dtype, by their bytes (faster)."""
+    """``np.array_equal(a, b)``; for two 1-D arrays of one integer dtype, by their bytes
+    (faster)."""
     if a.dtype == b.dtype and a.dtype.kind in "iu" and a.ndim == b.ndim == 1:
         return a.tobytes() == b.tobytes()
     return bool(np.array_equal(a, b))
