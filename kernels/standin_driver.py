@@ -5,11 +5,13 @@ without a GPU (host-cost measurements and launch tests on CPU).
 the active device: ``kernel[grid](...)`` binds and specialises its arguments, builds the cache
 key, compiles the kernel for ``sm_<arch>`` with the ``ptxas`` Triton ships (once; Triton's
 disk cache keeps it), loads it through the stand-in's ``load_binary`` and calls the launcher.
-The launcher is Triton's own Python launcher class of the installed version where it can be
-built without the CUDA toolkit's compiled helpers (their C ``launch`` replaced by
-``StandInLaunch``), else a Python launcher with the same call signature; either way
-``StandInLaunch`` reads every pointer argument's address (as the C launcher does) and records
-the call instead of launching anything.
+The launcher is Triton's own Python launcher class of the installed version (``CudaLauncher``:
+its Python ``__call__`` runs as on a GPU) where it can be built without the CUDA toolkit's
+compiled helpers: their C ``launch`` is replaced by ``StandInLaunch``, and the few names its
+constructor takes from them (``PyKernelArg``, the ``ARG_*`` kinds,
+``build_signature_metadata``) by plain Python stand-ins for the block; else a Python launcher
+with the same call signature. Either way ``StandInLaunch`` reads every pointer argument's
+address (as the C launcher does) and records the call instead of launching anything.
 Tensors are CPU tensors standing in for CUDA ones. Everything is restored on exit.
 
 What it measures: Triton's Python cost per launch (binding, specialisation, cache lookup,
@@ -89,6 +91,44 @@ class _Utils:
     def launch(self, gridX, gridY, gridZ, stream, function, *rest):
         # Triton's Python launcher passes the kernel arguments last (one tuple).
         self._launch((gridX, gridY, gridZ), tuple(rest[-1]))
+
+    @staticmethod
+    def build_signature_metadata(kernel_signature):
+        # (the C helper packs the signature for its launch; the stand-in launch reads none)
+        return tuple(kernel_signature)
+
+
+class _KernelArg(NamedTuple):
+    """Stand-in of the C helper's ``PyKernelArg`` (an argument's annotation)."""
+
+    nested_tuple: Any
+    type: int
+
+
+#: What Triton's NVIDIA driver module takes from its compiled helper when the helper is built
+#: (``CudaUtils``); the stand-in's values while it is active, where the module has none.
+_HELPER_NAMES = {"PyKernelArg": _KernelArg, "ARG_CONSTEXPR": 0, "ARG_KERNEL": 1,
+                 "ARG_TUPLE": 2}
+
+
+@contextlib.contextmanager
+def _helper_names() -> Iterator[None]:
+    """Triton's NVIDIA driver module with the stand-in helper names (where it has no compiled
+    helper's: the names are None then), restored on exit."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+    except Exception:  # pragma: no cover - a Triton without the NVIDIA backend
+        yield
+        return
+    saved = {name: getattr(nvidia_driver, name) for name in _HELPER_NAMES
+             if hasattr(nvidia_driver, name) and getattr(nvidia_driver, name) is None}
+    for name in saved:
+        setattr(nvidia_driver, name, _HELPER_NAMES[name])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(nvidia_driver, name, value)
 
 
 def _python_launcher(launch: StandInLaunch):
@@ -200,12 +240,13 @@ def standin_cuda_driver(arch: int = 90, *, record: bool = True,
     launch = StandInLaunch(record=record, read_addresses=read_addresses)
     standin = _make_driver(arch, launch)
     previous = driver._active
-    driver.set_active(standin)
-    try:
-        yield launch
-    finally:
-        driver._active = previous
-        _drop_device_caches()
+    with _helper_names():
+        driver.set_active(standin)
+        try:
+            yield launch
+        finally:
+            driver._active = previous
+            _drop_device_caches()
 
 
 def _drop_device_caches() -> None:
