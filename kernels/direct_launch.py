@@ -40,7 +40,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["DirectLaunch", "direct_launch_enabled"]
+__all__ = ["DirectLaunch", "DirectPair", "direct_launch_enabled"]
 
 #: Environment variable that turns direct launches off (``0``): every call then takes
 #: Triton's normal launch path.
@@ -57,6 +57,9 @@ def direct_launch_enabled() -> bool:
 
 def _aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % _ALIGNMENT == 0
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 class DirectLaunch:
@@ -91,8 +94,12 @@ class DirectLaunch:
         self._values: Optional[list] = None      # every parameter's value, in kernel order
         self._value_index: tuple[int, ...] = ()  # where each dynamic arg sits in _values
         self._alignment: tuple[bool, ...] = ()
-        #: other alignment patterns bound before: alignment -> (compiled, values)
-        self._bindings: dict[tuple[bool, ...], tuple[Any, list]] = {}
+        self._launcher: tuple = ()                # (compiled.run, function, packed metadata)
+        self._forward: Optional[tuple] = None     # ``_forwarding``'s answer for the launcher
+        self._args: Optional[tuple] = None        # the values as a tuple (None: rebuild)
+        self._addresses: Optional[tuple] = None   # the dynamic tensors' addresses in _values
+        #: every alignment pattern bound: alignment -> (compiled, values, launcher, forward)
+        self._bindings: dict[tuple[bool, ...], tuple] = {}
         self._enabled = direct_launch_enabled()
 
     # ------------------------------------------------------------------ binding
@@ -129,7 +136,11 @@ class DirectLaunch:
         # launch that compiled it): ``compiled.run`` per call would be a property lookup.
         self._compiled = compiled
         self._launcher = (compiled.run, compiled.function, compiled.packed_metadata)
-        self._bindings[self._alignment] = (compiled, values, self._launcher)
+        self._forward = _forwarding(compiled.run, self.grid3, compiled.function,
+                                    compiled.packed_metadata, values)
+        self._addresses = tuple(self._values[i] for i in self._value_index)
+        self._args = None
+        self._bindings[self._alignment] = (compiled, values, self._launcher, self._forward)
 
     def _normal(self, tensors: Sequence[torch.Tensor]) -> None:
         for position, tensor in zip(self.dynamic, tensors):
@@ -142,37 +153,49 @@ class DirectLaunch:
     # ------------------------------------------------------------------ launching
     def launch(self, *tensors: torch.Tensor) -> None:
         """Launch with ``tensors`` at the dynamic positions (see the class docstring)."""
-        compiled = self._compiled
-        if compiled is None:
+        if self._compiled is None or _hooks_registered(self._runtime) \
+                or (tensors and not self._place(tensors)):
             self._normal(tensors)
             return
-        runtime = self._runtime
-        # A hook would run: Triton 3.6+ keeps hooks in a HookChain (its ``calls`` list, empty
-        # by default); older versions hold None or the hook itself.
-        if getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook) \
-                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook):
-            self._normal(tensors)
-            return
-        values = self._values
-        for index, tensor, aligned in zip(self._value_index, tensors, self._alignment):
-            address = tensor.data_ptr()
-            if (address % _ALIGNMENT == 0) is not aligned:
-                if not self._switch(tensors):
-                    self._normal(tensors)
-                    return
-                values = self._values
-                for index2, tensor2 in zip(self._value_index, tensors):
-                    values[index2] = tensor2.data_ptr()
-                break
-            values[index] = address
-        run, function, metadata = self._launcher
         active = self._driver.active
-        stream = active.get_current_stream(active.get_current_device())
-        g0, g1, g2 = self.grid3
-        run(g0, g1, g2, stream, function, metadata, None, None, None, *values)
+        self._send(active.get_current_stream(active.get_current_device()))
         self.direct_calls += 1
 
     __call__ = launch
+
+    def _place(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Put the addresses of ``tensors`` (the dynamic arguments) into the bound values,
+        switching to the binding of their alignment pattern; False when that pattern has no
+        binding yet (the call must take the normal path, which binds it). Addresses equal
+        to the last call's change nothing (the common case: persistent buffers)."""
+        addresses = tuple(map(_data_ptr, tensors))
+        if addresses == self._addresses:
+            return True
+        alignment = tuple(address % _ALIGNMENT == 0 for address in addresses)
+        if alignment != self._alignment and not self._switch(alignment):
+            return False
+        values = self._values
+        for index, address in zip(self._value_index, addresses):
+            values[index] = address
+        self._addresses, self._args = addresses, None
+        return True
+
+    def _send(self, stream: Any) -> None:
+        """Hand the bound values to the compiled launcher on ``stream``: straight to the
+        launch its Python ``__call__`` forwards to where that was captured at binding
+        (``_forwarding``; the values as one tuple, rebuilt only after an address changed),
+        else through ``__call__``."""
+        forward = self._forward
+        if forward is None:
+            run, function, metadata = self._launcher
+            g0, g1, g2 = self.grid3
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *self._values)
+            return
+        args = self._args
+        if args is None:
+            args = self._args = tuple(self._values)
+        launch, head, tail = forward
+        launch(*head, stream, *tail, args)
 
     @property
     def bound(self) -> bool:
@@ -180,15 +203,109 @@ class DirectLaunch:
         direct launches are off or the kernel is interpreted)."""
         return self._compiled is not None
 
-    def _switch(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Make the binding of ``tensors``' alignment pattern the current one, if bound."""
-        alignment = tuple(_aligned(t) for t in tensors)
+    @property
+    def forwarded(self) -> bool:
+        """Whether calls skip the launcher's Python ``__call__`` (``_forwarding``)."""
+        return self._compiled is not None and self._forward is not None
+
+    def _switch(self, alignment: tuple[bool, ...]) -> bool:
+        """Make the binding of the alignment pattern ``alignment`` the current one, if
+        bound."""
         bound = self._bindings.get(alignment)
         if bound is None:
             return False
-        self._compiled, self._values, self._launcher = bound
+        self._compiled, self._values, self._launcher, self._forward = bound
         self._alignment = alignment
+        self._addresses, self._args = None, None
         return True
+
+
+#: The stream ``_forwarding`` passes while it watches a launcher forward a call.
+_STREAM_MARK = object()
+
+
+def _forwarding(launcher: Any, grid3: tuple, function: Any, metadata: Any,
+                values: list) -> Optional[tuple]:
+    """``(launch, head, tail)`` when ``launcher``'s Python ``__call__`` only forwards the call
+    to its ``launch`` attribute (Triton 3.7+'s ``CudaLauncher``: the C launch, given the
+    kernel arguments as one tuple): ``launch(*head, stream, *tail, args)`` then does what
+    ``launcher(*grid3, stream, function, metadata, None, None, None, *args)`` does. Found by
+    watching one such call with ``launch`` replaced by a recorder (nothing is launched):
+    ``head`` must be the grid, the stream must come next, ``function`` after it and the
+    arguments last, as one sequence of the very values; the launcher must allocate no
+    per-launch scratch (its sizes 0). None for any other launcher (the call then goes
+    through ``__call__``)."""
+    if "launch" not in vars(launcher) or getattr(launcher, "global_scratch_size", 1) != 0 \
+            or getattr(launcher, "profile_scratch_size", 1) != 0:
+        return None
+    forward = launcher.launch
+    seen: list[tuple] = []
+    launcher.launch = lambda *args: seen.append(args)
+    try:
+        launcher(*grid3, _STREAM_MARK, function, metadata, None, None, None, *values)
+    except Exception:
+        return None
+    finally:
+        launcher.launch = forward
+    if len(seen) != 1:
+        return None
+    call = seen[0]
+    sent = call[-1] if call else None
+    if len(call) < 6 or tuple(call[:3]) != tuple(grid3) or call[3] is not _STREAM_MARK \
+            or call[4] is not function or any(a is _STREAM_MARK for a in call[4:]) \
+            or not isinstance(sent, (tuple, list)) or len(sent) != len(values) \
+            or any(a is not b for a, b in zip(sent, values)):
+        return None
+    return forward, tuple(call[:3]), tuple(call[4:-1])
+
+
+def _hooks_registered(runtime: Any) -> bool:
+    """Whether a launch hook would run (``knobs.runtime``'s enter / exit hooks): Triton 3.6+
+    keeps them in a HookChain (its ``calls`` list, empty by default); older versions hold
+    None or the hook itself."""
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
+
+
+class DirectPair:
+    """Two bound launches made back to back on the current stream: ``first`` with its
+    dynamic tensors, then ``second`` (which has none), e.g. the decode path's resolve and the
+    gather of its miss plan. ``pair(*tensors)`` does what ``first(*tensors); second()`` does,
+    with one hook check and one stream lookup for both; whenever either launch would not go
+    straight to its compiled launcher (not bound yet, a hook registered, an alignment not
+    bound) it makes exactly those two calls instead.
+
+    ``stage`` says how far the last call got (0: nothing launched, 1: ``first`` launched,
+    2: both), so a caller whose ``second`` raised knows ``first`` ran.
+    """
+
+    def __init__(self, first: DirectLaunch, second: DirectLaunch) -> None:
+        if second.dynamic:
+            raise ValueError("the second launch of a DirectPair takes no dynamic tensors.")
+        self.first, self.second = first, second
+        self.stage = 0
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        first, second = self.first, self.second
+        self.stage = 0
+        if first._compiled is None or second._compiled is None \
+                or _hooks_registered(first._runtime) or not first._place(tensors):
+            self._one_by_one(tensors)
+            return
+        active = first._driver.active
+        stream = active.get_current_stream(active.get_current_device())
+        first._send(stream)
+        first.direct_calls += 1
+        self.stage = 1
+        second._send(stream)
+        second.direct_calls += 1
+        self.stage = 2
+
+    def _one_by_one(self, tensors: tuple) -> None:
+        self.first.launch(*tensors)
+        self.stage = 1
+        self.second.launch()
+        self.stage = 2
 
 
 def _has_default(param: Any) -> bool:

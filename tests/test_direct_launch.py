@@ -61,6 +61,8 @@ _STANDIN_CHECK = textwrap.dedent('''
         out["bound_paths"] = [direct.fallback_calls, direct.direct_calls]
         out["bound_same_args"] = all(same(call, normal) for call in launch.calls[-3:])
         out["bound_addresses"] = [addresses_only(call) for call in launch.calls[-3:]]
+        out["launcher"] = type(direct._launcher[0]).__name__ if direct.bound else None
+        out["forwarded"] = direct.forwarded
 
         # A DirectLaunch with a dynamic tensor: same arguments as the normal path, a new
         # address of the same alignment stays direct, a misaligned one falls back.
@@ -121,6 +123,8 @@ def test_direct_launches_pass_the_normal_paths_arguments():
     assert out["bound_paths"] == [1, 2]            # bound once by the normal path, then direct
     assert out["bound_same_args"]
     assert out["bound_addresses"] == [False, True, True]  # the normal path passes tensors
+    # Triton's own launcher class (the pinned 3.7's), its Python __call__ skipped
+    assert out["launcher"] == "CudaLauncher" and out["forwarded"]
     assert out["dynamic_paths"] == [1, 1]
     assert out["dynamic_same_args"]
     assert out["misaligned_paths"] == [2, 1]       # an alignment change takes the normal path
@@ -193,3 +197,62 @@ def test_the_standin_reads_tensor_addresses_unless_told_not_to():
     assert reads == [1]                   # the subclass's address was read (and the tensor's)
     StandInLaunch(record=False, read_addresses=False)((1, 1, 1), args)
     assert reads == [1]
+
+
+class _ForwardingLauncher:
+    """Shaped like Triton 3.7's ``CudaLauncher``: ``__call__`` forwards to ``self.launch``
+    with the kernel arguments as one tuple."""
+
+    global_scratch_size = profile_scratch_size = 0
+
+    def __init__(self, sink: list) -> None:
+        self.launch = lambda *call: sink.append(call)
+
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_,
+                 *args):
+        self.launch(gx, gy, gz, stream, function, False, False, metadata, launch_metadata,
+                    enter, exit_, None, None, "annotations", "signature", args)
+
+
+class _SpreadingLauncher(_ForwardingLauncher):
+    """Forwards the kernel arguments one by one (not as one tuple): not forwardable."""
+
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_,
+                 *args):
+        self.launch(gx, gy, gz, stream, function, *args)
+
+
+class _ScratchLauncher(_ForwardingLauncher):
+    global_scratch_size = 128   # allocates per launch: not forwardable
+
+
+class _RaisingLauncher(_ForwardingLauncher):
+    def __call__(self, *call):
+        raise TypeError("not a stream")
+
+
+def test_forwarding_replays_what_the_launchers_call_does():
+    from hisparse_triton.kernels.direct_launch import _forwarding
+
+    values = [1234567, 3, 4096, 16]
+    launched: list = []
+    launcher = _ForwardingLauncher(launched)
+    forward = _forwarding(launcher, (4, 1, 1), "function", "metadata", values)
+    assert forward is not None and not launched          # the watched call launched nothing
+    launcher(4, 1, 1, 77, "function", "metadata", None, None, None, *values)  # its own path
+    run, head, tail = forward
+    run(*head, 77, *tail, tuple(values))                   # the forwarded path
+    assert len(launched) == 2 and launched[0] == launched[1]
+    assert launched[1][3] == 77 and launched[1][-1] == tuple(values)
+
+
+@pytest.mark.parametrize("launcher_cls", [_SpreadingLauncher, _ScratchLauncher,
+                                          _RaisingLauncher])
+def test_forwarding_refuses_launchers_it_cannot_replay(launcher_cls):
+    from hisparse_triton.kernels.direct_launch import _forwarding
+
+    sink: list = []
+    launcher = launcher_cls(sink)
+    kept = launcher.launch
+    assert _forwarding(launcher, (4, 1, 1), "function", "metadata", [1, 2, 3]) is None
+    assert launcher.launch is kept and not sink           # left as it was, nothing launched
