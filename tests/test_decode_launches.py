@@ -61,14 +61,14 @@ _SCRIPT = textwrap.dedent('''
             out["pair_after_recorder"] = cache._direct_launches(cache._fast[1]) is not None
 
             # a gather that raises on the pair path: the resolve is undone with its result
-            gather_launch = cache._direct_launches(cache._fast[1])[1]
+            gather_launch = cache._direct_launches(cache._fast[1]).pair.second
             undone = []
             cache._undo = lambda rows, res, saved: undone.append(res is not None)
 
             def failing(*args):
                 raise RuntimeError("injected gather failure")
 
-            gather_launch._launcher = (failing, *gather_launch._launcher[1:])
+            gather_launch._send = failing
             try:
                 worker.resolve_rows(L0, state_rows, topk)
                 out["raised"] = False

@@ -57,7 +57,7 @@ Families: ``resolve`` (kernels: ``kernels.resolve``), ``copy`` (``copy_rows`` /
 ``copy_pages``; kernels: ``kernels.gather`` and ``kernels.backup``) and ``prefill``
 (``plan_prefill`` / ``stage_prefill``: a prefill chunk's rows with its host-only rows staged;
 kernels: ``kernels.prefill``). Shared parts:
-``backends.py`` (backend names, ``select_backend``, ``is_eager``) and ``registry.py`` (the
+``backends.py`` (backend names, ``select_backend``, ``is_eager``, ``plain_dispatch``) and ``registry.py`` (the
 one ``torch.library`` registration helper and the op table).
 
 ``hisparse_triton.ops.resolve`` is the op (the function, exported here); its family package is
@@ -72,6 +72,7 @@ from hisparse_triton.ops.backends import (
     ENV_VAR,
     BackendUnavailableError,
     is_eager,
+    plain_dispatch,
     select_backend,
 )
 from hisparse_triton.ops.copy.op import (
@@ -93,7 +94,7 @@ from hisparse_triton.ops.resolve.workspace import ResolveWorkspace, restore_reso
 __all__ = ["BACKENDS", "ENV_VAR", "OP_TABLE", "BackendUnavailableError", "PrefillPlan",
            "PrefillWorkspace", "ResolveResult", "ResolveWorkspace", "copy_pages",
            "copy_pages_op", "copy_rows", "copy_rows_op", "flat_table", "is_eager",
-           "plan_prefill", "plan_prefill_op", "resolve", "resolve_op",
+           "plain_dispatch", "plan_prefill", "plan_prefill_op", "resolve", "resolve_op",
            "restore_resolve_state", "select_backend", "stage_prefill", "validate_table"]
 
 # Short names the tests use.

@@ -72,6 +72,12 @@ def is_eager(tensors: tuple[Optional[Tensor], ...]) -> bool:
     return _current_dispatch_mode() is None
 
 
+def plain_dispatch() -> bool:
+    """``is_eager`` without its tensor checks (for callers that checked their tensors are
+    plain ``torch.Tensor`` already): not traced, no ``TorchDispatchMode`` active."""
+    return not torch.compiler.is_compiling() and _current_dispatch_mode() is None
+
+
 try:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 except ImportError:  # pragma: no cover - very old torch

@@ -286,12 +286,20 @@ class HotState:
         self.slot_host_rows[:, rows] = slots
 
 
+class _DirectCall(NamedTuple):
+    """A bound resolve call on the direct path: its launches and what they write."""
+
+    pair: object                # ``DirectPair``: the resolve, then the gather of its misses
+    bufs: tuple                 # the workspace buffers of the call (``workspace.last``)
+    result: object              # the call's ``ResolveResult`` (views of ``bufs``)
+
+
 class _KeptLaunches(NamedTuple):
-    """``HotCache._direct_launches``' answer for one bound call, and what it holds for."""
+    """``HotCache._direct_launches``' answer for one bound call, and what it holds for (the
+    bound gather it was looked up in is dropped with it: ``HotCache._bind_gathers``)."""
 
     call: list                  # the bound resolve call (``BoundResolve.prepared``)
-    gather: object              # the bound gather (``BoundCopy``) it was looked up in
-    launches: Optional[tuple]   # the answer (None: not on the direct path)
+    launches: Optional[_DirectCall]  # the answer (None: not on the direct path)
     generation: int             # ``kernels.launches.generation()`` then
     recorders: ModuleType       # ``hisparse_triton.kernels.launches``
     retry: bool                 # look a None answer up again next time
@@ -339,6 +347,8 @@ class HotCache:
         self.sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
                           num_host_blocks=num_host_blocks)
         self.device = seq_lens.device
+        #: the CUDA device index the launches must run on (None off CUDA)
+        self._device_index = self.device.index if self.device.type == "cuda" else None
         self.rows_out: Optional[torch.Tensor] = None   # [R, K] the last call's rows
         self.rows_view: Optional[torch.Tensor] = None  # it, in the shape returned
         self._ops = load_ops()
@@ -366,6 +376,7 @@ class HotCache:
                              programs_per_sm=self.gather_programs_per_sm)
 
         self.bound_gather = bound(self.device_table, self.host_table)
+        self._launches = None   # the direct pair holds the gather it was bound with
         if self.split_tables is not None:
             self._split_gathers = tuple(bound(dev, host) for dev, host in self.split_tables)
 
@@ -468,38 +479,45 @@ class HotCache:
         if fast is None or topk.__class__ is not torch.Tensor \
                 or state_rows.__class__ is not torch.Tensor:
             return None
-        key = (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
-               state_rows.dtype, state_rows.device, state_rows.stride())
-        if key != fast[0] or not self._ops.is_eager((topk, state_rows)):
+        if (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
+                state_rows.dtype, state_rows.device, state_rows.stride()) != fast[0] \
+                or not self._ops.plain_dispatch():
             return None
         call = fast[1]
-        launches = self._direct_launches(call)
-        result = None
-        try:
-            if launches is None:
+        direct = self._direct_launches(call)
+        if direct is None:
+            result = None
+            try:
                 result = self.bound.run(call, topk, state_rows)
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
-            else:  # both bound to the compiled launchers: what the two calls above do
-                resolve_launch, gather_launch, bufs, call_result, device_guard = launches
-                self.workspace.last = bufs
-                with device_guard(topk):
-                    resolve_launch(topk, state_rows)
-                    result = call_result
-                    gather_launch()
+            except BaseException:  # undo the resolve: hot state and counters
+                self._undo(state_rows, result, None)
+                raise
             return self.rows_view
-        except BaseException:  # undo the resolve: hot state and counters
-            self._undo(state_rows, result, None)
+        # both bound to the compiled launchers: what the two calls above do
+        pair = direct.pair
+        self.workspace.last = direct.bufs
+        try:
+            if self._device_index is not None \
+                    and torch.cuda.current_device() != self._device_index:
+                with torch.cuda.device(self._device_index):
+                    pair(topk, state_rows)
+            else:
+                pair(topk, state_rows)
+        except BaseException:  # undo the resolve (when it ran): hot state and counters
+            self._undo(state_rows, direct.result if pair.stage else None, None)
             raise
+        return self.rows_view
 
-    def _direct_launches(self, call: list) -> Optional[tuple]:
-        """``(resolve launch, gather launch, workspace buffers, result, device guard)`` of the
-        bound call ``call`` when the resolve and the gather of its miss plan both go
-        straight to their compiled launchers; None otherwise. Kept per (call, bound
-        gather) and looked up again whenever a launch recorder replaced or restored the
-        kernels since (``kernels.launches.generation``)."""
+    def _direct_launches(self, call: list) -> Optional["_DirectCall"]:
+        """The direct pair of the bound call ``call`` (resolve, then the gather of its miss
+        plan, both straight to their compiled launchers) with the workspace buffers and
+        result it stands for; None when it is not on the direct path. Kept per (call,
+        bound gather) and looked up again whenever a launch recorder replaced or restored
+        the kernels since (``kernels.launches.generation``)."""
         kept = self._launches
-        if kept is None or kept.call is not call or kept.gather is not self.bound_gather \
-                or kept.generation != kept.recorders.generation() or kept.retry:
+        if kept is None or kept.call is not call or kept.retry \
+                or kept.generation != kept.recorders.generation():
             kept = self._launches = self._bind_launches(call)
         return kept.launches
 
@@ -507,19 +525,17 @@ class HotCache:
         """``_direct_launches``' answer for ``call``, looked up in the bound resolve and
         gather, with what it holds for."""
         from hisparse_triton.kernels import launches as recorders
-        from hisparse_triton.kernels.direct_launch import direct_launch_enabled
-        from hisparse_triton.kernels.gather import device_guard
+        from hisparse_triton.kernels.direct_launch import DirectPair, direct_launch_enabled
 
-        kept = _KeptLaunches(call, self.bound_gather, None, recorders.generation(),
-                             recorders, False)
+        kept = _KeptLaunches(call, None, recorders.generation(), recorders, False)
         resolve_launch = self.bound.direct_launch(call)
         result = call[5]
         gather_launch = None if resolve_launch is None else self.bound_gather.direct_launch(
             result.miss_src, result.miss_dst, result.miss_count)
         if gather_launch is None:   # bound on a next normal launch, if direct launches are on
             return kept._replace(retry=direct_launch_enabled())
-        return kept._replace(launches=(resolve_launch, gather_launch, call[3], result,
-                                       device_guard))
+        return kept._replace(launches=_DirectCall(
+            DirectPair(resolve_launch, gather_launch), call[3], result))
 
     def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
                  events: Optional[tuple] = None) -> torch.Tensor:

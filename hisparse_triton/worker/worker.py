@@ -344,7 +344,8 @@ class HiSparseWorker(WorkerViews):
         events, no host sync: CUDA-graph capturable. On CPU the events are no-ops
         (``HostEvent``) and the result is the same as without a stream.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         cache = self._index_groups.get(leader_layer)
         if cache is not None and stream is None:   # a shape checked before: no checks
             rows = cache.resolve_fast(state_rows, topk)
