@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ GEOMETRY = ModelGeometry(name="dsv32-structure", description="DeepSeek-V3.2 stru
                          num_layers=61, mla_head_size=64, mla_dtype="uint8",
                          max_model_len=163_840, indexer_head_size=13)
 
-__all__ = ["GEOMETRY", "decode_step_device", "decode_step_host_cost", "launch_path_host_cost"]
+__all__ = ["GEOMETRY", "DecodeStep", "decode_step", "decode_step_device",
+           "decode_step_host_cost", "launch_path_host_cost"]
 
 
 class _OpCounter(TorchDispatchMode):
@@ -144,6 +145,87 @@ def _launch_mode(mode: str) -> Iterator[Any]:
                          f"{mode!r}.")
 
 
+class DecodeStep(NamedTuple):
+    """The callables of one host-cost decode step (``decode_step``): ``split_step`` (the
+    stack's path: ``bookkeeping`` + ``resolves`` + the mirror), ``resolves`` (one
+    ``resolve_rows`` per index group), ``resolve_one`` (the first group's), ``bookkeeping``
+    (the step without its resolves) and ``facade_step`` (the facade's ``append_slots`` per
+    request + ``commit``); ``leaders``: the index groups' leader layers; ``launches``: the
+    launch mode's ``len()``-able, ``clear()``-able launch count."""
+
+    split_step: Callable[[], None]
+    resolves: Callable[[], None]
+    resolve_one: Callable[[], Any]
+    bookkeeping: Callable[[], None]
+    facade_step: Callable[[], None]
+    leaders: tuple[str, ...]
+    launches: Any
+
+
+@contextmanager
+def decode_step(batch: int = 64, steps: int = 40, *, top_k: int = 2048,
+                device_buffer_size: int = 4096, prompt_len: int = 512,
+                layers: int = GEOMETRY.num_layers,
+                launches: str = "stubbed") -> Iterator[DecodeStep]:
+    """A runtime at DeepSeek-V3.2 structure (see the module docstring) with ``batch``
+    requests prefilled (offloaded: every resolve takes the hot path), room for ``steps``
+    timed steps after two warm ones, under the launch mode ``launches`` (``_launch_mode``);
+    yields its ``DecodeStep`` (the warm steps already run) and closes the runtime on exit."""
+    from hisparse_triton.runtime import HiSparseRuntime
+    from hisparse_triton.workload import plan_for_workload
+
+    spec = build_kv_cache_spec(GEOMETRY, num_layers=layers)
+    plan = plan_for_workload(spec, max_model_len=prompt_len + 4 * steps + 64,
+                             num_requests=batch, topk=top_k,
+                             device_buffer_size=device_buffer_size, prompt_len=prompt_len)
+    ids = [f"r{i}" for i in range(batch)]
+    with _launch_mode(launches) as counted:
+        rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch,
+                             device="cpu", backend="triton", free_block_watermark=1.0)
+        try:
+            scheduler, worker = rt.scheduler, rt.worker
+            for rid in ids:  # prefill, offloaded: every resolve goes through the hot path
+                rt.add_request(rid, prompt_len, 4 * steps + 64)
+                rt.append_slots(rid, prompt_len)
+                rt.commit()
+            leaders = tuple(scheduler.leaders)
+            state_rows = torch.from_numpy(scheduler.state_rows(ids))
+            rng = np.random.default_rng(0)
+            topk = torch.from_numpy(rng.integers(0, prompt_len, (batch, top_k),
+                                                 dtype=np.int64).astype(np.int32))
+
+            def planned() -> Any:
+                scheduler.append_decode(ids)
+                step_plan = scheduler.step()
+                worker.apply(step_plan)
+                return step_plan
+
+            def resolves() -> None:
+                for leader in leaders:
+                    worker.resolve_rows(leader, state_rows, topk)
+
+            def split_step() -> None:
+                step_plan = planned()
+                resolves()
+                worker.mirror(step_plan)
+
+            def bookkeeping() -> None:
+                worker.mirror(planned())
+
+            def facade_step() -> None:
+                for rid in ids:
+                    rt.append_slots(rid, 1)
+                rt.commit()
+
+            for _ in range(2):  # warm: caches, workspace sizes, persistent outputs
+                split_step()
+            yield DecodeStep(split_step, resolves,
+                             lambda: worker.resolve_rows(leaders[0], state_rows, topk),
+                             bookkeeping, facade_step, leaders, counted)
+        finally:
+            rt.close()
+
+
 def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048,
                           device_buffer_size: int = 4096, prompt_len: int = 512,
                           layers: int = GEOMETRY.num_layers,
@@ -156,77 +238,30 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
     sm_90 driver, direct launches where bound: ``$HISPARSE_TRITON_DIRECT_LAUNCH=0`` turns
     them off; needs a fresh process, see ``launch_path_host_cost``) or ``"standin_bare"``
     (the same without the stand-in's Python emulation of the C launcher's address reads)."""
-    from hisparse_triton.runtime import HiSparseRuntime
-    from hisparse_triton.workload import plan_for_workload
-
-    spec = build_kv_cache_spec(GEOMETRY, num_layers=layers)
-    plan = plan_for_workload(spec, max_model_len=prompt_len + 4 * steps + 64,
-                             num_requests=batch, topk=top_k,
-                             device_buffer_size=device_buffer_size, prompt_len=prompt_len)
-    ids = [f"r{i}" for i in range(batch)]
     mode = launches
-    with _launch_mode(mode) as launches:
-        rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch,
-                             device="cpu", backend="triton", free_block_watermark=1.0)
-        try:
-            scheduler, worker = rt.scheduler, rt.worker
-            for rid in ids:  # prefill, offloaded: every resolve goes through the hot path
-                rt.add_request(rid, prompt_len, 4 * steps + 64)
-                rt.append_slots(rid, prompt_len)
-                rt.commit()
-            leaders = scheduler.leaders
-            state_rows = torch.from_numpy(scheduler.state_rows(ids))
-            rng = np.random.default_rng(0)
-            topk = torch.from_numpy(rng.integers(0, prompt_len, (batch, top_k),
-                                                 dtype=np.int64).astype(np.int32))
-
-            def bookkeeping() -> Any:
-                scheduler.append_decode(ids)
-                step_plan = scheduler.step()
-                worker.apply(step_plan)
-                return step_plan
-
-            def resolves() -> None:
-                for leader in leaders:
-                    worker.resolve_rows(leader, state_rows, topk)
-
-            def split_step() -> None:
-                step_plan = bookkeeping()
-                resolves()
-                worker.mirror(step_plan)
-
-            def facade_step() -> None:
-                for rid in ids:
-                    rt.append_slots(rid, 1)
-                rt.commit()
-
-            for _ in range(2):  # warm: caches, workspace sizes, persistent outputs
-                split_step()
-            launches.clear()
-            counter = _OpCounter()
-            with counter:
-                split_step()
-            step_launches, step_ops = len(launches), counter.count
-            launches.clear()
-            resolve_counter = _OpCounter()
-            with resolve_counter:
-                worker.resolve_rows(leaders[0], state_rows, topk)
-            per_resolve_launches = len(launches)
-            step_times = _cpu_times(split_step, steps)
-            resolve_times = [t / len(leaders) for t in _cpu_times(resolves, steps)]
-
-            def bookkeeping_only() -> None:
-                worker.mirror(bookkeeping())
-
-            book_times = _cpu_times(bookkeeping_only, steps)
-            facade_times = _cpu_times(facade_step, steps)
-        finally:
-            rt.close()
+    with decode_step(batch, steps, top_k=top_k, device_buffer_size=device_buffer_size,
+                     prompt_len=prompt_len, layers=layers, launches=mode) as step:
+        launches = step.launches
+        launches.clear()
+        counter = _OpCounter()
+        with counter:
+            step.split_step()
+        step_launches, step_ops = len(launches), counter.count
+        launches.clear()
+        resolve_counter = _OpCounter()
+        with resolve_counter:
+            step.resolve_one()
+        per_resolve_launches = len(launches)
+        step_times = _cpu_times(step.split_step, steps)
+        groups = len(step.leaders)
+        resolve_times = [t / groups for t in _cpu_times(step.resolves, steps)]
+        book_times = _cpu_times(step.bookkeeping, steps)
+        facade_times = _cpu_times(step.facade_step, steps)
     median = statistics.median
     return {
-        "geometry": f"DeepSeek-V3.2 structure: {layers} sparse layers, {len(leaders)} index "
+        "geometry": f"DeepSeek-V3.2 structure: {layers} sparse layers, {groups} index "
                     f"groups, block 64, top-k {top_k}, hot buffer {device_buffer_size}",
-        "batch": batch, "steps": steps, "index_groups": len(leaders),
+        "batch": batch, "steps": steps, "index_groups": groups,
         "resolve_rows_us": round(1e6 * median(resolve_times), 1),
         "resolve_rows_launches": per_resolve_launches,
         "resolve_rows_torch_ops": resolve_counter.count,

@@ -1,0 +1,74 @@
+"""``benchmarks.instructions``: instruction counts of the decode step by callgrind, the
+difference of two repeat counts per unit (the counted runs replaced by a fake here; one real
+run under valgrind is marked slow)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hisparse_triton.benchmarks import instructions
+from hisparse_triton.benchmarks.instructions import _collected, count_instructions
+
+
+def _fake_runner(per_call: int, fixed: int, groups: int = 3):
+    jobs = []
+
+    def run(job, env, timeout):
+        jobs.append((job, env))
+        return fixed + per_call * job["repeats"], {"groups": groups}
+    return run, jobs
+
+
+def test_the_count_is_the_difference_of_two_repeat_counts_per_unit():
+    run, jobs = _fake_runner(per_call=9_000, fixed=123_456)
+    step = count_instructions("step", repeats=(2, 5), runner=run, batch=4, layers=3)
+    assert step["instructions"] == 9_000 and step["collected"] == [141_456, 168_456]
+    resolves, _ = _fake_runner(per_call=9_000, fixed=5)
+    per_call = count_instructions("resolve_rows", repeats=(1, 4), runner=resolves)
+    assert per_call["instructions"] == 3_000      # one resolves() call covers 3 groups
+    job, env = jobs[0]
+    assert job["callable"] == "split_step" and job["step"]["launches"] == "standin"
+    assert job["step"]["steps"] == 7 and job["step"]["batch"] == 4
+    assert env["HISPARSE_TRITON_DIRECT_LAUNCH"] == "1" and "TRITON_INTERPRET" not in env
+    off, jobs = _fake_runner(per_call=1, fixed=0)
+    count_instructions("bookkeeping", runner=off, direct=False, launches="stubbed")
+    assert jobs[0][1]["HISPARSE_TRITON_DIRECT_LAUNCH"] == "0"
+    assert jobs[0][0]["callable"] == "bookkeeping"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(unit="steps"), "unit must be one of"),
+    (dict(repeats=(3, 3)), "repeats must be"),
+    (dict(repeats=(-1, 2)), "repeats must be"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    run, jobs = _fake_runner(1, 0)
+    with pytest.raises(ValueError, match=match):
+        count_instructions(runner=run, **kwargs)
+    assert not jobs
+
+
+def test_callgrinds_count_is_read_and_its_absence_is_an_error():
+    assert _collected("==1== Events    : Ir\n==1== Collected : 30,756,005\n") == 30_756_005
+    with pytest.raises(RuntimeError, match="no count"):
+        _collected("==1== something else\n")
+
+
+def test_missing_valgrind_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(instructions, "instructions_available", lambda: False)
+    with pytest.raises(RuntimeError, match="valgrind"):
+        count_instructions("step")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control")
+                    is None, reason="needs valgrind and callgrind_control")
+def test_a_real_count_of_a_small_step(request):
+    markexpr = request.config.getoption("markexpr") or ""
+    if "slow" not in markexpr or "not slow" in markexpr:
+        pytest.skip("about a minute under valgrind; select it with -m slow")
+    small = dict(batch=2, layers=2, top_k=64, device_buffer_size=128, prompt_len=64)
+    out = count_instructions("resolve_rows", repeats=(1, 2), launches="stubbed", **small)
+    assert out["index_groups"] == 2 and out["instructions"] > 1_000
