@@ -35,6 +35,7 @@ not to take it falls back to ``kernel[grid](...)``.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Optional, Sequence
 
@@ -230,7 +231,8 @@ def _forwarding(launcher: Any, grid3: tuple, function: Any, metadata: Any,
     to its ``launch`` attribute (Triton 3.7+'s ``CudaLauncher``: the C launch, given the
     kernel arguments as one tuple): ``launch(*head, stream, *tail, args)`` then does what
     ``launcher(*grid3, stream, function, metadata, None, None, None, *args)`` does. Found by
-    watching one such call with ``launch`` replaced by a recorder (nothing is launched):
+    watching one such call of a copy of ``launcher`` whose ``launch`` is a recorder (nothing
+    is launched, the launcher itself is not touched):
     ``head`` must be the grid, the stream must come next, ``function`` after it and the
     arguments last, as one sequence of the very values; the launcher must allocate no
     per-launch scratch (its sizes 0). None for any other launcher (the call then goes
@@ -240,13 +242,14 @@ def _forwarding(launcher: Any, grid3: tuple, function: Any, metadata: Any,
         return None
     forward = launcher.launch
     seen: list[tuple] = []
-    launcher.launch = lambda *args: seen.append(args)
     try:
-        launcher(*grid3, _STREAM_MARK, function, metadata, None, None, None, *values)
+        # A shallow copy watched, so that the shared launcher (every binding of this
+        # compiled kernel, in any thread) never launches into the recorder.
+        probe = copy.copy(launcher)
+        probe.launch = lambda *args: seen.append(args)
+        probe(*grid3, _STREAM_MARK, function, metadata, None, None, None, *values)
     except Exception:
         return None
-    finally:
-        launcher.launch = forward
     if len(seen) != 1:
         return None
     call = seen[0]

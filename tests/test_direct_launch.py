@@ -237,8 +237,10 @@ def test_forwarding_replays_what_the_launchers_call_does():
     values = [1234567, 3, 4096, 16]
     launched: list = []
     launcher = _ForwardingLauncher(launched)
+    own = launcher.launch
     forward = _forwarding(launcher, (4, 1, 1), "function", "metadata", values)
     assert forward is not None and not launched          # the watched call launched nothing
+    assert launcher.launch is own and forward[0] is own  # a copy was watched, not the launcher
     launcher(4, 1, 1, 77, "function", "metadata", None, None, None, *values)  # its own path
     run, head, tail = forward
     run(*head, 77, *tail, tuple(values))                   # the forwarded path
