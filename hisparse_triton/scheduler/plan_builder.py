@@ -11,7 +11,6 @@ No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -163,8 +162,11 @@ class PlanBuilder:
         to int32 as ``StepPlan.build`` converts it)."""
         resets, writes = self._resets, self._writes
         r, w = len(resets), len(writes)
-        parts = [np.fromiter(chain(resets, writes.keys(), writes.values()), dtype=np.int32,
-                             count=r + 2 * w), host_rows, device_rows.reshape(-1)]
+        parts = [np.fromiter(resets, dtype=np.int32, count=r)] if r else []
+        if w:
+            parts += [np.fromiter(writes.keys(), dtype=np.int32, count=w),
+                      np.fromiter(writes.values(), dtype=np.int32, count=w)]
+        parts += [host_rows, device_rows.reshape(-1)]
         lost, invalidate = self._lost, self._invalidate
         if lost:
             parts.append(_triples(lost).reshape(-1))
