@@ -2,12 +2,12 @@
 
 ``RequestTable.batch`` keeps the last decode batch (its requests, state rows and which track
 token ids) while no request comes or goes; ``tracking_in_order`` keeps which ``in_order``
-requests track ids; ``RowsMemo`` keeps values derived from such a read-only rows array;
-``PlanBuilder`` packs a plan's data in one go (``_packed``) instead of ``StepPlan.build``;
-the coordinator gathers a batch's rows with one flat ``take``. Random workloads that repeat
-one batch (the same id objects, the way a serving loop decodes) must give the same results,
-errors, plans (byte for byte) and state as the one-by-one reference, also across failed
-and rolled-back calls; a fault at any line inside a transaction changes nothing.
+requests track ids; ``PlanBuilder`` packs a plan's data in one go (``_packed``, the plan
+made by ``StepPlan.of_parts``) instead of ``StepPlan.build``; the coordinator gathers a
+batch's rows with one flat ``take``. Random workloads that repeat one batch (the same id
+objects, the way a serving loop decodes) must give the same results, errors, plans (byte
+for byte) and state as the one-by-one reference, also across failed and rolled-back calls;
+a fault at any line inside a transaction changes nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from tests.fault_points import sweep
 from hisparse_triton.scheduler.coordinator import _consecutive_rows
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder
-from hisparse_triton.scheduler.rows_memo import RowsMemo
 from hisparse_triton.step_plan import StepPlan, TableLayout
 from test_scheduler_batch_paths import (
     BATCH_PATHS,
@@ -32,29 +31,6 @@ from test_scheduler_batch_paths import (
     make,
     reference,
 )
-
-
-# -- RowsMemo -----------------------------------------------------------------------------
-def test_rows_memo_keeps_only_a_read_only_array_that_owns_its_data():
-    calls = []
-
-    def compute(rows, factor):
-        calls.append(factor)
-        return rows * factor
-
-    memo = RowsMemo(compute)
-    rows = np.array([3, 1, 2], dtype=np.int64)
-    assert memo(rows, 4).tolist() == [12, 4, 8] and memo(rows, 4) is not None
-    assert len(calls) == 2                      # writable: computed each time
-    rows.flags.writeable = False
-    first = memo(rows, 4)
-    assert memo(rows, 4) is first and len(calls) == 3
-    assert memo(rows, 5).tolist() == [15, 5, 10] and len(calls) == 4   # another factor
-    view = rows[:2]                             # read-only, but a view: not kept
-    memo(view, 5)
-    memo(view, 5)
-    assert len(calls) == 6
-    assert memo(np.array([3, 1, 2]), 5).tolist() == [15, 5, 10]   # equal, not the same
 
 
 # -- PlanBuilder._packed against StepPlan.build -------------------------------------------
@@ -169,11 +145,8 @@ def test_resident_rows_by_view_by_gather_and_one_manager_at_a_time_agree(config)
     assert d.resident_decode_rows(rows, positions).tolist() == one_by_one.tolist()
     d._flat_resident = None                      # the gather of every group, then a selection
     assert d.resident_decode_rows(rows, positions).tolist() == one_by_one.tolist()
-    rows.flags.writeable = False                 # the memoised row entries, twice
-    for _ in range(2):
-        assert d.resident_decode_rows(rows, positions).tolist() == one_by_one.tolist()
-        assert d.decode_rows(rows, positions).tolist() == np.stack(
-            [m.decode_rows(rows, positions) for m in d.paged]).tolist()
+    assert d.decode_rows(rows, positions).tolist() == np.stack(
+        [m.decode_rows(rows, positions) for m in d.paged]).tolist()
 
 
 # -- the batch memo -------------------------------------------------------------------------
@@ -270,9 +243,6 @@ def test_tracking_in_order_follows_admissions_with_token_ids():
     assert s._requests.tracking_in_order().tolist() == [False, True]
 
 
-MEMO_PATHS = (*BATCH_PATHS, "/hisparse_triton/scheduler/rows_memo.py")
-
-
 @pytest.mark.parametrize("watermark", [0.1, 1.0])
 def test_a_fault_anywhere_in_a_repeated_batch_changes_nothing(watermark):
     s = make(full=True, watermark=watermark, max_num_seqs=3)
@@ -283,8 +253,34 @@ def test_a_fault_anywhere_in_a_repeated_batch_changes_nothing(watermark):
     batch = ["c", "a", "b"]
     for _ in range(3):                           # the kept batch, page starts, releases
         assert sweep(in_transaction(s, lambda: s.append_decode(batch)),
-                     lambda: columns_state(s), where=MEMO_PATHS) > 10
+                     lambda: columns_state(s), where=BATCH_PATHS) > 10
         assert s._requests.batch(batch) is not None
         assert sweep(in_transaction(s, s.step), lambda: columns_state(s),
-                     where=MEMO_PATHS) > 10
+                     where=BATCH_PATHS) > 10
     s.check_invariants()
+
+
+# -- StepPlan.of_parts against the constructor ----------------------------------------------
+_OF_PARTS = dict(step=3, layout=LAYOUT.fingerprint, commit=True, num_resets=1, num_writes=1,
+                 num_mirror=1, num_resident=1, num_lost=0, released_pages=2,
+                 num_invalidate=0)
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"commit": False}, {"released_pages": np.int64(2)}, {"commit": np.bool_(True)},
+    {"step": 0}, {"released_pages": -1}, {"released_pages": 2**63}, {"num_resident": 0},
+    {"num_writes": 2}, {"data": np.zeros(5, np.int64)}, {"data": np.zeros((5, 1), np.int32)},
+    {"layout": 1.5}, {"commit": 1},
+])
+def test_of_parts_makes_the_plan_the_constructor_makes(change):
+    fields = {**_OF_PARTS, "data": np.arange(5, dtype=np.int32), **change}
+
+    def outcome(make):
+        try:
+            plan = make(**fields)
+        except ValueError as exc:
+            return str(exc)
+        return ([(k, type(v), v if k != "data" else v.tobytes()) for k, v in
+                 vars(plan).items()], plan.to_bytes())
+
+    assert outcome(StepPlan.of_parts) == outcome(StepPlan)

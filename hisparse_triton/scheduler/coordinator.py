@@ -27,7 +27,6 @@ from hisparse_triton.scheduler.managers import (
 from hisparse_triton.scheduler.plan_builder import PlanBuilder
 from hisparse_triton.scheduler.prefix_cache import PrefixEntry
 from hisparse_triton.scheduler.requests import Request
-from hisparse_triton.scheduler.rows_memo import RowsMemo
 from hisparse_triton.scheduler.stats import Counters
 
 
@@ -66,7 +65,6 @@ class GroupCoordinator:
         self._flat_tables = (None if self.tables is None
                              else self.tables.reshape(len(self.paged), -1))
         self._flat_resident = _consecutive_rows(self._flat_tables, self._resident_index)
-        self._row_entries = RowsMemo(np.multiply)   # rows * width: each row's first entry
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -136,13 +134,15 @@ class GroupCoordinator:
     def _gather_rows(self, flat: np.ndarray, rows: np.ndarray,
                      positions: np.ndarray) -> np.ndarray:
         """``[g, R] int64`` rows of ``flat`` (``[g, max_num_seqs * width] int32``, stacked
-        tables' rows): one ``take`` of each (state row, page) entry."""
+        tables' rows): one ``take`` of each (state row, page) entry; ``block * B +
+        position % B`` computed as ``(block - page) * B + position``."""
         B = self.uniform_block_size
-        page, offset = np.divmod(positions, B)
-        table = flat.take(self._row_entries(rows, self.tables.shape[2]) + page, axis=1)
-        out = np.multiply(table, B, dtype=np.int64)
-        out += offset
-        return out
+        page = positions // B
+        table = flat.take(rows * self.tables.shape[2] + page, axis=1).astype(np.int64)
+        table -= page
+        table *= B
+        table += positions
+        return table
 
     # -- lifecycle -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -16,7 +16,6 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from hisparse_triton.scheduler.journal import Journal
-from hisparse_triton.scheduler.rows_memo import RowsMemo
 from hisparse_triton.step_plan import StepPlan, TableLayout
 
 
@@ -30,11 +29,6 @@ def _restore(mapping: dict, old: Sequence[tuple[int, object]]) -> None:
             mapping.pop(key, None)
         else:
             mapping[key] = value
-
-
-def _seq_len_keys(rows: np.ndarray, width: int) -> list[int]:
-    """The flat arena entries of the ``seq_len`` of state rows ``rows`` (``[n] int``)."""
-    return (rows * width + TableLayout.SEQ_LEN_COL).tolist()
 
 
 def _triples(entries: list[tuple[int, int, int]]) -> np.ndarray:
@@ -51,8 +45,9 @@ class PlanBuilder:
         self.layout = layout
         self._journal = journal
         self._width = layout.width
-        #: The seq_len entries of state rows (``write_seq_lens``), as a list of ints.
-        self._seq_len_keys = RowsMemo(_seq_len_keys)
+        #: The seq_len entry of every state row's table (``write_seq_lens``).
+        self._seq_len_index = (np.arange(layout.max_num_seqs, dtype=np.int64) * layout.width
+                               + TableLayout.SEQ_LEN_COL)
         self._resets: dict[int, None] = {}
         self._writes: dict[int, int] = {}
         self._lost: list[tuple[int, int, int]] = []
@@ -81,7 +76,7 @@ class PlanBuilder:
 
     def write_seq_lens(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
         """``write_seq_len`` of each pair in order (``[n]`` int arrays), undone as one entry."""
-        keys = self._seq_len_keys(rows, self._width)
+        keys = self._seq_len_index[rows].tolist()
         seq_lens = seq_lens.tolist()
         writes = self._writes
         if self._journal.active:
@@ -173,11 +168,11 @@ class PlanBuilder:
         if invalidate:
             parts.append(_triples(invalidate).reshape(-1))
         data = np.concatenate(parts, dtype=np.int32, casting="unsafe")
-        return StepPlan(step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
-                        num_resets=r, num_writes=w, num_mirror=host_rows.size,
-                        num_resident=device_rows.shape[0], num_lost=len(lost),
-                        released_pages=released_pages, num_invalidate=len(invalidate),
-                        data=data)
+        return StepPlan.of_parts(
+            step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
+            num_resets=r, num_writes=w, num_mirror=host_rows.size,
+            num_resident=device_rows.shape[0], num_lost=len(lost),
+            released_pages=released_pages, num_invalidate=len(invalidate), data=data)
 
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""

@@ -26,7 +26,6 @@ from hisparse_triton.errors import (
 from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import MirrorSpans
 from hisparse_triton.scheduler.prefix_cache import page_hashes
-from hisparse_triton.scheduler.rows_memo import RowsMemo
 from hisparse_triton.specs import cdiv
 
 
@@ -281,7 +280,6 @@ class RequestTable:
         self._order: Optional[tuple[list[Request], np.ndarray]] = None   # in_order()
         self._batch: Optional[Batch] = None   # the last batch(), while no request comes or goes
         self._tracking: Optional[tuple[Optional[np.ndarray]]] = None   # tracking_in_order()
-        self._host_entries = RowsMemo(np.multiply)   # rows * host width (schedule_mirror)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() -> lowest row
 
     # -- mapping ---------------------------------------------------------------------------
@@ -482,11 +480,12 @@ class RequestTable:
             rows_1, start_1 = rows[single], start[single]
             spans = [(reqs[i].host_array, reqs[i].row, int(start[i]), int(end[i]))
                      for i in (count > 1).nonzero()[0].tolist()]
-        page, offset = np.divmod(start_1, B)
-        host = cols.host   # [max_num_seqs, pages] int32, C-contiguous: one flat take
-        entries = self._host_entries(rows_1, host.shape[1]) + page
-        single_host = np.multiply(host.reshape(-1).take(entries), B, dtype=np.int64)
-        single_host += offset
+        page = start_1 // B
+        host = cols.host   # [max_num_seqs, pages] int32, C-contiguous: one flat gather
+        single_host = host.reshape(-1)[rows_1 * host.shape[1] + page].astype(np.int64)
+        single_host -= page   # host[row, page] * B + start % B, as (block - page) * B + start
+        single_host *= B
+        single_host += start_1
         work = MirrorSpans(spans=spans, single_rows=rows_1, single_positions=start_1,
                            single_host=single_host)
         self._journal.write(cols.scheduled_len, rows, end)   # the unmoved keep theirs
