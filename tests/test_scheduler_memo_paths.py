@@ -284,3 +284,18 @@ def test_of_parts_makes_the_plan_the_constructor_makes(change):
                  vars(plan).items()], plan.to_bytes())
 
     assert outcome(StepPlan.of_parts) == outcome(StepPlan)
+
+
+# -- append_decode's per-layer dict ------------------------------------------------------------
+@pytest.mark.parametrize("groups", [
+    None, [["a", "b"], ["c"], ["b", "d"]], [["a"]], [], [["a", "a"], ["a"]]])
+def test_the_layer_dict_is_the_dict_comprehension_it_replaced(groups):
+    s = make(full=True, window=True)
+    names = s.devices.row_names if groups is None else groups
+    s._group_layers = [dict.fromkeys(n) for n in names]
+    table = np.arange(len(names) * 3).reshape(len(names), 3)
+    views = list(table)
+    expected = {name: views[i] for i, group in enumerate(names) for name in group}
+    got = s._by_layer(table)
+    assert list(got) == list(expected)
+    assert all(got[k] is not None and got[k].tolist() == expected[k].tolist() for k in got)

@@ -318,9 +318,10 @@ class HiSparseScheduler(SchedulerQueries):
     def _by_layer(self, table: np.ndarray) -> dict[str, np.ndarray]:
         """``append_decode``'s result: each paged group's rows (``table [paged groups, R]
         int64``) under each of its layers (``devices.row_names``), group after group."""
-        out: dict[str, np.ndarray] = {}
-        for names, rows in zip(self._group_layers, table):
-            out.update(dict.fromkeys(names, rows))   # (from a dict: presized, no hashing)
+        groups = zip(self._group_layers, table)   # (fromkeys of a dict: presized, no hashing)
+        out: dict[str, np.ndarray] = dict.fromkeys(*next(groups, ((), None)))
+        for names, rows in groups:
+            out.update(dict.fromkeys(names, rows))
         return out
 
     def _grow(self, req: Request, new_len: int, counts: Optional[list[int]],
