@@ -234,7 +234,7 @@ class StepPlan:
                              f"{expected}.")
 
     @classmethod
-    def of_parts(cls, **fields: object) -> "StepPlan":
+    def _of_parts(cls, **fields: object) -> "StepPlan":
         """``StepPlan(**fields)`` for a sender that packed ``data`` from its counts
         (``PlanBuilder``): when every field is plain (what ``_plain_copy`` accepts, the
         data itself not copied) the plan is made without the constructor's general checks,
@@ -562,7 +562,7 @@ class StepPlan:
 _INT_NAMES = tuple(name for name, _ in _INT_FIELDS)
 _INT32_DTYPE = np.dtype(np.int32)
 _ONLY_INT = {int}
-#: The constructor's fields in its order (``of_parts``), as the keys of a dict.
+#: The constructor's fields in its order (``_of_parts``), as the keys of a dict.
 _FIELD_ORDER = dict.fromkeys(("step", "layout", "commit", "num_resets", "num_writes",
                               "num_mirror", "num_resident", "num_lost", "released_pages",
                               "num_invalidate", "data"))

@@ -3,7 +3,7 @@
 ``RequestTable.batch`` keeps the last decode batch (its requests, state rows and which track
 token ids) while no request comes or goes; ``tracking_in_order`` keeps which ``in_order``
 requests track ids; ``PlanBuilder`` packs a plan's data in one go (``_packed``, the plan
-made by ``StepPlan.of_parts``) instead of ``StepPlan.build``; the coordinator gathers a
+made by ``StepPlan._of_parts``) instead of ``StepPlan.build``; the coordinator gathers a
 batch's rows with one flat ``take``. Random workloads that repeat one batch (the same id
 objects, the way a serving loop decodes) must give the same results, errors, plans (byte
 for byte) and state as the one-by-one reference, also across failed and rolled-back calls;
@@ -260,7 +260,7 @@ def test_a_fault_anywhere_in_a_repeated_batch_changes_nothing(watermark):
     s.check_invariants()
 
 
-# -- StepPlan.of_parts against the constructor ----------------------------------------------
+# -- StepPlan._of_parts against the constructor --------------------------------------------
 _OF_PARTS = dict(step=3, layout=LAYOUT.fingerprint, commit=True, num_resets=1, num_writes=1,
                  num_mirror=1, num_resident=1, num_lost=0, released_pages=2,
                  num_invalidate=0)
@@ -283,7 +283,7 @@ def test_of_parts_makes_the_plan_the_constructor_makes(change):
         return ([(k, type(v), v if k != "data" else v.tobytes()) for k, v in
                  vars(plan).items()], plan.to_bytes())
 
-    assert outcome(StepPlan.of_parts) == outcome(StepPlan)
+    assert outcome(StepPlan._of_parts) == outcome(StepPlan)
 
 
 # -- append_decode's per-layer dict ------------------------------------------------------------
