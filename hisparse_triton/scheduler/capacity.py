@@ -24,7 +24,6 @@ from hisparse_triton.scheduler.requests import (
     Request,
     RequestTable,
     check_lengths,
-    state_rows_of,
 )
 from hisparse_triton.scheduler.residency import Reclaim, ResidencyPolicy
 from hisparse_triton.specs import cdiv
@@ -169,25 +168,17 @@ class Capacity:
         ``max_num_batched_tokens``, none whose token brings or closes a token-id chain
         (added with ``token_ids``, its chain open), every started page's blocks fitting.
         None for anything else (the general path counts it again and reports its error)."""
-        try:
-            if len(set(request_ids)) != len(request_ids):
-                return None
-        except TypeError:
+        batch = self.requests.batch(request_ids)
+        if batch is None:
             return None
-        reqs = self.requests.lookup(request_ids)
-        if reqs is None:
-            return None
-        cols = self.requests.columns
-        rows = state_rows_of(reqs)
+        cols, reqs, rows = self.requests.columns, batch.reqs, batch.rows
         positions = cols.seq_len[rows]
         if np.count_nonzero(positions >= cols.reserved[rows]):
             return None
         limit = self.max_num_batched_tokens
         if limit is not None and np.count_nonzero(positions - cols.scheduled_len[rows] >= limit):
             return None
-        tracks_ids = cols.tracks_ids[rows]
-        if np.count_nonzero(tracks_ids) \
-                and any(reqs[i].chain_open for i in tracks_ids.nonzero()[0].tolist()):
+        if batch.tracking and any(reqs[i].chain_open for i in batch.tracking):
             return None
         starts = [(i, self.devices.count_new_blocks(reqs[i], int(positions[i]) + 1))
                   for i in self._starting(positions)]
@@ -199,7 +190,10 @@ class Capacity:
         """Indices of the ``positions`` whose token starts a page in some paged group."""
         B = self.devices.uniform_block_size
         if B:
-            return (positions % B == 0).nonzero()[0].tolist()
+            offsets = positions % B
+            if np.count_nonzero(offsets) == offsets.size:   # the common step: none
+                return []
+            return (offsets == 0).nonzero()[0].tolist()
         starts_no_page = self.devices.starts_no_page
         return [i for i, p in enumerate(positions.tolist()) if not starts_no_page(p)]
 

@@ -60,6 +60,11 @@ class GroupCoordinator:
         self.uniform_block_size = self.paged[0].block_size if self.tables is not None else 0
         self._resident_index = np.array([i for i, m in enumerate(self.paged)
                                          if isinstance(m, ResidentManager)], dtype=np.int64)
+        #: ``tables`` as ``[paged groups, max_num_seqs * width]`` (a view; None unstacked)
+        #: and its resident groups' rows as a view when they are consecutive (else None).
+        self._flat_tables = (None if self.tables is None
+                             else self.tables.reshape(len(self.paged), -1))
+        self._flat_resident = _consecutive_rows(self._flat_tables, self._resident_index)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -107,25 +112,36 @@ class GroupCoordinator:
 
     def decode_rows(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``[paged groups, R] int64`` device rows of one position per state row."""
-        return self._decode_rows(self.paged, slice(None), rows, positions)
+        if not rows.size or self.tables is None:
+            return self._unstacked_rows(self.paged, rows, positions)
+        return self._gather_rows(self._flat_tables, rows, positions)
 
     def resident_decode_rows(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``[resident groups, R] int64`` device rows of one position per state row."""
-        return self._decode_rows(self.resident, self._resident_index[:, None], rows,
-                                 positions)
+        if not rows.size or self.tables is None or not self.resident:
+            return self._unstacked_rows(self.resident, rows, positions)
+        if self._flat_resident is not None:
+            return self._gather_rows(self._flat_resident, rows, positions)
+        return self._gather_rows(self._flat_tables, rows, positions)[self._resident_index]
 
-    def _decode_rows(self, managers: Sequence[PagedManager], which: object,
-                     rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The rows of ``managers`` (``tables[which]`` when stacked): one gather."""
+    def _unstacked_rows(self, managers: Sequence[PagedManager], rows: np.ndarray,
+                        positions: np.ndarray) -> np.ndarray:
+        """``[len(managers), R] int64`` rows, a gather per manager (none for no rows)."""
         if not rows.size or not managers:
             return np.empty((len(managers), rows.size), dtype=np.int64)
-        if self.tables is None:
-            return np.stack([m.decode_rows(rows, positions) for m in managers])
+        return np.stack([m.decode_rows(rows, positions) for m in managers])
+
+    def _gather_rows(self, flat: np.ndarray, rows: np.ndarray,
+                     positions: np.ndarray) -> np.ndarray:
+        """``[g, R] int64`` rows of ``flat`` (``[g, max_num_seqs * width] int32``, stacked
+        tables' rows): one ``take`` of each (state row, page) entry; ``block * B +
+        position % B`` computed as ``(block - page) * B + position``."""
         B = self.uniform_block_size
         page = positions // B
-        table = self.tables[which, rows, page].astype(np.int64)
+        table = flat.take(rows * self.tables.shape[2] + page, axis=1).astype(np.int64)
+        table -= page
         table *= B
-        table += positions - page * B
+        table += positions
         return table
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -195,6 +211,14 @@ class GroupCoordinator:
     # -- checks ----------------------------------------------------------------------------
     def snapshot(self) -> tuple:
         return tuple(m.snapshot() for m in self.managers)
+
+
+def _consecutive_rows(flat: Optional[np.ndarray], index: np.ndarray) -> Optional[np.ndarray]:
+    """``flat[index]`` as a view when ``index`` (``[n] int64``, n >= 1) counts up by one;
+    None otherwise (or without ``flat``)."""
+    if flat is None or not index.size or (np.diff(index) != 1).any():
+        return None
+    return flat[int(index[0]):int(index[-1]) + 1]
 
 
 def _stack_tables(paged: Sequence[PagedManager]) -> Optional[np.ndarray]:

@@ -80,7 +80,8 @@ class Durability:
         if np.count_nonzero(newly):   # committed_len <= scheduled_len: all take scheduled
             self.journal.write(cols.committed_len, rows, scheduled)
         # Only requests added with token ids have page hashes to publish.
-        publish = newly & cols.tracks_ids[rows] if self.prefix is not None else None
+        tracking = self.requests.tracking_in_order() if self.prefix is not None else None
+        publish = newly & tracking if tracking is not None else None
         release = (self.policy.releasable_limits(scheduled, cols.seq_len[rows])
                    > cols.released_pages[rows]) if self.devices.resident else None
         acting = self.devices.windowed or _any(publish) or _any(release)

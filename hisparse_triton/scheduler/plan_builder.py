@@ -123,17 +123,25 @@ class PlanBuilder:
     # -- the plan --------------------------------------------------------------------------
     def build(self, *, commit: bool, mirror_host_rows: np.ndarray,
               mirror_device_rows: np.ndarray, released_pages: int) -> StepPlan:
-        """The next ``StepPlan`` (every change queued since the last one); starts anew."""
-        plan = StepPlan.build(
-            step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
-            reset_rows=np.fromiter(self._resets, dtype=np.int32, count=len(self._resets)),
-            write_index=np.fromiter(self._writes.keys(), dtype=np.int32,
-                                    count=len(self._writes)),
-            write_value=np.fromiter(self._writes.values(), dtype=np.int32,
-                                    count=len(self._writes)),
-            mirror_host_rows=mirror_host_rows, mirror_device_rows=mirror_device_rows,
-            lost=_triples(self._lost), released_pages=released_pages,
-            invalidate=_triples(self._invalidate))
+        """The next ``StepPlan`` (every change queued since the last one); starts anew.
+        ``mirror_host_rows [m]`` and ``mirror_device_rows [resident groups, m]``: integer
+        arrays, converted to int32 like ``StepPlan.build`` does."""
+        if (type(mirror_host_rows) is np.ndarray and type(mirror_device_rows) is np.ndarray
+                and mirror_host_rows.ndim == 1 and mirror_device_rows.ndim == 2
+                and mirror_device_rows.shape[1] == mirror_host_rows.size
+                and mirror_host_rows.dtype.kind == mirror_device_rows.dtype.kind == "i"):
+            plan = self._packed(commit, mirror_host_rows, mirror_device_rows, released_pages)
+        else:   # anything else as StepPlan.build takes it (and refuses it)
+            plan = StepPlan.build(
+                step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
+                reset_rows=np.fromiter(self._resets, dtype=np.int32, count=len(self._resets)),
+                write_index=np.fromiter(self._writes.keys(), dtype=np.int32,
+                                        count=len(self._writes)),
+                write_value=np.fromiter(self._writes.values(), dtype=np.int32,
+                                        count=len(self._writes)),
+                mirror_host_rows=mirror_host_rows, mirror_device_rows=mirror_device_rows,
+                lost=_triples(self._lost), released_pages=released_pages,
+                invalidate=_triples(self._invalidate))
         set_attr = self._journal.setattr if self._journal.active else setattr
         set_attr(self, "_resets", {})
         set_attr(self, "_writes", {})
@@ -141,6 +149,30 @@ class PlanBuilder:
         set_attr(self, "_invalidate", [])
         set_attr(self, "step", self.step + 1)
         return plan
+
+    def _packed(self, commit: bool, host_rows: np.ndarray, device_rows: np.ndarray,
+                released_pages: int) -> StepPlan:
+        """``build``'s plan for integer ``host_rows [m]`` and ``device_rows [g, m]``: the
+        sections packed into the plan's int32 data at once (the same values, each converted
+        to int32 as ``StepPlan.build`` converts it)."""
+        resets, writes = self._resets, self._writes
+        r, w = len(resets), len(writes)
+        parts = [np.fromiter(resets, dtype=np.int32, count=r)] if r else []
+        if w:
+            parts += [np.fromiter(writes.keys(), dtype=np.int32, count=w),
+                      np.fromiter(writes.values(), dtype=np.int32, count=w)]
+        parts += [host_rows, device_rows.reshape(-1)]
+        lost, invalidate = self._lost, self._invalidate
+        if lost:
+            parts.append(_triples(lost).reshape(-1))
+        if invalidate:
+            parts.append(_triples(invalidate).reshape(-1))
+        data = np.concatenate(parts, dtype=np.int32, casting="unsafe")
+        return StepPlan._of_parts(
+            step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
+            num_resets=r, num_writes=w, num_mirror=host_rows.size,
+            num_resident=device_rows.shape[0], num_lost=len(lost),
+            released_pages=released_pages, num_invalidate=len(invalidate), data=data)
 
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""
@@ -192,6 +224,17 @@ def pack_mirror_rows(work: MirrorSpans, resident_blocks: Sequence[np.ndarray],
                      ) -> tuple[np.ndarray, np.ndarray]:
     """``mirror_rows`` of ``work``: its spans in order, then its one-token spans, whose
     ``[g, n] int64`` device rows ``single_device_rows(state rows, positions)`` gives."""
+    host_rows, device_rows = pack_mirror_rows_wide(work, resident_blocks, block_size,
+                                                   single_device_rows)
+    return host_rows.astype(np.int32), device_rows.astype(np.int32)
+
+
+def pack_mirror_rows_wide(work: MirrorSpans, resident_blocks: Sequence[np.ndarray],
+                          block_size: int,
+                          single_device_rows: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """``pack_mirror_rows`` before the conversion to int32: host rows ``[m]`` and device
+    rows ``[g, m]`` of an integer dtype (``PlanBuilder.build`` converts them as it packs)."""
     B = block_size
     g = len(resident_blocks)
     host_rows: list[np.ndarray] = []
@@ -212,9 +255,9 @@ def pack_mirror_rows(work: MirrorSpans, resident_blocks: Sequence[np.ndarray],
     if not host_rows:
         return np.zeros(0, np.int32), np.zeros((g, 0), np.int32)
     if len(host_rows) == 1:
-        return host_rows[0].astype(np.int32), device_rows[0].astype(np.int32)
-    return (np.concatenate(host_rows).astype(np.int32),
-            np.concatenate(device_rows, axis=1).astype(np.int32))
+        return host_rows[0], device_rows[0]
+    return np.concatenate(host_rows), np.concatenate(device_rows, axis=1)
 
 
-__all__ = ["MirrorSpans", "PlanBuilder", "mirror_rows", "pack_mirror_rows"]
+__all__ = ["MirrorSpans", "PlanBuilder", "mirror_rows", "pack_mirror_rows",
+           "pack_mirror_rows_wide"]

@@ -12,8 +12,8 @@ whole batch at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import Hashable, Iterator, Optional, Sequence
+from operator import attrgetter, is_
+from typing import Hashable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -211,6 +211,16 @@ def state_rows_of(reqs: Sequence[Request]) -> np.ndarray:
     return np.fromiter(map(_ROW, reqs), dtype=np.int64, count=len(reqs))
 
 
+class Batch(NamedTuple):
+    """Distinct live requests named by a batch's ids (``RequestTable.batch``, which keeps the
+    last one while no request comes or goes). Read only."""
+
+    ids: tuple[Hashable, ...]   # the ids as given, in batch order
+    reqs: list[Request]         # their requests, in batch order
+    rows: np.ndarray            # [R] int64 their state rows (not writeable)
+    tracking: list[int]         # batch indices of the requests added with token ids
+
+
 class RequestColumns:
     """The requests' per-state-row numbers, for the batch paths (decode, step) to read and
     write many at once: the lengths ``seq_len``, ``scheduled_len``, ``committed_len``,
@@ -268,6 +278,8 @@ class RequestTable:
         #: The live requests' lengths, reservations and host blocks by state row.
         self.columns = RequestColumns(max_num_seqs, host_width)
         self._order: Optional[tuple[list[Request], np.ndarray]] = None   # in_order()
+        self._batch: Optional[Batch] = None   # the last batch(), while no request comes or goes
+        self._tracking: Optional[tuple[Optional[np.ndarray]]] = None   # tracking_in_order()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() -> lowest row
 
     # -- mapping ---------------------------------------------------------------------------
@@ -304,22 +316,57 @@ class RequestTable:
         rows (kept until a request comes or goes; do not change them)."""
         if self._order is None:
             reqs = list(self._by_id.values())
-            self._order = (reqs, state_rows_of(reqs))
+            rows = state_rows_of(reqs)
+            rows.flags.writeable = False
+            self._order = (reqs, rows)
         return self._order
 
     def _reorder(self) -> None:
-        """A request came or went: ``in_order`` is built anew (after an undo too)."""
-        self._order = None
+        """A request came or went: ``in_order`` and ``batch`` are built anew (after an undo
+        too)."""
+        self._forget_order()
         self._journal.record(self._forget_order)
 
     def _forget_order(self) -> None:
-        self._order = None
+        self._order = self._batch = self._tracking = None
+
+    def tracking_in_order(self) -> Optional[np.ndarray]:
+        """``[n] bool``: which of the ``in_order`` requests were added with token ids; None
+        when none was (kept like ``in_order``; do not change it)."""
+        if self._tracking is None:
+            tracks = self.columns.tracks_ids[self.in_order()[1]]
+            self._tracking = (tracks if np.count_nonzero(tracks) else None,)
+        return self._tracking[0]
 
     def lookup(self, request_ids: Sequence[Hashable]) -> Optional[list[Request]]:
         """The live requests of hashable ``request_ids``, in order; None when one is not
         live (``get`` names it)."""
         reqs = list(map(self._by_id.get, request_ids))
         return None if None in reqs else reqs
+
+    def batch(self, request_ids: Sequence[Hashable]) -> Optional[Batch]:
+        """The ``Batch`` of ``request_ids`` (a list or tuple) when they are distinct, hashable
+        and live, else None. The last one is kept while no request comes or goes, and handed
+        back for the very same id objects (compared by identity: a request's row and token-id
+        tracking never change while it lives)."""
+        last = self._batch
+        if last is not None and len(last.ids) == len(request_ids) \
+                and all(map(is_, last.ids, request_ids)):
+            return last
+        try:
+            if len(set(request_ids)) != len(request_ids):
+                return None
+        except TypeError:
+            return None
+        reqs = self.lookup(request_ids)
+        if reqs is None:
+            return None
+        rows = state_rows_of(reqs)
+        rows.flags.writeable = False
+        batch = Batch(tuple(request_ids), reqs, rows,
+                      self.columns.tracks_ids[rows].nonzero()[0].tolist())
+        self._batch = batch
+        return batch
 
     @property
     def num_free_rows(self) -> int:
@@ -415,7 +462,7 @@ class RequestTable:
 
     def clear(self) -> None:
         self._by_id.clear()
-        self._order = None
+        self._forget_order()
 
     def schedule_mirror(self, block_size: int) -> MirrorSpans:
         """Every request's tokens not yet in a mirrored plan, in table order (the one-token
@@ -434,9 +481,13 @@ class RequestTable:
             spans = [(reqs[i].host_array, reqs[i].row, int(start[i]), int(end[i]))
                      for i in (count > 1).nonzero()[0].tolist()]
         page = start_1 // B
-        work = MirrorSpans(
-            spans=spans, single_rows=rows_1, single_positions=start_1,
-            single_host=cols.host[rows_1, page].astype(np.int64) * B + (start_1 - page * B))
+        host = cols.host   # [max_num_seqs, pages] int32, C-contiguous: one flat gather
+        single_host = host.reshape(-1)[rows_1 * host.shape[1] + page].astype(np.int64)
+        single_host -= page   # host[row, page] * B + start % B, as (block - page) * B + start
+        single_host *= B
+        single_host += start_1
+        work = MirrorSpans(spans=spans, single_rows=rows_1, single_positions=start_1,
+                           single_host=single_host)
         self._journal.write(cols.scheduled_len, rows, end)   # the unmoved keep theirs
         return work
 
@@ -511,5 +562,5 @@ class RequestTable:
                 list(self._free_rows))
 
 
-__all__ = ["Request", "RequestTable", "check_id_list", "check_lengths", "check_request_id",
+__all__ = ["Batch", "Request", "RequestTable", "check_id_list", "check_lengths", "check_request_id",
            "int_at_least", "state_rows_of"]

@@ -107,8 +107,8 @@ class ResidencyPolicy:
 
     def releasable_limits(self, committed_len: np.ndarray, seq_len: np.ndarray) -> np.ndarray:
         """``releasable_limit`` of many requests at once (their lengths, ``int64``)."""
-        B = self.block_size
-        return np.minimum(committed_len // B, (seq_len + (B - 1)) // B - ACTIVE_TAIL_PAGES)
+        B = self.block_size   # cdiv(seq_len, B) - tail = (seq_len + B - 1 - tail * B) // B
+        return np.minimum(committed_len // B, (seq_len + (B - 1 - ACTIVE_TAIL_PAGES * B)) // B)
 
     def pinned_clean(self, req: Request) -> int:
         """Durable pages outside the active tail the request still owns."""

@@ -55,7 +55,7 @@ from hisparse_triton.scheduler.coordinator import GroupCoordinator
 from hisparse_triton.scheduler.durability import Durability
 from hisparse_triton.scheduler.invariants import scheduler_problems, scheduler_snapshot
 from hisparse_triton.scheduler.journal import Journal
-from hisparse_triton.scheduler.plan_builder import PlanBuilder, pack_mirror_rows
+from hisparse_triton.scheduler.plan_builder import PlanBuilder, pack_mirror_rows_wide
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
 from hisparse_triton.scheduler.queries import SchedulerQueries
 from hisparse_triton.scheduler.requests import (
@@ -156,9 +156,8 @@ class HiSparseScheduler(SchedulerQueries):
             host_pool=self.host_block_pool, prefix=self._prefix if self.prefix_caching else None,
             policy=self.policy, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens)
-        #: (layer, paged group index) of every layer ``append_decode`` returns rows for.
-        self._layer_rows = [(name, i) for i, names in enumerate(d.row_names)
-                            for name in names]
+        #: Each paged group's layers (``devices.row_names``) as the keys of a dict.
+        self._group_layers = [dict.fromkeys(names) for names in d.row_names]
         self._closed = False
 
     # ------------------------------------------------------------------ admission
@@ -296,6 +295,9 @@ class HiSparseScheduler(SchedulerQueries):
         The requests between two that start a page grow together; the order of every
         change (pool, plan writes) is the one-by-one order."""
         reqs, rows, positions = count.reqs, count.rows, count.positions
+        if not count.starts:   # the common step: every request grows together
+            self._advance(rows, positions)
+            return self.devices.decode_rows(rows, positions)
         done = 0
         for i, counts in count.starts:
             self._advance(rows[done:i], positions[done:i])
@@ -314,9 +316,13 @@ class HiSparseScheduler(SchedulerQueries):
             self.plan_builder.write_seq_lens(rows, seq_lens)
 
     def _by_layer(self, table: np.ndarray) -> dict[str, np.ndarray]:
-        """``append_decode``'s result: each paged group's rows under each of its layers."""
-        views = list(table)
-        return {name: views[i] for name, i in self._layer_rows}
+        """``append_decode``'s result: each paged group's rows (``table [paged groups, R]
+        int64``) under each of its layers (``devices.row_names``), group after group."""
+        groups = zip(self._group_layers, table)   # (fromkeys of a dict: presized, no hashing)
+        out: dict[str, np.ndarray] = dict.fromkeys(*next(groups, ((), None)))
+        for names, rows in groups:
+            out.update(dict.fromkeys(names, rows))
+        return out
 
     def _grow(self, req: Request, new_len: int, counts: Optional[list[int]],
               ids: Optional[np.ndarray] = None) -> None:
@@ -401,7 +407,7 @@ class HiSparseScheduler(SchedulerQueries):
 
     def _build(self, *, commit: bool, released_pages: int) -> StepPlan:
         work = self._requests.schedule_mirror(self.block_size)
-        host_rows, device_rows = pack_mirror_rows(
+        host_rows, device_rows = pack_mirror_rows_wide(
             work, [m.blocks for m in self.devices.resident], self.block_size,
             self.devices.resident_decode_rows)
         return self.plan_builder.build(commit=commit, mirror_host_rows=host_rows,
