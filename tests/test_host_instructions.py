@@ -72,3 +72,30 @@ def test_a_real_count_of_a_small_step(request):
     small = dict(batch=2, layers=2, top_k=64, device_buffer_size=128, prompt_len=64)
     out = count_instructions("resolve_rows", repeats=(1, 2), launches="stubbed", **small)
     assert out["index_groups"] == 2 and out["instructions"] > 1_000
+
+
+def test_bench_host_reports_the_counts(monkeypatch, tmp_path, capsys):
+    """``bench --host --instructions``: a line and a JSON entry per unit (counts faked; a
+    failing count is reported, the times still stand)."""
+    import json
+
+    from hisparse_triton.cli import main
+
+    def fake(unit, *, launches, **sizes):
+        if launches == "standin_bare":
+            raise RuntimeError("valgrind is gone")
+        return {"unit": unit, "instructions": {"step": 6_000_000, "resolve_rows": 80_000,
+                                               "bookkeeping": 1_000_000}[unit]}
+    monkeypatch.setattr(instructions, "count_instructions", fake)
+    out = tmp_path / "host.json"
+    code = main(["bench", "--host", "--quick", "--no-launch-path", "--instructions", "--batch",
+                 "4", "--top-k", "64", "--hot-slots", "128", "--json", str(out)])
+    assert code == 0
+    report = capsys.readouterr()
+    text = report.out + report.err
+    assert "6,000,000 instructions per step" in text and "80,000" in text
+    assert "step_bare: failed: valgrind is gone" in text
+    doc = json.loads(out.read_text())
+    counts = doc["instructions"]
+    assert counts["bookkeeping"]["instructions"] == 1_000_000
+    assert "error" in counts["step_bare"]

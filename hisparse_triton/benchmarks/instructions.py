@@ -12,7 +12,8 @@ stand-in launch); what it does not: time (cache misses, frequency, other load). 
 figures of one tree against another, not against time targets.
 
 Needs ``valgrind`` and ``callgrind_control`` on the PATH; a run at DeepSeek-V3.2 structure
-takes about a minute per repeat count on two cores.
+takes about a minute per repeat count on two cores. ``bench --host --instructions`` prints
+the counts beside the times.
 """
 
 from __future__ import annotations
@@ -128,31 +129,3 @@ def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
             "repeats": list(repeats), "collected": counts, "index_groups": info["groups"],
             "step": {k: v for k, v in step.items() if k != "launches"},
             "method": "callgrind instructions, difference of two repeat counts"}
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m hisparse_triton.benchmarks.instructions [unit ...] [--launches MODE]
-    [--direct-off] [--batch N] [--layers N]``: prints one JSON line per unit."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("units", nargs="*", default=["step"], choices=sorted(UNITS))
-    parser.add_argument("--launches", default="standin",
-                        choices=["standin", "standin_bare", "stubbed"])
-    parser.add_argument("--direct-off", action="store_true")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--repeats", type=int, nargs=2, default=(2, 6))
-    args = parser.parse_args(argv)
-    sizes: dict[str, Any] = {"batch": args.batch}
-    if args.layers is not None:
-        sizes["layers"] = args.layers
-    for unit in args.units:
-        print(json.dumps(count_instructions(unit, repeats=tuple(args.repeats),
-                                            launches=args.launches,
-                                            direct=not args.direct_off, **sizes)),
-              flush=True)
-
-
-if __name__ == "__main__":
-    main()

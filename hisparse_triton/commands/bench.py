@@ -128,6 +128,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     timing.add_argument("--no-launch-path", action="store_true",
                         help="with --host: skip the real-launch-path runs (they compile the "
                              "kernels for sm_90 on first use, about a minute)")
+    timing.add_argument("--instructions", action="store_true",
+                        help="with --host: also count the instructions of a step, of one "
+                             "resolve_rows and of the bookkeeping under valgrind's callgrind "
+                             "(the launch path against the stand-in driver: deterministic "
+                             "where times move by tens of percent; needs valgrind, a few "
+                             "minutes)")
     timing.add_argument("--decode-step", action="store_true",
                         help="instead of the sweep (CUDA): a whole decode step of --preset "
                              "(default deepseek-v3.2-fp8) at --batch 64, every request on the "
@@ -287,13 +293,41 @@ def run_host(args: argparse.Namespace) -> int:
                 f"): step {r['step_ms']:.3f} ms (target <= {LAUNCH_PATH_TARGET_MS:g}), "
                 f"worker.resolve_rows {r['resolve_rows_us']:.1f} us, bookkeeping "
                 f"{r['bookkeeping_ms']:.3f} ms, {r['step_launches']} launches")
+    counts = _host_instructions(batch, top_k, hot, lines) if args.instructions else {}
     print("\n".join(lines), file=report_stream(args.json))
     if args.json:
         doc = {"ops": ops_level, "step": step, "targets": HOST_TARGETS, "met": met}
         if launch_path:
             doc["launch_path"] = dict(launch_path, target_step_ms=LAUNCH_PATH_TARGET_MS)
+        if counts:
+            doc["instructions"] = counts
         write_json(json_document("bench-host", 1, doc), args.json)
     return 0
+
+
+def _host_instructions(batch: int, top_k: int, hot: int, lines: list[str]) -> dict:
+    """``bench --host --instructions``: instructions per unit of the step with Triton's
+    launch path against the stand-in driver (``benchmarks.instructions``), and of the step
+    without the stand-in's emulated address reads; appends the report's lines."""
+    from hisparse_triton.benchmarks.instructions import count_instructions
+
+    lines.append("instructions (callgrind; direct launches, stand-in sm_90 driver):")
+    counts: dict = {}
+    for label, unit, mode in (("step", "step", "standin"),
+                              ("resolve_rows", "resolve_rows", "standin"),
+                              ("bookkeeping", "bookkeeping", "standin"),
+                              ("step_bare", "step", "standin_bare")):
+        try:
+            counts[label] = count_instructions(unit, launches=mode, batch=batch, top_k=top_k,
+                                               device_buffer_size=hot)
+        except Exception as exc:  # the times above still stand
+            counts[label] = {"error": str(exc)[-500:]}
+            lines.append(f"  {label}: failed: {str(exc)[-200:]}")
+            continue
+        note = ", no emulated address reads" if mode == "standin_bare" else ""
+        lines.append(f"  {label:13s} {counts[label]['instructions']:>12,d} instructions per "
+                     f"{unit}{note}")
+    return counts
 
 
 def run_decode_step(args: argparse.Namespace) -> int:
