@@ -69,7 +69,7 @@ def is_eager(tensors: tuple[Optional[Tensor], ...]) -> bool:
     for t in tensors:
         if t is not None and type(t) is not Tensor:
             return False
-    return _current_dispatch_mode() is None
+    return plain_dispatch()
 
 
 def plain_dispatch() -> bool:
