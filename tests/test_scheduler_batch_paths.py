@@ -235,13 +235,19 @@ def in_transaction(s, fn):
     return run
 
 
-@pytest.mark.parametrize("watermark", [0.1, 1.0])
-def test_a_fault_anywhere_in_a_batch_call_inside_a_transaction_changes_nothing(watermark):
+def three_running(watermark: float):
+    """A scheduler with requests a, b, c prefilled (7, 4, 11 tokens) and stepped once."""
     s = make(full=True, watermark=watermark, max_num_seqs=3)
     for rid, n in (("a", 7), ("b", 4), ("c", 11)):
         s.add_request(rid, n, 30)
         s.append_slots(rid, n)
     s.step()
+    return s
+
+
+@pytest.mark.parametrize("watermark", [0.1, 1.0])
+def test_a_fault_anywhere_in_a_batch_call_inside_a_transaction_changes_nothing(watermark):
+    s = three_running(watermark)
     for _ in range(3):                           # a and c start a page: blocks, releases
         assert s.capacity.plain_decode(["c", "a", "b"]) is not None
         assert sweep(in_transaction(s, lambda: s.append_decode(["c", "a", "b"])),

@@ -30,6 +30,7 @@ from test_scheduler_batch_paths import (
     in_transaction,
     make,
     reference,
+    three_running,
 )
 
 
@@ -245,11 +246,7 @@ def test_tracking_in_order_follows_admissions_with_token_ids():
 
 @pytest.mark.parametrize("watermark", [0.1, 1.0])
 def test_a_fault_anywhere_in_a_repeated_batch_changes_nothing(watermark):
-    s = make(full=True, watermark=watermark, max_num_seqs=3)
-    for rid, n in (("a", 7), ("b", 4), ("c", 11)):
-        s.add_request(rid, n, 30)
-        s.append_slots(rid, n)
-    s.step()
+    s = three_running(watermark)
     batch = ["c", "a", "b"]
     for _ in range(3):                           # the kept batch, page starts, releases
         assert sweep(in_transaction(s, lambda: s.append_decode(batch)),
