@@ -23,7 +23,8 @@ anything on the device.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple
+from operator import itemgetter
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -48,33 +49,89 @@ _TENSOR = torch.Tensor
 _PLAIN = frozenset({int, float, bool, str, type(None)})
 
 
+def _no_arguments(args: tuple) -> tuple:
+    return ()
+
+
+def _pointer_picker(annotations: object, signature: object) -> Optional[Callable[[tuple], tuple]]:
+    """A C-level picker of the pointer arguments from a launch's argument tuple, built from
+    Triton's ``CudaLauncher`` annotations (one per argument: constexpr, kernel argument or
+    tuple) and kernel signature (the kernel arguments' types, ``"*i32"`` for a pointer); None
+    where they do not have that form (tuple arguments, another Triton): read every one."""
+    if not isinstance(annotations, (list, tuple)) or not isinstance(signature, (list, tuple)):
+        return None
+    kinds = [getattr(a, "type", None) for a in annotations]
+    constexpr, kernel = _HELPER_NAMES["ARG_CONSTEXPR"], _HELPER_NAMES["ARG_KERNEL"]
+    if any(k not in (constexpr, kernel) for k in kinds) \
+            or kinds.count(kernel) != len(signature) \
+            or not all(isinstance(t, str) for t in signature):
+        return None
+    types = iter(signature)
+    positions = [i for i, k in enumerate(kinds) if k == kernel and next(types).startswith("*")]
+    if not positions:
+        return _no_arguments
+    if len(positions) == 1:
+        return lambda args, _i=positions[0]: (args[_i],)
+    return itemgetter(*positions)
+
+
+#: Most all-scalar argument tuples ``StandInLaunch`` remembers (then it starts again).
+_KEPT_TUPLES = 4096
+
+
 class StandInLaunch:
     """Replaces the driver's C ``launch``: reads each tensor argument's address and records
     the call (``calls``; ``record=False`` only counts, the cheapest for timing).
 
-    The address reads are the C launcher's work; they are done in plain Python, as cheaply
-    as it allows (a class check per argument, ``isinstance`` only for what is neither a
-    plain tensor nor a plain scalar: ``isinstance(x, torch.Tensor)`` costs about 0.1 us per
-    argument through torch's metaclass, which the C launcher never pays), about 2 us per
-    launch of 30-50 arguments on this project's CPU machine. ``read_addresses=False``
-    leaves them out: what is left is Triton's own Python launch path alone (the C launcher's
-    work, emulated or not, is then not counted at all)."""
+    The address reads emulate what the C launcher calls back into Python for: it skips
+    constexprs and converts scalars in C, and for a pointer parameter takes an int as the
+    address itself but calls any other object's ``data_ptr()``. So the stand-in calls
+    ``data_ptr()`` for the tensors among the pointer parameters (picked by Triton's kernel
+    signature with one C-level ``itemgetter``, ``_pointer_picker``; every argument where
+    there is no signature), and charges nothing for the scalars: an argument tuple that
+    holds only plain scalars (ints, floats, bools, strings, None) is checked once and then
+    remembered by identity (a tuple of scalars never comes to hold a tensor), as a direct
+    launch passes the same tuple of addresses every call (``kernels.direct_launch``). The
+    check of a new tuple, and the reads, are as cheap as Python allows (a C-level type
+    scan; ``isinstance`` only for what is not a plain tensor: it costs about 0.1 us through
+    torch's metaclass, which the C launcher never pays). Like ``cuLaunchKernel``, the C
+    launcher's own per-argument conversions are not counted (``docs/benchmarking.md``
+    compares this with the per-argument loop of the figures recorded before 2026-12-04).
+    ``read_addresses=False`` leaves the reads out: what is left is Triton's own Python
+    launch path alone."""
 
     def __init__(self, record: bool = True, read_addresses: bool = True) -> None:
         self.record = record
         self.read_addresses = read_addresses
         self.calls: list[LaunchCall] = []
         self.count = 0
+        self._scalars: dict[int, tuple] = {}   # id -> a tuple of plain scalars seen
+        self._pickers: dict[int, tuple] = {}   # id(annotations) -> (annotations, picker)
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple) -> None:
-        if self.read_addresses:
-            for arg in args:
-                cls = arg.__class__
-                if cls is _TENSOR or (cls not in _PLAIN and isinstance(arg, _TENSOR)):
-                    arg.data_ptr()
+    def __call__(self, grid: tuple[int, int, int], args: tuple, annotations: object = None,
+                 signature: object = None) -> None:
+        """One launch: ``args`` the kernel arguments (a tuple); ``annotations`` and
+        ``signature`` Triton's ``CudaLauncher``'s, which tell the pointer parameters."""
+        if self.read_addresses and self._scalars.get(id(args)) is not args:
+            self._read(args, annotations, signature)
         self.count += 1
         if self.record:
             self.calls.append(LaunchCall(grid, args))
+
+    def _read(self, args: tuple, annotations: object, signature: object) -> None:
+        if _PLAIN.issuperset(map(type, args)):   # nothing to read, now or ever
+            if len(self._scalars) >= _KEPT_TUPLES:
+                self._scalars.clear()
+            self._scalars[id(args)] = args
+            return
+        kept = self._pickers.get(id(annotations))
+        if kept is None or kept[0] is not annotations:
+            kept = self._pickers[id(annotations)] = (
+                annotations, _pointer_picker(annotations, signature))
+        for arg in (args if kept[1] is None else kept[1](args)):
+            cls = arg.__class__
+            if cls is _TENSOR or (cls not in _PLAIN and isinstance(arg, _TENSOR)):
+                arg.data_ptr()
 
 
 class _Utils:
@@ -89,8 +146,12 @@ class _Utils:
         return dict(_PROPERTIES)
 
     def launch(self, gridX, gridY, gridZ, stream, function, *rest):
-        # Triton's Python launcher passes the kernel arguments last (one tuple).
-        self._launch((gridX, gridY, gridZ), tuple(rest[-1]))
+        # Triton's Python launcher passes the kernel arguments last (one tuple), after its
+        # annotations and kernel signature (Triton 3.7's CudaLauncher).
+        if len(rest) >= 3:
+            self._launch((gridX, gridY, gridZ), tuple(rest[-1]), rest[-3], rest[-2])
+        else:
+            self._launch((gridX, gridY, gridZ), tuple(rest[-1]))
 
     @staticmethod
     def build_signature_metadata(kernel_signature):

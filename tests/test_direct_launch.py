@@ -63,6 +63,14 @@ _STANDIN_CHECK = textwrap.dedent('''
         out["bound_addresses"] = [addresses_only(call) for call in launch.calls[-3:]]
         out["launcher"] = type(direct._launcher[0]).__name__ if direct.bound else None
         out["forwarded"] = direct.forwarded
+        # the emulated address reads pick the pointer parameters by the kernel signature:
+        # the normal launch's tensors, nothing else
+        pickers = [p for _, p in launch._pickers.values()]
+        pointer_names = [p.name for p, a in zip(gather.copy_rows_kernel.params, normal.args)
+                         if isinstance(a, torch.Tensor)]
+        out["picked"] = [[isinstance(x, torch.Tensor) for x in p(normal.args)]
+                         for p in pickers if p is not None]
+        out["tensor_args"] = len(pointer_names)
 
         # A DirectLaunch with a dynamic tensor: same arguments as the normal path, a new
         # address of the same alignment stays direct, a misaligned one falls back.
@@ -125,6 +133,8 @@ def test_direct_launches_pass_the_normal_paths_arguments():
     assert out["bound_addresses"] == [False, True, True]  # the normal path passes tensors
     # Triton's own launcher class (the pinned 3.7's), its Python __call__ skipped
     assert out["launcher"] == "CudaLauncher" and out["forwarded"]
+    # one launcher (the copy kernel's): its pointer parameters are the tensors it was given
+    assert out["picked"] == [[True] * out["tensor_args"]] and out["tensor_args"] >= 4
     assert out["dynamic_paths"] == [1, 1]
     assert out["dynamic_same_args"]
     assert out["misaligned_paths"] == [2, 1]       # an alignment change takes the normal path
@@ -197,6 +207,62 @@ def test_the_standin_reads_tensor_addresses_unless_told_not_to():
     assert reads == [1]                   # the subclass's address was read (and the tensor's)
     StandInLaunch(record=False, read_addresses=False)((1, 1, 1), args)
     assert reads == [1]
+
+
+def test_the_standin_picks_pointer_parameters_by_the_kernel_signature():
+    from hisparse_triton.kernels.standin_driver import _KernelArg, _pointer_picker
+
+    const, kern = _KernelArg(None, 0), _KernelArg(None, 1)
+    args = ("a", 1, "b", "c", 64)
+    pick = _pointer_picker([kern, kern, kern, kern, const], ("*i32", "i32", "*fp32", "*u8"))
+    assert pick(args) == ("a", "b", "c")
+    assert _pointer_picker([kern, const, kern], ("i64", "*i8"))(args) == ("b",)
+    assert _pointer_picker([const, kern], ("i32",))(args) == ()
+    # what it cannot read safely: every argument is checked (None)
+    assert _pointer_picker([kern, _KernelArg((kern,), 2)], ("*i32", "*i32")) is None
+    assert _pointer_picker([kern, kern], ("*i32",)) is None
+    assert _pointer_picker(None, None) is None
+
+
+@pytest.mark.parametrize("picked", [False, True])
+@pytest.mark.parametrize("where", [0, 1, 40, 79])
+def test_the_standin_reads_each_tensor_every_launch_and_no_scalar(where, picked):
+    from hisparse_triton.kernels.standin_driver import StandInLaunch, _KernelArg
+
+    reads = []
+
+    class Counting(torch.Tensor):
+        def data_ptr(self):
+            reads.append(where)
+            return super().data_ptr()
+
+    class NotATensor:
+        def data_ptr(self):  # not a tensor: the stand-in leaves it
+            raise AssertionError("read an object that is not a tensor")
+
+    scalars = [7, 2**40, True, None, 1.5, "s", NotATensor()] * 12
+    args = tuple(scalars[:where]) + (torch.zeros(3).as_subclass(Counting),) + tuple(
+        scalars[where:79])
+
+    def signature(pointers: int) -> tuple:  # the first `pointers` arguments are pointers
+        return ([_KernelArg(None, 1)] * len(args),
+                tuple(["*i32"] * pointers + ["i64"] * (len(args) - pointers)))
+
+    launch = StandInLaunch(record=False)
+    how = signature(where + 1) if picked else ()
+    launch((1, 1, 1), args, *how)
+    launch((1, 1, 1), args, *how)          # the same tuple: its tensor is read again
+    assert reads == [where, where]
+    plain = tuple(scalars[:6])
+    launch((1, 1, 1), plain, *how)        # nothing to read; remembered, not checked again
+    assert launch._scalars[id(plain)] is plain and len(launch._scalars) == 1
+    launch((1, 1, 1), plain, *how)
+    assert len(launch._scalars) == 1 and reads == [where, where]
+    if picked:   # a tensor outside the pointer parameters is not read (the C launcher's way)
+        launch((1, 1, 1), args, *signature(where))
+        assert reads == [where, where]
+    StandInLaunch(record=False, read_addresses=False)((1, 1, 1), args, *how)
+    assert reads == [where, where] and launch.count == 4 + picked
 
 
 class _ForwardingLauncher:

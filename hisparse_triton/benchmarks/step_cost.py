@@ -97,7 +97,7 @@ def _standin_launches(read_addresses: bool = True) -> Iterator[_Counted]:
     bound from it) per launch, the C launch replaced by a counting stand-in. The launchers
     accept CPU tensors as CUDA ones (their backend checks are lifted in the block). Needs a
     process whose kernels were imported without ``TRITON_INTERPRET=1``. ``read_addresses``:
-    the stand-in's emulation of the C launcher's per-argument address reads
+    the stand-in's emulation of the C launcher's address reads
     (``StandInLaunch``)."""
     from triton.runtime.jit import JITFunction
 
@@ -130,7 +130,7 @@ def _launch_mode(mode: str) -> Iterator[Any]:
     """``"stubbed"``: launches replaced by counting stand-ins (the interpreter env lets the
     Triton backend accept CPU tensors); ``"standin"``: Triton's real launch path
     (``_standin_launches``); ``"standin_bare"``: the same without the stand-in's emulated
-    per-argument address reads (Triton's Python launch path alone). Yields a ``len()``-able,
+    address reads (Triton's Python launch path alone). Yields a ``len()``-able,
     ``clear()``-able launch count."""
     if mode == "stubbed":
         from hisparse_triton.kernels.launches import record_launches
@@ -283,7 +283,7 @@ _LAUNCH_PATHS = {
                            else "off (HISPARSE_TRITON_DIRECT_LAUNCH=0)")),
 }
 _LAUNCH_PATHS["standin_bare"] = lambda: (_LAUNCH_PATHS["standin"]() + "; the stand-in's "
-                                         "emulated per-argument address reads left out")
+                                         "emulated address reads left out")
 
 _SUBPROCESS = """
 import json, sys

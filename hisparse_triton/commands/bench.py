@@ -270,8 +270,8 @@ def run_host(args: argparse.Namespace) -> int:
 
         lines.append("host cost with Triton's real Python launch path (JITFunction.run or "
                      "direct launches) against a STAND-IN sm_90 driver on CPU: real compiles, "
-                     "each launch's arguments read, nothing launched:")
-        # after_bare: the stand-in's Python emulation of the C launcher's per-argument
+                     "each launch's tensor addresses read, nothing launched:")
+        # after_bare: the stand-in's Python emulation of the C launcher's pointer
         # address reads left out (Triton's Python launch path alone)
         for label, direct, reads in (("before", False, True), ("after", True, True),
                                      ("after_bare", True, False)):
