@@ -157,7 +157,12 @@ def test_every_variant_stays_in_bounds(K: int, H: int, B: int, kernel_device: to
     state = _state(K, H, B, None, 0)
     variants = kres.resolve_variants(K, H, B, state.num_host_blocks)
     assert ("hash" in variants) == (H <= HASH_MAX_SLOTS)
+    # "default" is the launch of one of the others (the shape's dispatch): run each once
+    default = kres._launch(K, H, B, state.num_host_blocks, True)
+    assert default == kres._launch(K, H, B, state.num_host_blocks, True, variant=default.variant)
     for name, knobs in variants.items():
+        if name == "default":
+            continue
         for workspace in (False, True):
             run_guarded(kernel_device, K, H, B, knobs, workspace=workspace)
 
