@@ -60,8 +60,12 @@ Run it::
     python examples/tiny_dsa.py --requests 4 --check
     python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 --check
     python examples/tiny_dsa.py --mtp 3 --free-block-watermark 1 --check
-    python examples/tiny_dsa.py --requests 1 --prompt-len 2048 2048 --max-model-len 2052 \
+    python examples/tiny_dsa.py --requests 1 --prompt-len 2048 2048 --max-model-len 2056 \
         --chunk-size 128 --max-num-batched-tokens 128 --device-blocks 180 --check
+
+The last one prefills a 2,048-token prompt (plus the 8 new tokens: ``--max-model-len`` must
+hold 2,056) in 16 chunks of 128 through the prefill staging, over a pool of 180 blocks that
+cannot keep its history on the GPU. ``tests/test_tiny_dsa.py`` runs every command above.
 """
 
 from __future__ import annotations

@@ -8,15 +8,23 @@ contract, bit-identical to the reference and to each other:
 - ``hash`` (``kernels/resolve_hash.py``): a per-row open-addressing hash table of the top-k
   columns' host rows in the workspace, no sort; for top-k up to ``HASH_MAX_WIDTH`` (2,048)
   against up to ``HASH_MAX_SLOTS`` (4,096) hot slots, with host rows that fit int32
-  (``num_host_blocks * block_size < 2**31``). A row whose insertion overflows (a column still
-  unplaced after ``PROBES`` rounds) is resolved by the sorted code in the same launch.
+  (``num_host_blocks * block_size < 2**31 - 1``). A row whose insertion overflows (a column
+  still unplaced after ``PROBES`` rounds) is resolved by the sorted code in the same launch.
 - ``sorted`` (``kernels/resolve_sorted.py``): sort + binary search, every width up to
   ``MAX_RESOLVE_WIDTH`` (32,768), int64 keys when the host pool needs them.
 
-The dispatch is by shape only (``_launch``: the hash kernel wherever it applies, the sorted
-one elsewhere); ``_resolve(..., variant="sorted" | "hash")`` forces one (the sorted kernel's
-knobs ``sort_width`` / ``block_h`` / ``gather_search`` imply it). ``resolve_variants`` lists
-every variant a shape can launch (``ops.resolve.variants.time_resolve_variants`` times them).
+The dispatch (``_launch``) reads ``K`` (top-k), ``H`` (hot slots per row), ``block_size`` and
+``num_host_blocks`` only, never the batch rows ``R`` or a tensor value: ``hash`` when
+``hash_applies(K, H, block_size, num_host_blocks)``, i.e. ``K <= 2048 and H <= 4096 and
+num_host_blocks * block_size < 2**31 - 1``, and no sorted-kernel knob is given; ``sorted``
+otherwise. ``_resolve(..., variant="sorted" | "hash")`` forces one (``"hash"`` where it does
+not apply raises ``ValueError``; the sorted kernel's knobs ``sort_width`` / ``block_h`` /
+``gather_search`` imply ``sorted``). Within ``sorted``: ``W = scratch_width(K)`` (``K`` rounded
+up to a power of two, >= 16); keys sorted in registers when ``W <= MAX_SORT_WIDTH`` (2,048),
+else 2,048-key tiles merged in scratch; int64 keys when ``(num_host_blocks * block_size + 1)
+* W > 2**31``; ``min(next_pow2(max(H, 16)), MAX_BLOCK_H)`` LRU positions per step.
+``resolve_variants`` lists every variant a shape can launch
+(``ops.resolve.variants.time_resolve_variants`` times them).
 The launcher validates shapes, dtypes and devices only; it never reads tensor values, so it is CUDA-graph capturable
 (with a workspace, a repeated call allocates nothing). ``BoundResolve`` (the runtime's decode
 path) launches through the compiled kernel's launcher after its first call

@@ -137,9 +137,12 @@ def _resolve_hash_kernel(
         tmnum = tkey  # the key word holds the miss number once the lookups are done
 
         if CLEAN_FIRST:  # a one-off table (a call without a workspace): not clean yet
+            # BLOCK_H (sized by the slots) need not divide the row's 3 T words (sized by the
+            # top-k): masked, or the last tile clears the next row's table / past the buffer.
             for w0 in range(0, 3 << LOG2_T, BLOCK_H):
-                tl.store(tkey + w0 + tl.arange(0, BLOCK_H),
-                         tl.full([BLOCK_H], _EMPTY_K, tl.int32))
+                w = w0 + tl.arange(0, BLOCK_H)
+                tl.store(tkey + w, tl.full([BLOCK_H], _EMPTY_K, tl.int32),
+                         mask=w < (3 << LOG2_T))
             tl.debug_barrier()
 
         # Phase 1: columns (classify, insert their host rows); positions (snapshot, slots,

@@ -8,14 +8,19 @@ through the in-process facade, and on two tensor-parallel processes sharing one 
 under memory pressure (default watermark, and 1.0), with the engine's chunk limit, a shared
 prefix reused from the prefix cache (the dense run computes it) and two query tokens per
 decode step (the dense run decodes one at a time). The check is shown not to be vacuous: one
-corrupted byte of a resolved row, or one wrong row id, changes the logits.
+corrupted byte of a resolved row, or one wrong row id, changes the logits. Every command the
+example's docstring, README.md and docs/*.md give for it is accepted and runs as written.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import os
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +28,7 @@ import pytest
 import torch
 
 from hisparse_triton.errors import UncommittedTokensError
+from test_docs_commands import DOC_FILES, ROOT, _join_continuations, bash_blocks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_dsa.py"
 
@@ -470,3 +476,90 @@ def test_bad_configurations_are_refused():
     store = CachedEverything(tiny_dsa.dense_store_for(spec.model_config()).row_dims)
     with pytest.raises(ValueError, match="cached tokens"):
         tiny_dsa.run(spec, store)
+
+
+# ------------------------------------------------------------------ the documented commands
+#: Documented commands that need a GPU: run only with CUDA (their arguments are checked
+#: everywhere).
+NEEDS_CUDA_FLAGS = ("--device cuda", "--cuda-graph")
+#: Documented commands too slow for the normal suite: ``{argv text: reason}`` (none today;
+#: each takes 1-5 s on the CPU).
+SLOW_COMMANDS: dict[str, str] = {}
+
+
+def example_commands() -> list[tuple[str, str]]:
+    """``(where, argv text)`` of every ``python examples/<name>.py ...`` command written in an
+    example's module docstring, and of the example commands README.md and docs/*.md show
+    (inline code spans and ```bash blocks), deduplicated."""
+    found: dict[str, str] = {}
+
+    def add(where: str, command: str) -> None:
+        command = " ".join(command.split())
+        if command.startswith("python examples/"):
+            found.setdefault(command[len("python "):], where)
+
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        # (a ``\\`` continuation in a docstring already joined the lines; join any others)
+        for command in _join_continuations(doc.splitlines()):
+            add(f"{path.relative_to(ROOT)} docstring", command)
+    for path in DOC_FILES:
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(r"`(python examples/[^`]+)`", text):
+            line = text.count("\n", 0, match.start()) + 1
+            add(f"{path.relative_to(ROOT)}:{line}", match.group(1))
+        for line, commands, _ in bash_blocks(path):
+            for command in commands:
+                add(f"{path.relative_to(ROOT)}:{line}", command)
+    return [(where, argv) for argv, where in found.items()]
+
+
+EXAMPLE_COMMANDS = example_commands()
+_IDS = [argv[:80] for _, argv in EXAMPLE_COMMANDS]
+
+
+def test_the_docstring_commands_are_found():
+    docstring = [argv for where, argv in EXAMPLE_COMMANDS if "docstring" in where]
+    assert len(docstring) >= 4 and any("--prompt-len 2048 2048" in a for a in docstring)
+    assert any(where.startswith("README.md") for where, _ in EXAMPLE_COMMANDS)
+
+
+class _Stopped(Exception):
+    """Raised in place of the run once ``main`` accepted the arguments."""
+
+
+@pytest.mark.parametrize("where, argv", EXAMPLE_COMMANDS, ids=_IDS)
+def test_documented_example_command_is_accepted(where, argv, monkeypatch):
+    """Every documented command parses and its run fits the plan (``main`` would exit 2
+    otherwise: e.g. a prompt + new tokens past ``--max-model-len``); the run is stopped."""
+    words = shlex.split(argv)
+    assert words[0] == "examples/tiny_dsa.py", f"{where}: a new example needs its own check"
+
+    def stop(*args, **kwargs):
+        raise _Stopped
+
+    monkeypatch.setattr(tiny_dsa, "run_dense", stop)
+    monkeypatch.setattr(tiny_dsa, "_decode", stop)
+    try:
+        code = tiny_dsa.main(words[1:])
+    except _Stopped:
+        return
+    except SystemExit as exc:  # argparse refused a flag
+        code = exc.code
+    pytest.fail(f"{where}: `python {argv}` exits {code} before it runs", pytrace=False)
+
+
+@pytest.mark.parametrize("where, argv", EXAMPLE_COMMANDS, ids=_IDS)
+def test_documented_example_command_runs(where, argv, request):
+    """Every documented command runs as written (``python`` = this interpreter, from the
+    repository root) and exits 0; with ``--check`` it reports bit-identical results."""
+    if any(flag in argv for flag in NEEDS_CUDA_FLAGS) and not torch.cuda.is_available():
+        pytest.skip(f"{where}: the command needs a CUDA device")
+    if argv in SLOW_COMMANDS and not _slow_selected(request.config):
+        pytest.skip(f"{SLOW_COMMANDS[argv]}; select it with -m slow")
+    done = subprocess.run([sys.executable, *shlex.split(argv)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, (f"{where}: `python {argv}` exited {done.returncode}:\n"
+                                  f"{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
+    if "--check" in argv.split():
+        assert "check: tokens and logits bit-identical" in done.stdout, done.stdout[-1000:]

@@ -137,3 +137,70 @@ def test_a_shared_pool_plan_takes_no_host_tensor():
     with pytest.raises(ValueError, match="host_pool_tensor cannot be used with a shared"):
         HiSparseWorker(shared, plan.config, max_num_seqs=2, device="cpu",
                        host_pool_name="x", host_pool_tensor=torch.zeros(8))
+
+
+def _range(t, nbytes):
+    return f"[{t.data_ptr():#x}, {t.data_ptr() + nbytes:#x})"
+
+
+def _refused_before_anything(monkeypatch, plan, **pools):
+    """Build a worker over ``pools``: it must raise the overlap error before it opens (or
+    registers, or allocates) any pool; returns the error's message."""
+    import hisparse_triton.worker.worker as worker_module
+
+    def opened(*args, **kwargs):
+        raise AssertionError("a pool was opened before the overlap was refused")
+
+    monkeypatch.setattr(worker_module, "open_host_pool", opened)
+    monkeypatch.setattr(worker_module, "open_device_pool", opened)
+    monkeypatch.setattr(worker_module, "check_memory", opened)
+    before = [t.clone() for t in pools.values()]
+    with pytest.raises(ValueError, match="overlap") as err:
+        HiSparseWorker(plan.kv_cache_config, plan.config, max_num_seqs=2, device="cpu",
+                       **pools)
+    assert all(torch.equal(b, t) for b, t in zip(before, pools.values()))
+    return str(err.value)
+
+
+def test_one_tensor_as_both_pools_is_refused_naming_both_ranges(monkeypatch):
+    plan = make_plan()
+    device_bytes, host_bytes = HiSparseWorker.pool_bytes(plan.kv_cache_config)
+    buf = torch.zeros(max(device_bytes, host_bytes), dtype=torch.uint8)
+    msg = _refused_before_anything(monkeypatch, plan, device_pool_tensor=buf,
+                                   host_pool_tensor=buf)
+    assert f"the device pool tensor bytes {_range(buf, device_bytes)}" in msg
+    assert f"the host pool tensor bytes {_range(buf, host_bytes)}" in msg
+    assert f"({min(device_bytes, host_bytes)} B in common)" in msg
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
+def test_overlapping_views_of_one_storage_are_refused(monkeypatch, dtype):
+    plan = make_plan()
+    device_bytes, host_bytes = HiSparseWorker.pool_bytes(plan.kv_cache_config)
+    size = torch.tensor([], dtype=dtype).element_size()
+    storage = torch.zeros(-(-(device_bytes + host_bytes) // size), dtype=dtype)
+    device = storage[:-(-device_bytes // size)]
+    host = storage[device.numel() - 1:]                    # one element in common
+    msg = _refused_before_anything(monkeypatch, plan, device_pool_tensor=device,
+                                   host_pool_tensor=host)
+    assert f"the device pool tensor bytes {_range(device, device_bytes)}" in msg
+    assert f"the host pool tensor bytes {_range(host, host_bytes)}" in msg
+    common = device.data_ptr() + device_bytes - host.data_ptr()
+    assert f"({common} B in common)" in msg and 0 < common <= size
+
+
+def test_disjoint_views_of_one_storage_are_accepted_and_exact():
+    plan = make_plan()
+    device_bytes, host_bytes = HiSparseWorker.pool_bytes(plan.kv_cache_config)
+    storage = torch.zeros(device_bytes + 64 + host_bytes, dtype=torch.uint8)
+    device, host = storage[:device_bytes], storage[device_bytes + 64:]
+    own_rows, own_data, _, _ = run_steps({})
+    rows, data, (device_view, host_view), owns = run_steps(
+        dict(device_pool_tensor=device, host_pool_tensor=host))
+    assert owns == (False, False)
+    assert torch.equal(rows, own_rows) and torch.equal(data, own_data)
+    assert device_view.data_ptr() == device.data_ptr()
+    assert host.data_ptr() <= host_view.data_ptr() < host.data_ptr() + host_bytes
+    # Touching views: the device pool's last used byte right before the host pool's first.
+    storage = torch.zeros(device_bytes + host_bytes, dtype=torch.uint8)
+    run_steps(dict(device_pool_tensor=storage, host_pool_tensor=storage[device_bytes:]))

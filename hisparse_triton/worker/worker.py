@@ -40,7 +40,7 @@ from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker import hot_cache
 from hisparse_triton.worker.hot_cache import HotCache, HotState, StreamRows, check_state_rows
-from hisparse_triton.worker.adopted import host_pool_bytes, pool_bytes
+from hisparse_triton.worker.adopted import check_disjoint, host_pool_bytes, pool_bytes
 from hisparse_triton.worker.layers import PoolLayers
 from hisparse_triton.worker.mirror import HostMirror
 from hisparse_triton.worker.options import (BACKENDS, check_draft_layers, check_options,
@@ -96,8 +96,11 @@ class HiSparseWorker(WorkerViews):
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
       any dtype, contiguous (see ``worker.adopted``). On a GPU machine the host tensor must
       be page-locked: a pinned tensor is used as is, another one is registered by the worker
-      (``register_host_pool=True``, undone by ``close()``) or refused. The worker never frees
-      adopted memory; ``close()`` only drops its references.
+      (``register_host_pool=True``, undone by ``close()``) or refused. The bytes the worker
+      uses of the two (the first ``pool_bytes`` of each) must not overlap: the same tensor
+      twice, or overlapping views of one storage, is refused with a ``ValueError`` naming
+      both address ranges, before anything is allocated. The worker never frees adopted
+      memory; ``close()`` only drops its references.
 
     Before building anything, everything the worker will allocate (``memory_requests``) is
     checked against the available RAM and GPU memory.
@@ -129,6 +132,11 @@ class HiSparseWorker(WorkerViews):
             raise ValueError("host_pool_tensor cannot be used with a shared host pool (the "
                              "ranks of a node share a file the worker maps); plan with "
                              "shared_host_pool=False to hand in a host tensor.")
+        if device_pool_tensor is not None and host_pool_tensor is not None:
+            # the same memory twice: refused before anything is allocated or registered
+            device_bytes, host_bytes = pool_bytes(kv_cache_config)
+            check_disjoint((("the device pool tensor", device_pool_tensor, device_bytes),
+                            ("the host pool tensor", host_pool_tensor, host_bytes)))
         self.device = parse_device(device)
         self.gather_programs_per_sm = hot_cache.check_programs_per_sm(gather_programs_per_sm)
         #: The TP ranks' split of every gather (``worker.split_gather``), or None.
