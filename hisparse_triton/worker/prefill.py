@@ -36,7 +36,7 @@ from hisparse_triton.config import EngineConfig
 from hisparse_triton.errors import PrefillStagingError
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.worker import hot_cache
-from hisparse_triton.worker.placement import on_device
+from hisparse_triton.worker.placement import check_readable, on_device
 
 from hisparse_triton.staging import PrefillStaging
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hisparse_triton.ops import PrefillWorkspace
     from hisparse_triton.worker.hot_cache import HotCache
 
-__all__ = ["PrefillStager", "check_prefill_topk"]
+__all__ = ["PrefillStager", "check_prefill_args", "check_prefill_topk"]
 
 
 def check_prefill_topk(topk: object, state_rows: object) -> None:
@@ -63,6 +63,18 @@ def check_prefill_topk(topk: object, state_rows: object) -> None:
         raise ValueError(f"state_rows must be an int32 tensor [{T}] (one per query token), "
                          f"got {getattr(state_rows, 'dtype', type(state_rows).__name__)} of "
                          f"shape {tuple(getattr(state_rows, 'shape', ()))}.")
+
+
+def check_prefill_args(state_rows: object, topk: object, host_rows_bound: object,
+                       device: torch.device) -> Optional[int]:
+    """Every argument check of ``PrefillStager.stage``: ``check_prefill_topk``, both
+    tensors readable on ``device`` (there or on the CPU), ``host_rows_bound`` None or an int
+    ``>= 0`` (returned). ``ValueError`` naming the bad value."""
+    check_prefill_topk(topk, state_rows)
+    bound = _check_bound(host_rows_bound)
+    check_readable(state_rows, device, "state_rows")
+    check_readable(topk, device, "topk")
+    return bound
 
 
 class PrefillStager:
@@ -117,8 +129,7 @@ class PrefillStager:
         (read on the device unless ``host_rows_bound <= capacity_rows``; not read with
         ``check=False``); ``ValueError`` for bad shapes. The output is the workspace's
         buffer, overwritten by the next call."""
-        check_prefill_topk(topk, state_rows)
-        bound = _check_bound(host_rows_bound)
+        bound = check_prefill_args(state_rows, topk, host_rows_bound, self.device)
         T, K = topk.shape
         capacity = self.capacity_rows
         state_rows = on_device(state_rows, self.device, "state_rows")

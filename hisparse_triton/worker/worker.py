@@ -326,8 +326,10 @@ class HiSparseWorker(WorkerViews):
         resolves each request's Q selections as ONE union: a position several draft tokens
         select takes one hot slot and is gathered (and counted as a miss) once; the result
         is ``[R, Q, K]``. Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for
-        the leader and every follower (-1 = masked), until the next plan that releases pages
-        or the next resolve of this index group for the same request; the tensor is the
+        the leader and every follower (-1 = masked), until the next plan applied (it may
+        hand a block read in place to a new owner, unless the scheduler holds it:
+        ``HiSparseScheduler.hold_reads``) or the next resolve of this index group for the
+        same request; the tensor is the
         index group's persistent output, overwritten by its next resolve. Misses are
         gathered host -> device into the hot rows of all of the index group's layers in one
         launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
@@ -365,17 +367,34 @@ class HiSparseWorker(WorkerViews):
             cache.set_gather_programs_per_sm(value)
         self.gather_programs_per_sm = value
 
-    def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
+    def check_resolve(self, leader_layer: str, state_rows: object, topk: object, *,
+                      stream: Optional[object] = None) -> None:
         """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,
-        ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``) and that both are on this
-        worker's device or the CPU. ``ValueError`` naming what is wrong; changes nothing
-        (a caller that must do other work first, e.g. hand a plan over, checks first)."""
+        ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``), that both are on this
+        worker's device or the CPU, and ``stream`` (a stream of this device, when given).
+        ``ValueError`` naming what is wrong; changes nothing (a caller that must do other
+        work first, e.g. hand a plan over, checks first)."""
         self._check_open()
-        self._index_group(leader_layer)
+        cache = self._index_group(leader_layer)
         self.check_topk(topk)
         check_state_rows(state_rows, topk.shape[0])
         check_readable(topk, self.device, "topk")
         check_readable(state_rows, self.device, "state_rows")
+        if stream is not None:
+            cache._stream_events(stream)
+
+    def check_prefill(self, leader_layer: str, state_rows: object, topk: object, *,
+                      host_rows_bound: Optional[int] = None) -> None:
+        """Every check ``resolve_prefill`` makes of its arguments before it stages: the
+        leader, ``topk`` (integer ``[T, K]``), ``state_rows`` (``int32 [T]``), both on this
+        worker's device or the CPU, ``host_rows_bound``. ``ValueError`` naming what is
+        wrong; changes nothing. (Whether the chunk fits the staging region is known only
+        once staged, unless the bound proves it.)"""
+        self._check_open()
+        self._index_group(leader_layer)
+        from hisparse_triton.worker.prefill import check_prefill_args
+
+        check_prefill_args(state_rows, topk, host_rows_bound, self.device)
 
     def resolve_prefill(self, leader_layer: str, state_rows: torch.Tensor,
                         topk: torch.Tensor, *, host_rows_bound: Optional[int] = None,
@@ -391,9 +410,10 @@ class HiSparseWorker(WorkerViews):
         region (``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
         out), for all of the group's layers in one gather launch. Hot buffers and LRU
         state are not touched; nothing is allocated after the first call (a workspace of
-        ``4`` bytes per host-pool row, shared by the index groups). The rows are valid
-        until the next ``resolve_prefill`` (any index group) or the next plan that
-        releases pages; the tensor is overwritten by the next call.
+        ``4`` bytes per host-pool row, shared by the index groups). Staged rows are valid
+        until the next ``resolve_prefill`` (any index group), rows read in place until the
+        next plan applied (as ``resolve_rows``'); the tensor is overwritten by the next
+        call.
 
         Overflow (more distinct host-only rows than the region holds): those columns are
         -1 and ``PrefillStagingError`` names both numbers. It is found without a host
