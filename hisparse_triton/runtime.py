@@ -493,16 +493,20 @@ class HiSparseRuntime:
           negative, ``>= seq_len`` or huge positions are masked).
         Returns ``[T, K] int32`` rows of ``device_cache(layer)`` for the leader and every
         follower: rows whose page has a device copy in place, the others copied once from
-        the host pool into the prefill staging region
-        (``HiSparseConfig.prefill_staging_rows``); hot buffers are not touched. Rows read
+        the host pool into staging rows: by default (``HiSparseConfig.prefill_staging_rows
+        = 0``) in device blocks the scheduler lends until ``commit()``, as many as the
+        chunk's bound below needs (``HiSparseScheduler.borrow_prefill_staging``), else in
+        the reserved region; hot buffers are not touched. Rows read
         in place keep their bytes until the next ``commit()`` (or the request's
         ``free_request()``), like ``resolve``'s (their blocks are held until then); staged
         rows until the next ``resolve_prefill`` call (any index group, even one that
         raises) or ``commit()``; the tensor is overwritten by the next call. Bounds the
         chunk's host-only rows from the scheduler's tables, then hands pending table changes
-        over (as ``resolve`` does): when the bound fits the region nothing waits for the
-        device; otherwise the call reads the exact count once. ``PrefillStagingError``
-        (naming the rows needed and the region's rows) when the chunk does not fit,
+        over (as ``resolve`` does): when the bound fits the staging rows nothing waits for
+        the device; otherwise (a region smaller than the bound) the call reads the exact
+        count once. ``PrefillStagingError`` (naming the rows needed and those there are)
+        when the chunk does not fit the region, or the free blocks cannot lend the bound's
+        rows (commit first, prefill fewer tokens per chunk, or reserve a region),
         ``UnknownRequestError``, ``ValueError`` for a bad leader or ``topk``; nothing
         changes on error (checked before the hand-over; the hand-over is undone when the
         chunk overflows or torch raises).
@@ -512,13 +516,17 @@ class HiSparseRuntime:
         worker.index_group(leader_layer)
         rows = _prefill_state_rows(scheduler, request_ids, topk)
         state_rows = worker.to_device(rows.numpy(), torch.int32)
-        # The scheduler's tables are what the worker's are once the pending plan is in.
-        bound = scheduler_host_rows_bound(scheduler, leader_layer, request_ids, topk.shape[1])
-        worker.check_prefill(leader_layer, state_rows, topk, host_rows_bound=bound)
-        call = functools.partial(worker.resolve_prefill, leader_layer, state_rows, topk,
-                                 host_rows_bound=bound)
-        with self._journal.transaction():   # the holds are undone if the call raises
+        worker.check_prefill(leader_layer, state_rows, topk)
+        with self._journal.transaction():   # undone (holds, lent blocks) if the call raises
+            # The chunk's requests first: a block lent below is never one of their pages.
             scheduler.read_holds.hold(rows.numpy())
+            # The scheduler's tables are what the worker's are once the pending plan is in.
+            bound = scheduler_host_rows_bound(scheduler, leader_layer, request_ids,
+                                              topk.shape[1])
+            blocks = (scheduler.borrow_prefill_staging(bound)
+                      if scheduler.prefill_staging.lent else None)
+            call = functools.partial(worker.resolve_prefill, leader_layer, state_rows, topk,
+                                     host_rows_bound=bound, staging_blocks=blocks)
             return self._with_plan(call) if scheduler.has_pending_changes else call()
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,

@@ -42,24 +42,23 @@ WHERE = tuple(str(path) for path in sorted(PACKAGE.rglob("*.py"))
               if path.name != "runtime.py" and "scheduler" not in path.parts)
 
 
-def make_runtime() -> HiSparseRuntime:
+def make_runtime(staging_rows: int = 8) -> HiSparseRuntime:
     """4 sparse layers (two index groups), block 4, top-k 8, watermark 1.0 (committed pages
     leave the GPU at once, so prefill chunks reference host-only rows), a staging region of
-    8 rows (a chunk can overflow it)."""
+    8 rows (a chunk can overflow it; 0: staging blocks lent per step)."""
     plan = plan_for_workload(build_kv_cache_spec("tiny", num_layers=4, block_size=B),
                              max_model_len=64, num_requests=3, topk=TOPK,
                              device_buffer_size=2 * TOPK, max_num_batched_tokens=16)
-    hisparse = dataclasses.replace(plan.config.hisparse, prefill_staging_rows=8)
+    hisparse = dataclasses.replace(plan.config.hisparse, prefill_staging_rows=staging_rows)
     config = dataclasses.replace(plan.config, hisparse=hisparse)
     return HiSparseRuntime(plan.kv_cache_config, config, max_num_seqs=3, device="cpu",
                            backend="torch", free_block_watermark=1.0)
 
 
-@pytest.fixture
-def pending():
+def make_pending(staging_rows: int):
     """A runtime whose requests ``a`` (32 tokens) and ``b`` (8) are committed, then each
     appended one token: those changes wait for the next plan."""
-    rt = make_runtime()
+    rt = make_runtime(staging_rows)
     oracle = DenseOracle(rt, seed=1)
     for rid, n in (("a", 32), ("b", 8)):
         rt.add_request(rid, n, 8)
@@ -70,6 +69,21 @@ def pending():
     for rid in ("a", "b"):
         oracle.write(rid, rt.append_slots(rid, 1))
     assert rt.scheduler.has_pending_changes
+    return rt, oracle
+
+
+@pytest.fixture
+def pending():
+    """``make_pending`` with a staging region of 8 rows."""
+    rt, oracle = make_pending(8)
+    yield rt, oracle
+    rt.close()
+
+
+@pytest.fixture
+def pending_lent():
+    """``make_pending`` with the default staging: blocks lent per step."""
+    rt, oracle = make_pending(0)
     yield rt, oracle
     rt.close()
 
@@ -188,3 +202,30 @@ def test_torch_raising_at_any_call_changes_nothing(pending, name) -> None:
             continue
         break
     assert k > 3, f"{name} made only {k - 1} torch calls"
+
+
+# ---------------------------------------------------------------------- lent staging rows
+def test_faults_while_staging_rows_are_lent_change_nothing(pending_lent) -> None:
+    """The default staging: ``resolve_prefill`` holds the chunk's requests, borrows blocks
+    for the step (a journaled allocation), hands the plan over and stages; a fault at any
+    worker line, or torch raising at any call, undoes all of it."""
+    rt, oracle = pending_lent
+    chunk = torch.arange(2 * TOPK).view(2, TOPK)           # 16 host-only rows
+    call = lambda: rt.resolve_prefill(L0, ["a", "a"], chunk)  # noqa: E731
+    before = state(rt)
+    for k in range(1, 100_000):
+        try:
+            with FailAt(k):
+                call()
+        except InjectedTorchError:
+            assert state(rt) == before, f"torch raising at call {k} changed state"
+            continue
+        break
+    assert k > 3
+    rt.commit()                          # the blocks go back
+    assert not rt.scheduler.read_holds.lent_blocks()
+    rt.scheduler.check_invariants()
+    oracle.write("b", rt.append_slots("b", 1))      # a change waits again
+    assert sweep(call, lambda: state(rt), where=WHERE) > 5
+    assert rt.scheduler.read_holds.lent_blocks()             # the last run borrowed
+    oracle.check_resolve(L0, ["a", "a"], chunk, call())

@@ -35,14 +35,18 @@ OPS = ("resolve", "prefill", "append_own", "append_other", "append_new", "trunca
 WATERMARKS = (0.0, 0.1, 0.5, 1.0)
 
 
-def make_runtime(watermark: float, backend: str = "torch") -> HiSparseRuntime:
+def make_runtime(watermark: float, backend: str = "torch",
+                 lent: bool = False) -> HiSparseRuntime:
     """4 sparse layers (two index groups of a leader and a follower), block 4, chunk window
-    16 tokens, 48 device blocks, a staging region of 64 rows."""
+    16 tokens, 55 allocatable device blocks and prefill staging rows: a region of 32 rows
+    (8 more blocks), or (``lent``) the default, blocks lent per step."""
+    region = 0 if lent else 2 * TOPK
     plan = plan_for_workload(build_kv_cache_spec("tiny", num_layers=4, block_size=B),
                              max_model_len=64, num_requests=5, topk=TOPK,
-                             device_buffer_size=TOPK, device_blocks=DEVICE_BLOCKS,
+                             device_buffer_size=TOPK,
+                             device_blocks=DEVICE_BLOCKS - (region == 0) * 2 * TOPK // B,
                              max_num_batched_tokens=CHUNK)
-    hisparse = dataclasses.replace(plan.config.hisparse, prefill_staging_rows=2 * TOPK)
+    hisparse = dataclasses.replace(plan.config.hisparse, prefill_staging_rows=region)
     config = dataclasses.replace(plan.config, hisparse=hisparse)
     return HiSparseRuntime(plan.kv_cache_config, config, max_num_seqs=5, device="cpu",
                            backend=backend, free_block_watermark=watermark)
@@ -62,8 +66,9 @@ class Promise:
 class Step:
     """One runtime, its dense oracle and the promises of the current step."""
 
-    def __init__(self, watermark: float, backend: str = "torch", seed: int = 0) -> None:
-        self.rt = make_runtime(watermark, backend)
+    def __init__(self, watermark: float, backend: str = "torch", seed: int = 0,
+                 lent: bool = False) -> None:
+        self.rt = make_runtime(watermark, backend, lent)
         self.oracle = DenseOracle(self.rt, seed=seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.promises: list[Promise] = []
@@ -176,17 +181,23 @@ class Step:
     def op_prefill(self) -> None:
         if not self.rt.has_request("a"):
             return
-        staging = self.rt.scheduler.prefill_staging.first_row
+        scheduler = self.rt.scheduler
         ids = ["a", "a"]
         for leader in self.rt.leaders:
-            for p in self.promises:    # a new resolve_prefill ends the staged rows
+            # a new resolve_prefill ends the staged rows (a region's, or lent blocks')
+            staging = set(scheduler.read_holds.lent_blocks())
+            for p in self.promises:
                 if p.kind == "prefill":
-                    keep = p.rows < staging
+                    blocks = (p.rows // B).tolist()
+                    keep = torch.tensor([b < scheduler.prefill_staging.first_block
+                                         and b not in staging for b in blocks],
+                                        dtype=torch.bool)
                     p.rows = p.rows[keep]
                     p.expected = {k: v[keep] for k, v in p.expected.items()}
             topk = self.topk_for("a", len(ids))
-            self.promise("prefill", leader, ids, topk,
-                         self.rt.resolve_prefill(leader, ids, topk))
+            rows = self.attempt(lambda: self.rt.resolve_prefill(leader, ids, topk))
+            if rows is not None:
+                self.promise("prefill", leader, ids, topk, rows)
 
     def op_append_own(self) -> None:
         if self.rt.has_request("a"):
@@ -218,8 +229,9 @@ class Step:
             self.promises = [p for p in self.promises if p.request_id != "b"]
 
 
-def run_sequence(watermark: float, ops: tuple[str, ...], backend: str = "torch") -> Step:
-    step = Step(watermark, backend)
+def run_sequence(watermark: float, ops: tuple[str, ...], backend: str = "torch",
+                 lent: bool = False) -> Step:
+    step = Step(watermark, backend, lent=lent)
     try:
         if watermark < 1.0:             # the case in point: pages served in place
             assert step.readable_released_pages("a") > 0
@@ -243,6 +255,15 @@ def test_rows_stay_valid_until_commit_in_every_call_order(watermark: float) -> N
         refusals += run_sequence(watermark, ops).refusals
     # the pool is tight: some appends after a resolve must wait for the commit
     assert refusals > 0 or watermark == 1.0
+
+
+@pytest.mark.parametrize("watermark", WATERMARKS)
+def test_rows_stay_valid_with_staging_rows_lent_per_step(watermark: float) -> None:
+    """The default staging (``prefill_staging_rows=0``): ``resolve_prefill`` borrows free
+    blocks until ``commit()``; every order with a ``resolve_prefill`` in it."""
+    for ops in SEQUENCES:
+        if "prefill" in ops:
+            run_sequence(watermark, ops, lent=True)
 
 
 @pytest.mark.parametrize("ops", [("resolve", "append_other", "append_new"),

@@ -17,9 +17,10 @@ at may get a new owner (another request, a new one, the request itself) before t
   nothing usable before the step ends.
 
 Who was read: ``hold(rows)`` (the state rows of a resolve's batch) or ``hold_all()`` (a
-resolve whose rows the scheduler does not see: every live request). ``release()`` at the
-step's end lets everything go; ``forget(row)`` when a request is freed (its rows end with
-it). Every change is journaled; no torch.
+resolve whose rows the scheduler does not see: every live request). The blocks lent for
+``resolve_prefill``'s staging rows (``lend``) are kept here for the step too. ``release()``
+at the step's end lets everything go; ``forget(row)`` when a request is freed (its rows end
+with it). Every change is journaled; no torch.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ReadHolds:
         self._any = False       # some entry of _held is set
         self._all = False       # every live request is held
         self._kept: list[int] = []   # block references this object holds until release
+        self._lent: list[int] = []   # blocks lent for prefill staging rows, until release
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -79,12 +81,17 @@ class ReadHolds:
         return self.pool.count_free(blocks) if blocks.size else 0
 
     def kept_blocks(self) -> list[int]:
-        """The block references kept until ``release`` (``check_invariants``)."""
-        return list(self._kept)
+        """The block references kept until ``release`` (``check_invariants``): dropped pages
+        a resolve read, and the blocks lent for staging rows."""
+        return self._kept + self._lent
+
+    def lent_blocks(self) -> list[int]:
+        """The blocks lent for prefill staging rows this step, in lending order."""
+        return list(self._lent)
 
     def total(self) -> int:
-        """Device blocks held or kept until the step ends."""
-        return self.held_free() + len(self._kept)
+        """Device blocks held, kept or lent until the step ends."""
+        return self.held_free() + len(self._kept) + len(self._lent)
 
     # -- changes ---------------------------------------------------------------------------
     def hold(self, rows: np.ndarray) -> None:
@@ -108,6 +115,11 @@ class ReadHolds:
         for block in blocks:
             self.journal.append(self._kept, block)
 
+    def lend(self, blocks: Sequence[int]) -> None:
+        """Keep ``blocks`` (just allocated) for staging rows until ``release``."""
+        for block in blocks:
+            self.journal.append(self._lent, block)
+
     def forget(self, row: int) -> None:
         """The request in state ``row`` was freed: its rows are no longer valid."""
         if self._held[row]:
@@ -115,9 +127,10 @@ class ReadHolds:
 
     def release(self) -> None:
         """The step ended: nothing is held any more, the kept blocks go back to the pool."""
-        if self._kept:
-            self.pool.free(self._kept)
-            self.journal.replace_list(self._kept, [])
+        for blocks in (self._kept, self._lent):
+            if blocks:
+                self.pool.free(blocks)
+                self.journal.replace_list(blocks, [])
         if self._any:
             self.journal.write(self._held, slice(None), False)
             self.journal.setattr(self, "_any", False)
@@ -125,7 +138,8 @@ class ReadHolds:
             self.journal.setattr(self, "_all", False)
 
     def snapshot(self) -> tuple:
-        return (np.flatnonzero(self._held).tolist(), self._any, self._all, list(self._kept))
+        return (np.flatnonzero(self._held).tolist(), self._any, self._all, list(self._kept),
+                list(self._lent))
 
 
 __all__ = ["ReadHolds"]

@@ -46,7 +46,7 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 
 from hisparse_triton.config import EngineConfig
-from hisparse_triton.errors import HiSparseError, SchedulerStateError
+from hisparse_triton.errors import HiSparseError, PrefillStagingError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.bookkeeping import check_plan
@@ -455,6 +455,49 @@ class HiSparseScheduler(SchedulerQueries):
         rows = [self._request(rid, "hold_reads").row for rid in dict.fromkeys(request_ids)
                 if rid is not None]
         self.read_holds.hold(np.asarray(rows, dtype=np.int64))
+
+    def borrow_prefill_staging(self, rows: int) -> list[int]:
+        """Device blocks for ``rows`` staging rows of ``resolve_prefill`` (a plan that
+        reserves no staging region: ``HiSparseConfig.prefill_staging_rows = 0``), lent until
+        the step ends (the next ``step()`` or ``commit_mirrors()``): the blocks lent earlier
+        in the step, plus new ones when they hold fewer than ``rows`` rows (in the order
+        staging rows use them; pass them to ``worker.resolve_prefill(...,
+        staging_blocks=)``). New blocks come from the free ones as for an append (reclaim
+        included): one that held another request's unpinned page makes that page lost, a
+        change that must reach the workers before they stage (``has_pending_changes``:
+        hand a ``flush()`` plan over). Call ``hold_reads`` for the chunk's requests first
+        (their pages are then not taken, and the chunk's bound stays valid).
+        ``PrefillStagingError`` (a ``CapacityError``) when the free blocks cannot hold them,
+        ``ValueError`` for a bad count or a plan with a reserved region; nothing changes on
+        error."""
+        self._check_open()
+        rows = int_at_least("rows", rows, 0)
+        staging = self.prefill_staging
+        if not staging.lent:
+            raise ValueError(f"borrow_prefill_staging: this plan reserves a staging region "
+                             f"of {staging.capacity_rows} rows (prefill_staging_rows); "
+                             f"resolve_prefill stages there, nothing is lent.")
+        lent = self.read_holds.lent_blocks()
+        missing = -(-rows // self.block_size) - len(lent)
+        if missing <= 0:
+            return lent
+        reclaim, available = self.capacity.fit(missing)
+        if missing > available:
+            held = self.read_holds.total()
+            raise PrefillStagingError(
+                f"resolve_prefill needs {rows} staging rows ({missing} more device blocks of "
+                f"{self.block_size} rows) but {max(available, 0)} blocks are free beside the "
+                f"hot regions reserved for other requests and the {held} held for this "
+                f"step's reads and staging: commit() first (the held blocks return), "
+                f"prefill fewer tokens per chunk, or reserve a region with "
+                f"HiSparseConfig.prefill_staging_rows.", resource="prefill staging rows",
+                needed=rows, available=(len(lent) + max(available, 0)) * self.block_size)
+        with self.journal.transaction():
+            self.durability.run_reclaim(reclaim)
+            blocks = self.device_block_pool.allocate(missing)
+            self.read_holds.lend(blocks)
+            self.durability.track_peaks()
+        return lent + blocks
 
     def _release_holds(self) -> None:
         """The step ends: release the read holds (all-or-nothing)."""

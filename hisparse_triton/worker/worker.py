@@ -384,21 +384,20 @@ class HiSparseWorker(WorkerViews):
             cache._stream_events(stream)
 
     def check_prefill(self, leader_layer: str, state_rows: object, topk: object, *,
-                      host_rows_bound: Optional[int] = None) -> None:
+                      host_rows_bound: Optional[int] = None,
+                      staging_blocks: object = None) -> None:
         """Every check ``resolve_prefill`` makes of its arguments before it stages: the
         leader, ``topk`` (integer ``[T, K]``), ``state_rows`` (``int32 [T]``), both on this
-        worker's device or the CPU, ``host_rows_bound``. ``ValueError`` naming what is
-        wrong; changes nothing. (Whether the chunk fits the staging region is known only
-        once staged, unless the bound proves it.)"""
+        worker's device or the CPU, ``host_rows_bound``, ``staging_blocks``. ``ValueError``
+        naming what is wrong; changes nothing. (Whether the chunk fits its staging rows is
+        known only once staged, unless the bound proves it.)"""
         self._check_open()
         self._index_group(leader_layer)
-        from hisparse_triton.worker.prefill import check_prefill_args
-
-        check_prefill_args(state_rows, topk, host_rows_bound, self.device)
+        self._prefill_stager().check(state_rows, topk, host_rows_bound, staging_blocks)
 
     def resolve_prefill(self, leader_layer: str, state_rows: torch.Tensor,
                         topk: torch.Tensor, *, host_rows_bound: Optional[int] = None,
-                        check: bool = True) -> torch.Tensor:
+                        check: bool = True, staging_blocks: object = None) -> torch.Tensor:
         """Rows of one index group's prefill chunk, host-only rows staged on the device.
 
         ``topk``: ``[T, K]`` integer token positions of the chunk's ``T`` query tokens (any
@@ -406,14 +405,16 @@ class HiSparseWorker(WorkerViews):
         masked); ``state_rows``: ``[T] int32``, the state row of each token's request (-1 =
         padding). Returns ``[T, K] int32`` rows of ``device_cache(layer)`` valid for the
         leader and every follower (-1 = masked): a row whose page has a device block in
-        place, any other row copied once from the host pool into the prefill staging
-        region (``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
-        out), for all of the group's layers in one gather launch. Hot buffers and LRU
+        place, any other row copied once from the host pool into a staging row (the
+        region of ``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
+        out, or ``staging_blocks``), for all of the group's layers in one gather launch. Hot buffers and LRU
         state are not touched; nothing is allocated after the first call (a workspace of
         ``4`` bytes per host-pool row, shared by the index groups). Staged rows are valid
         until the next ``resolve_prefill`` (any index group), rows read in place until the
         next plan applied (as ``resolve_rows``'); the tensor is overwritten by the next
-        call.
+        call. A plan that reserves no region (``prefill_staging_rows = 0``) stages into the
+        rows of ``staging_blocks``: the blocks ``HiSparseScheduler.borrow_prefill_staging``
+        lent for the step, in the order it returned them (none given: no staging rows).
 
         Overflow (more distinct host-only rows than the region holds): those columns are
         -1 and ``PrefillStagingError`` names both numbers. It is found without a host
@@ -424,6 +425,12 @@ class HiSparseWorker(WorkerViews):
         """
         self._check_open()
         cache = self._index_group(leader_layer)
+        return self._prefill_stager().stage(cache, state_rows, topk,
+                                            host_rows_bound=host_rows_bound, check=check,
+                                            staging_blocks=staging_blocks)
+
+    def _prefill_stager(self):
+        """The worker's ``PrefillStager``, built (with its workspace) at the first use."""
         stager = self.__dict__.get("_prefill")
         if stager is None:
             from hisparse_triton.worker.prefill import PrefillStager
@@ -431,8 +438,7 @@ class HiSparseWorker(WorkerViews):
             stager = PrefillStager.for_plan(self.kv_cache_config, self.config,
                                             device=self.device, kernel=self._kernel_backend)
             self._prefill = stager
-        return stager.stage(cache, state_rows, topk, host_rows_bound=host_rows_bound,
-                            check=check)
+        return stager
 
     @property
     def prefill_counts(self) -> Optional[torch.Tensor]:
