@@ -551,16 +551,17 @@ class HiSparseRuntime:
         ``commit()``: the state rows ``read`` (CPU), or every live request (None: the
         scheduler cannot see device state rows without a sync)."""
         scheduler, worker = self.scheduler, self.worker
+        holds = scheduler.read_holds
+        if not scheduler.has_pending_changes:   # the decode step: hold what it read after
+            out = worker.resolve_rows(leader_layer, state_rows, topk, stream=stream)
+            holds.hold_all() if read is None else holds.hold(read)
+            return out
+        worker.check_resolve(leader_layer, state_rows, topk, stream=stream)  # before handing over
         call = functools.partial(worker.resolve_rows, leader_layer, state_rows, topk,
                                  stream=stream)
-        if scheduler.has_pending_changes:   # refuse bad input before handing over
-            worker.check_resolve(leader_layer, state_rows, topk, stream=stream)
         with self._journal.transaction():   # the holds are undone if the resolve raises
-            if read is None:
-                scheduler.read_holds.hold_all()
-            else:
-                scheduler.read_holds.hold(read)
-            return self._with_plan(call) if scheduler.has_pending_changes else call()
+            holds.hold_all() if read is None else holds.hold(read)
+            return self._with_plan(call)
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> HiSparseStats:

@@ -25,7 +25,7 @@ with it). Every change is journaled; no torch.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -48,6 +48,8 @@ class ReadHolds:
         self._all = False       # every live request is held
         self._kept: list[int] = []   # block references this object holds until release
         self._lent: list[int] = []   # blocks lent for prefill staging rows, until release
+        self._last: Optional[bytes] = None   # the rows of the last ``hold`` (a decode
+        #                                      batch repeats them for every index group)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -96,13 +98,16 @@ class ReadHolds:
     # -- changes ---------------------------------------------------------------------------
     def hold(self, rows: np.ndarray) -> None:
         """The requests in state ``rows`` (an integer array; -1 = padding) were read."""
-        rows = rows[rows >= 0]
-        held = self._held
-        if not rows.size or held[rows].all():
+        key = rows.tobytes()
+        if key == self._last:     # held by the previous call, nothing released since
             return
-        self.journal.write(held, rows, True)
-        if not self._any:
-            self.journal.setattr(self, "_any", True)
+        live = rows[rows >= 0]
+        held = self._held
+        if live.size and not held[live].all():
+            self.journal.write(held, live, True)
+            if not self._any:
+                self.journal.setattr(self, "_any", True)
+        self.journal.setattr(self, "_last", key)
 
     def hold_all(self) -> None:
         """Every live request may have been read (a resolve by device state rows)."""
@@ -124,6 +129,7 @@ class ReadHolds:
         """The request in state ``row`` was freed: its rows are no longer valid."""
         if self._held[row]:
             self.journal.write(self._held, row, False)
+            self.journal.setattr(self, "_last", None)
 
     def release(self) -> None:
         """The step ended: nothing is held any more, the kept blocks go back to the pool."""
@@ -134,6 +140,7 @@ class ReadHolds:
         if self._any:
             self.journal.write(self._held, slice(None), False)
             self.journal.setattr(self, "_any", False)
+        self.journal.setattr(self, "_last", None)
         if self._all:
             self.journal.setattr(self, "_all", False)
 
