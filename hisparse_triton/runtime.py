@@ -496,11 +496,11 @@ class HiSparseRuntime:
         the host pool into staging rows: by default (``HiSparseConfig.prefill_staging_rows
         = 0``) in device blocks the scheduler lends until ``commit()``, as many as the
         chunk's bound below needs (``HiSparseScheduler.borrow_prefill_staging``), else in
-        the reserved region; hot buffers are not touched. Rows read
-        in place keep their bytes until the next ``commit()`` (or the request's
-        ``free_request()``), like ``resolve``'s (their blocks are held until then); staged
-        rows until the next ``resolve_prefill`` call (any index group, even one that
-        raises) or ``commit()``; the tensor is overwritten by the next call. Bounds the
+        the reserved region; hot buffers are not touched. Rows read in place keep their
+        bytes until the next ``commit()`` (or the request's ``free_request()``), like
+        ``resolve``'s (their blocks are held until then); staged rows until the next
+        ``resolve_prefill`` call (any index group, even one that raises) or ``commit()``;
+        the tensor is overwritten by the next call. Bounds the
         chunk's host-only rows from the scheduler's tables, then hands pending table changes
         over (as ``resolve`` does): when the bound fits the staging rows nothing waits for
         the device; otherwise (a region smaller than the bound) the call reads the exact
@@ -551,17 +551,25 @@ class HiSparseRuntime:
         ``commit()``: the state rows ``read`` (CPU), or every live request (None: the
         scheduler cannot see device state rows without a sync)."""
         scheduler, worker = self.scheduler, self.worker
-        holds = scheduler.read_holds
         if not scheduler.has_pending_changes:   # the decode step: hold what it read after
             out = worker.resolve_rows(leader_layer, state_rows, topk, stream=stream)
-            holds.hold_all() if read is None else holds.hold(read)
+            self._hold(read)
             return out
-        worker.check_resolve(leader_layer, state_rows, topk, stream=stream)  # before handing over
+        worker.check_resolve(leader_layer, state_rows, topk, stream=stream)   # then hand over
         call = functools.partial(worker.resolve_rows, leader_layer, state_rows, topk,
                                  stream=stream)
         with self._journal.transaction():   # the holds are undone if the resolve raises
-            holds.hold_all() if read is None else holds.hold(read)
+            self._hold(read)
             return self._with_plan(call)
+
+    def _hold(self, read: Optional[np.ndarray]) -> None:
+        """Hold the rows a resolve read until ``commit()``: state rows ``read``, or every
+        live request's (None)."""
+        holds = self.scheduler.read_holds
+        if read is None:
+            holds.hold_all()
+        else:
+            holds.hold(read)
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> HiSparseStats:
