@@ -46,10 +46,12 @@ class HiSparseConfig:
     - ``max_decode_query_len``: query tokens per request per decode step.
     - ``shared_host_pool``: one host pool for all tensor-parallel ranks of a node;
       ``None`` means auto, see ``EngineConfig.shared_host_pool``.
-    - ``prefill_staging_rows``: host-only rows one prefill chunk may reference
-      (``resolve_prefill``); the last ``cdiv(prefill_staging_rows, block_size)`` blocks of
-      the device pool are kept out of allocation to hold them
-      (``hisparse_triton.staging.PrefillStaging``). 0 (the default) reserves nothing.
+    - ``prefill_staging_rows``: where ``resolve_prefill`` copies the host-only rows a
+      prefill chunk references (``hisparse_triton.staging``). ``0`` (the default): nothing
+      is reserved; free device blocks are lent for the step that needs them
+      (``HiSparseScheduler.borrow_prefill_staging``; the facade borrows what each chunk
+      can need). ``N > 0``: a region that holds ``N`` rows, the last
+      ``cdiv(N, block_size)`` blocks of the device pool, kept out of allocation.
     """
 
     index_topk: int = 2048

@@ -118,7 +118,9 @@ class ReadOnlyViewError(HiSparseError, RuntimeError):
 
 
 class PrefillStagingError(CapacityError):
-    """A prefill chunk references more distinct host-only rows than the prefill staging
-    region holds (``resolve_prefill``). ``needed``: the chunk's distinct host-only rows (or
-    the upper bound the caller gave); ``available``: the region's capacity in rows
-    (``HiSparseConfig.prefill_staging_rows`` rounded up to whole blocks)."""
+    """A prefill chunk references more distinct host-only rows than its staging rows hold
+    (``resolve_prefill``): a reserved region too small, blocks lent for fewer rows, or the
+    free device blocks cannot lend the rows the chunk's bound needs
+    (``HiSparseScheduler.borrow_prefill_staging``). ``needed``: the chunk's distinct
+    host-only rows (or its bound); ``available``: the staging rows there are (or could be
+    lent)."""

@@ -37,11 +37,17 @@ backend on CUDA the reference ops do sync). ``stats()`` reads the device counter
 sync); ``host_cache`` read on the CPU needs a ``torch.cuda.synchronize()`` first.
 
 Row lifetime: ``resolve`` returns the index group's persistent rows tensor (fixed shapes:
-CUDA-graph friendly), which its next ``resolve`` overwrites; the row ids in it stay valid
-until the next ``commit()`` or ``free_request()`` (which may hand their blocks to other
-requests) and, for hot rows, the next ``resolve`` of the same index group for the same
-request (which may evict them). So a step is: ``append_slots`` -> write KV -> ``resolve`` per index group -> attention ->
-``commit()``.
+CUDA-graph friendly), which its next ``resolve`` overwrites (copy it to keep it). The row
+ids in it point at the bytes they pointed at when returned until the next ``commit()``,
+whatever is called in between (appends of any request, the same one included, admissions,
+``truncate``, ``free_request`` of other requests, ``flush``, more resolves), with three
+earlier ends: the request's ``free_request()``; for hot rows, the next resolve of the same
+index group for the same request (which may evict them); for rows ``resolve_prefill``
+staged, its next call. The scheduler keeps every block a resolve read in place from any new
+owner until ``commit()`` (``HiSparseScheduler.hold_reads``): a call that would need one
+raises ``CapacityError`` instead (commit first; ``scheduler.held_device_blocks`` counts
+them), and a ``truncate`` keeps the dropped pages' blocks until then. So a step is:
+``append_slots`` -> write KV -> ``resolve`` per index group -> attention -> ``commit()``.
 
 Every call is all-or-nothing: a call that raises (bad input, a full pool, or torch itself
 failing) leaves the scheduler's and the worker's tables as they were.
@@ -68,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -86,6 +92,8 @@ from hisparse_triton.staging import scheduler_host_rows_bound
 from hisparse_triton.step_plan import StepPlan
 from hisparse_triton.worker import BACKENDS, HiSparseWorker, WorkerStats
 from hisparse_triton.worker.prefill import check_prefill_topk
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -400,13 +408,13 @@ class HiSparseRuntime:
             self.worker.mirror()
         self._with_plan(work)
 
-    def _with_plan(self, work: Callable[[], None]) -> None:
+    def _with_plan(self, work: Callable[[], _T]) -> _T:
         """Hand the pending changes over, then ``work()``; if it raises, the plan is
         reverted and the scheduler's changes undone."""
         with self._journal.transaction():
             plan = self._hand_over()
             try:
-                work()
+                return work()
             except BaseException:
                 if plan is not None:
                     self.worker.revert(plan)
@@ -449,15 +457,20 @@ class HiSparseRuntime:
           request: each request's Q selections resolve as one union (a shared position takes
           one slot and one transfer), the result is ``[R, Q, K]``.
         Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for the leader and
-        every follower (-1 = masked), until the next ``commit()``/``free_request()`` or the
-        next resolve of this index group for the same request; the tensor itself is the
-        index group's persistent output, overwritten by its next resolve (copy it to keep
-        it). Misses are gathered host ->
+        every follower (-1 = masked). A row keeps pointing at the bytes it was returned for
+        until the next ``commit()`` whatever is called in between, or earlier the request's
+        ``free_request()`` and, for a hot row, the next resolve of this index group for the
+        same request (the row lifetime in the module docstring): the blocks read in place
+        are held from any new owner until ``commit()`` (a call that would need them raises
+        ``CapacityError``). The tensor itself is the index group's persistent output,
+        overwritten by its next resolve (copy it to keep it). Misses are gathered host ->
         device into the hot rows of all of the index group's layers in one launch. Counters
         accumulate on the device; nothing here waits for the device (a CPU ``topk`` is staged
         through pinned memory; narrow integer dtypes convert losslessly, 64-bit ones
         saturate). ``DuplicateRequestError`` for one id twice, ``UnknownRequestError``,
-        ``ValueError`` for a bad leader or ``topk``; nothing changes on error.
+        ``ValueError`` for a bad leader or ``topk``; nothing changes on error (checked
+        before pending table changes are handed over; the hand-over is undone if the
+        resolve raises).
         """
         self._check_open()
         self.worker.index_group(leader_layer)
@@ -466,8 +479,9 @@ class HiSparseRuntime:
         if topk.shape[0] != len(request_ids):
             raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request "
                              f"ids were given.")
-        state_rows = self.state_rows(request_ids)
-        return self.resolve_rows(leader_layer, state_rows, topk)
+        rows = self.scheduler.state_rows(request_ids)
+        state_rows = self.worker.to_device(rows, torch.int32)
+        return self._resolve(leader_layer, state_rows, topk, None, rows)
 
     def resolve_prefill(self, leader_layer: str, request_ids: Sequence[Optional[Hashable]],
                         topk: torch.Tensor) -> torch.Tensor:
@@ -479,26 +493,41 @@ class HiSparseRuntime:
           negative, ``>= seq_len`` or huge positions are masked).
         Returns ``[T, K] int32`` rows of ``device_cache(layer)`` for the leader and every
         follower: rows whose page has a device copy in place, the others copied once from
-        the host pool into the prefill staging region
-        (``HiSparseConfig.prefill_staging_rows``); hot buffers are not touched. Valid until
-        the next ``resolve_prefill`` or ``commit()``; the tensor is overwritten by the next
-        call. Hands pending table changes over first (as ``resolve`` does), then bounds the
-        chunk's host-only rows from the scheduler's tables: when the bound fits the region
-        nothing waits for the device; otherwise the call reads the exact count once.
-        ``PrefillStagingError`` (naming the rows needed and the region's rows) when the
-        chunk does not fit, ``UnknownRequestError``, ``ValueError`` for a bad leader or
-        ``topk``; nothing changes on error.
+        the host pool into staging rows: by default (``HiSparseConfig.prefill_staging_rows
+        = 0``) in device blocks the scheduler lends until ``commit()``, as many as the
+        chunk's bound below needs (``HiSparseScheduler.borrow_prefill_staging``), else in
+        the reserved region; hot buffers are not touched. Rows read in place keep their
+        bytes until the next ``commit()`` (or the request's ``free_request()``), like
+        ``resolve``'s (their blocks are held until then); staged rows until the next
+        ``resolve_prefill`` call (any index group, even one that raises) or ``commit()``;
+        the tensor is overwritten by the next call. Bounds the
+        chunk's host-only rows from the scheduler's tables, then hands pending table changes
+        over (as ``resolve`` does): when the bound fits the staging rows nothing waits for
+        the device; otherwise (a region smaller than the bound) the call reads the exact
+        count once. ``PrefillStagingError`` (naming the rows needed and those there are)
+        when the chunk does not fit the region, or the free blocks cannot lend the bound's
+        rows (commit first, prefill fewer tokens per chunk, or reserve a region),
+        ``UnknownRequestError``, ``ValueError`` for a bad leader or ``topk``; nothing
+        changes on error (checked before the hand-over; the hand-over is undone when the
+        chunk overflows or torch raises).
         """
         self._check_open()
-        self.worker.index_group(leader_layer)
-        state_rows = _prefill_state_rows(self.scheduler, request_ids, topk)
-        state_rows = self.worker.to_device(state_rows.numpy(), torch.int32)
-        if self.scheduler.has_pending_changes:
-            self._hand_over()
-        bound = scheduler_host_rows_bound(self.scheduler, leader_layer, request_ids,
-                                          topk.shape[1])
-        return self.worker.resolve_prefill(leader_layer, state_rows, topk,
-                                           host_rows_bound=bound)
+        scheduler, worker = self.scheduler, self.worker
+        worker.index_group(leader_layer)
+        rows = _prefill_state_rows(scheduler, request_ids, topk)
+        state_rows = worker.to_device(rows.numpy(), torch.int32)
+        worker.check_prefill(leader_layer, state_rows, topk)
+        with self._journal.transaction():   # undone (holds, lent blocks) if the call raises
+            # The chunk's requests first: a block lent below is never one of their pages.
+            scheduler.read_holds.hold(rows.numpy())
+            # The scheduler's tables are what the worker's are once the pending plan is in.
+            bound = scheduler_host_rows_bound(scheduler, leader_layer, request_ids,
+                                              topk.shape[1])
+            blocks = (scheduler.borrow_prefill_staging(bound)
+                      if scheduler.prefill_staging.lent else None)
+            call = functools.partial(worker.resolve_prefill, leader_layer, state_rows, topk,
+                                     host_rows_bound=bound, staging_blocks=blocks)
+            return self._with_plan(call) if scheduler.has_pending_changes else call()
 
     def resolve_rows(self, leader_layer: str, state_rows: torch.Tensor,
                      topk: torch.Tensor, *, stream: Optional[object] = None):
@@ -508,13 +537,39 @@ class HiSparseRuntime:
         padding; rows must be distinct. A row that is not live resolves against an empty
         request (all -1). ``topk``: ``[R, K]``, as for ``resolve``. Only shapes are checked.
         ``stream``: the side-stream mode (``HiSparseWorker.resolve_rows``): returns
-        ``StreamRows(rows, events)``, the events each layer's attention waits on.
+        ``StreamRows(rows, events)``, the events each layer's attention waits on. The row
+        lifetime is ``resolve``'s; since the scheduler does not read device state rows, it
+        holds what every live request's rows may point at until ``commit()``.
         """
         self._check_open()
-        if self.scheduler.has_pending_changes:   # refuse bad input before handing over
-            self.worker.check_resolve(leader_layer, state_rows, topk)
-            self._hand_over()
-        return self.worker.resolve_rows(leader_layer, state_rows, topk, stream=stream)
+        return self._resolve(leader_layer, state_rows, topk, stream, None)
+
+    def _resolve(self, leader_layer: str, state_rows: torch.Tensor, topk: torch.Tensor,
+                 stream: Optional[object], read: Optional[np.ndarray]):
+        """``worker.resolve_rows`` after the pending changes were handed over (checked
+        first; the plan reverted if the resolve raises), then the rows it read held until
+        ``commit()``: the state rows ``read`` (CPU), or every live request (None: the
+        scheduler cannot see device state rows without a sync)."""
+        scheduler, worker = self.scheduler, self.worker
+        if not scheduler.has_pending_changes:   # the decode step: hold what it read after
+            out = worker.resolve_rows(leader_layer, state_rows, topk, stream=stream)
+            self._hold(read)
+            return out
+        worker.check_resolve(leader_layer, state_rows, topk, stream=stream)   # then hand over
+        call = functools.partial(worker.resolve_rows, leader_layer, state_rows, topk,
+                                 stream=stream)
+        with self._journal.transaction():   # the holds are undone if the resolve raises
+            self._hold(read)
+            return self._with_plan(call)
+
+    def _hold(self, read: Optional[np.ndarray]) -> None:
+        """Hold the rows a resolve read until ``commit()``: state rows ``read``, or every
+        live request's (None)."""
+        holds = self.scheduler.read_holds
+        if read is None:
+            holds.hold_all()
+        else:
+            holds.hold(read)
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> HiSparseStats:

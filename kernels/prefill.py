@@ -21,7 +21,8 @@ The chunk's distinct host-only rows are found with one table entry per host-pool
    tile's program writes ``staged = min(needed, C)`` and ``needed`` and sets the plan's
    tail (``src_rows[staged:]``) to -1.
 4. ``_prefill_map_kernel``, grid ``(T, cdiv(K, BLOCK_K))``: each placeholder becomes
-   ``first_row + rank`` (or -1 when ``rank >= C``).
+   its staging row's device row ``dst_rows[rank]`` (``first_row + rank`` for a region of
+   consecutive rows; or -1 when ``rank >= C``).
 
 Every hand-over is a kernel boundary (stream order), so there are no atomics. After a call
 no entry of ``row_rank`` holds ``ROW_MARK``; other entries are stale ranks that only a row's
@@ -137,9 +138,10 @@ def _prefill_rank_kernel(rank_ptr, tile_sums_ptr, src_ptr, counts_ptr, num_rows,
 
 
 @triton.jit
-def _prefill_map_kernel(out_ptr, rank_ptr, K, stride_out_t, stride_out_k, capacity,
-                        first_row, BLOCK_K: tl.constexpr):
-    """Turn the host placeholders of token ``program_id(0)``'s columns into staging rows."""
+def _prefill_map_kernel(out_ptr, rank_ptr, dst_ptr, K, stride_out_t, stride_out_k, capacity,
+                        BLOCK_K: tl.constexpr):
+    """Turn the host placeholders of token ``program_id(0)``'s columns into the device rows
+    of their staging rows (``dst_ptr``: ``[capacity] int32``)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cm = c < K
@@ -148,7 +150,8 @@ def _prefill_map_kernel(out_ptr, rank_ptr, K, stride_out_t, stride_out_k, capaci
     host = cm & (value <= -2)
     g = tl.where(host, -(value.to(tl.int64)) - 2, 0)
     rank = tl.load(rank_ptr + g, mask=host, other=0)
-    staged_row = tl.where(rank < capacity, first_row + rank, -1)
+    fits = host & (rank >= 0) & (rank < capacity)
+    staged_row = tl.load(dst_ptr + rank.to(tl.int64), mask=fits, other=-1)
     tl.store(ptrs, staged_row, mask=host)
 
 
@@ -209,8 +212,8 @@ def plan_prefill(
                                            TILE=RANK_TILE, SCAN=_SCAN_BLOCK, FILL=RANK_TILE,
                                            num_warps=_SCAN_WARPS)
             if T:
-                _prefill_map_kernel[token_grid](rows, ws.row_rank, K, *rows.stride(),
-                                                staging_rows, staging_first_row,
+                _prefill_map_kernel[token_grid](rows, ws.row_rank, ws.dst_rows, K,
+                                                *rows.stride(), staging_rows,
                                                 BLOCK_K=block_k, num_warps=4)
         except BaseException:
             ws.clear_marks()

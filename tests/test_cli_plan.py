@@ -295,3 +295,26 @@ def test_console_script_prints_the_new_keys():
     report = json.loads(proc.stdout)
     assert report["row_aligned_blocks"] is True and report["max_num_batched_tokens"] == 8192
     assert report["row_alignment"]["blocks_lost"] == 9304 and "topology" in report
+
+
+def test_prefill_staging_memory_is_shown(capsys):
+    """DeepSeek-V3.2 at 163,840 tokens: a chunk of one request stages at most 163,840 rows
+    (2,560 blocks, 1.23 GiB of the pool, lent for its step by default); a call writes only its
+    index group's 656 B rows of them (102.5 MiB). A reserved region is shown as such."""
+    report = plan_json(capsys, "--max-num-batched-tokens", "8192", "--host-pool-gib", "64")
+    p = report["prefill_staging"]
+    assert p["mode"] == "lent" and p["reserved_blocks"] == 0 and p["reserved_bytes"] == 0
+    assert p["chunk_rows"] == 163_840 and p["chunk_blocks"] == 2560
+    assert p["chunk_bytes"] == 2560 * 515_328
+    assert p["group_row_bytes"] == 656 and p["chunk_written_bytes"] == 163_840 * 656
+    assert p["workspace_bytes"] == 4 * 26_832 * 64 + 8 * 163_840
+    small = plan_json(capsys, "--max-num-batched-tokens", "16")["prefill_staging"]
+    assert small["chunk_rows"] == 16 * 2048                 # T x top-k below the history
+    reserved = plan_json(capsys, "--prefill-staging-rows", "1000")["prefill_staging"]
+    assert reserved["mode"] == "reserved" and reserved["reserved_blocks"] == 16
+    assert reserved["reserved_bytes"] == 16 * 515_328
+    code, out, err = run_cli(capsys, "plan", "--max-num-batched-tokens", "8192")
+    assert code == 0 and "staging rows lent per step" in out
+    assert "163,840 rows: 2,560 blocks = 1.23 GiB" in out and "102.50 MiB" in out
+    glm = plan_json(capsys, "--preset", "glm-5-indexshare")["prefill_staging"]
+    assert glm["group_row_bytes"] == 4 * 656                # four layers share an indexer

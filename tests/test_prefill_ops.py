@@ -188,6 +188,37 @@ def test_a_reused_workspace_stays_exact_across_chunks(kernel_device) -> None:
         assert not bool((ws.row_rank == ROW_MARK).any())
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("capacity", (0, 6, 40))
+def test_a_staging_map_places_staged_rows_anywhere(seed: int, capacity: int,
+                                                   kernel_device) -> None:
+    """With ``map_staging`` staging row ``i`` is device row ``map[i]`` (blocks borrowed
+    from the pool, in any order): the kernels match the reference bit for bit, and both
+    equal the consecutive-region plan with every staged row sent through the map."""
+    chunk = make_chunk(30 + seed)
+    g = torch.Generator().manual_seed(seed)
+    mapping = (torch.randperm(chunk.num_device_blocks * chunk.block_size, generator=g)
+               [:capacity].to(torch.int32))
+    plans = []
+    for device in ("cpu", kernel_device):
+        ws = PrefillWorkspace(device, num_host_rows=chunk.num_host_blocks * 4,
+                              capacity_rows=3, first_row=8)
+        ws.map_staging(mapping.to(device))
+        assert ws.mapped and (ws.capacity_rows, ws.first_row) == (capacity, 0)
+        run = reference.plan_prefill if device == "cpu" else kprefill.plan_prefill
+        plans.append(run(*chunk.args(device), **chunk.sizes(0, capacity), workspace=ws))
+    assert_plans_equal(plans[1], plans[0], "mapped")
+    # The staged columns are those whose row moves with the region's first row.
+    at_0 = reference.plan_prefill(*chunk.args(), **chunk.sizes(0, capacity)).rows
+    at_c = reference.plan_prefill(*chunk.args(), **chunk.sizes(capacity, capacity)).rows
+    staged = at_0 != at_c
+    assert bool(staged.any()) == bool(capacity)
+    expect = at_0.clone()
+    expect[staged] = mapping[at_0[staged].long()]
+    assert torch.equal(plans[0].rows, expect)
+    assert plans[0].dst_rows.tolist() == [mapping.tolist()]
+
+
 def test_a_host_pool_of_several_scan_tiles(kernel_device) -> None:
     B = 16
     blocks = -(-2 * RANK_TILE // B) + 40         # > 2 tiles of host rows

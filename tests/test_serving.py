@@ -196,7 +196,13 @@ def test_unpinned_pages_are_served_without_transfers_until_reused():
         for leader in rt.leaders:
             oracle.check(leader, ["a"], topk, rt.resolve(leader, ["a"], topk))
         assert rt.stats().misses == 0
-        # another request takes those blocks: a's pages are lost, read from host, exact
+        # rows a resolve served in place are valid until commit(): their blocks are held
+        rt.add_request("b", 20, 0)
+        with pytest.raises(CapacityError, match="held until the step ends"):
+            rt.append_slots("b", 20)
+        rt.free_request("b")
+        rt.commit()
+        # then another request takes those blocks: a's pages are lost, read from host, exact
         rt.add_request("b", 20, 0)
         oracle.add("b", 0)
         oracle.write("b", rt.append_slots("b", 20))

@@ -37,7 +37,8 @@ from hisparse_triton.layout import (
     steady_blocks_per_request,
 )
 from hisparse_triton.presets import DEFAULT_PRESET, build_kv_cache_spec, get_preset, list_presets
-from hisparse_triton.specs import HiSparseTopology
+from hisparse_triton.specs import HiSparseTopology, cdiv
+from hisparse_triton.staging import PrefillStaging, chunk_rows, largest_group_row_bytes
 
 DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_HOST_POOL_GIB = 256.0
@@ -109,6 +110,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="steps in flight at once, each holding up to "
                              "--max-num-batched-tokens (vLLM: 2 with async scheduling, the "
                              "pipeline depth with pipeline parallelism; default 1)")
+    parser.add_argument("--prefill-staging-rows", metavar="N",
+                        type=bounded_int(0, MAX_BATCHED_TOKENS, " rows"), default=0,
+                        help="reserve a region of N rows at the end of the device pool for "
+                             "prefill staging (default 0: free blocks are lent for the step "
+                             "that needs them)")
     parser.add_argument("--row-aligned-blocks", action="store_true",
                         help="round the device block up to a whole number of every sparse "
                              "layer's pages, so each sparse layer is a flat row array "
@@ -160,6 +166,30 @@ def _row_alignment(groups: list, gpu_bytes: int) -> dict[str, Any]:
     }
 
 
+def _prefill_staging(config: EngineConfig, kv: Any) -> dict[str, Any]:
+    """What prefill staging takes: the reserved region (if any), and what one chunk of one
+    request can stage: its rows, the pool blocks they take (lent for the chunk's step, or
+    the region's), the bytes the call writes (the largest index group's pages) and the
+    worker's workspace."""
+    staging = PrefillStaging.from_plan(kv, config)
+    B = staging.block_size
+    rows = chunk_rows(config)
+    row_bytes = largest_group_row_bytes(kv)
+    host_rows = kv.hisparse_host_num_blocks * B
+    return {
+        "mode": "lent" if staging.lent else "reserved",
+        "reserved_rows": staging.capacity_rows,
+        "reserved_blocks": staging.num_blocks,
+        "reserved_bytes": staging.nbytes(kv.bytes_per_block),
+        "chunk_rows": rows,
+        "chunk_blocks": cdiv(rows, B),
+        "chunk_bytes": cdiv(rows, B) * kv.bytes_per_block,
+        "group_row_bytes": row_bytes,
+        "chunk_written_bytes": rows * row_bytes,
+        "workspace_bytes": 4 * host_rows + 8 * max(rows, staging.capacity_rows),
+    }
+
+
 def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = None,
                gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
                host_pool_gib: float = DEFAULT_HOST_POOL_GIB,
@@ -168,7 +198,8 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
                max_num_batched_tokens: Optional[int] = None,
                max_concurrent_batches: int = 1,
                row_aligned_blocks: bool = False,
-               top_k: Optional[int] = None) -> dict[str, Any]:
+               top_k: Optional[int] = None,
+               prefill_staging_rows: int = 0) -> dict[str, Any]:
     """Plan a preset; returns the report ``--json`` writes (without the schema envelope).
 
     ``ValueError`` (one sentence) for an invalid configuration or a plan that does not fit.
@@ -182,7 +213,8 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
         raise ValueError(f"gpu_memory_gib must be a finite number > 0, got {gpu_memory_gib!r}.")
     hisparse = HiSparseConfig(index_topk=top_k or geometry.index_topk,
                               device_buffer_size=device_buffer_size,
-                              host_pool_gib=host_pool_gib, shared_host_pool=shared_host_pool)
+                              host_pool_gib=host_pool_gib, shared_host_pool=shared_host_pool,
+                              prefill_staging_rows=prefill_staging_rows)
     config = EngineConfig(max_model_len=max_model_len or geometry.max_model_len,
                           hisparse=hisparse, tensor_parallel_size=tp,
                           pipeline_parallel_size=pp, num_nodes=nodes,
@@ -269,6 +301,7 @@ def build_plan(preset: str = DEFAULT_PRESET, *, max_model_len: Optional[int] = N
         "limited_by": conc.limited_by,
         "baseline_concurrency": baseline,
         "concurrency_gain": conc.steady_state / baseline if baseline > 0 else None,
+        "prefill_staging": _prefill_staging(config, kv),
         "warnings": notes,
     }
 
@@ -293,6 +326,26 @@ def _alignment_lines(r: dict[str, Any]) -> list[str]:
             f"block ({rows}),",
             f"               {a['blocks_lost']:,} fewer blocks ({a['fraction_lost']:.1%}) than "
             f"unaligned"]
+
+
+def _staging_lines(r: dict[str, Any]) -> list[str]:
+    p = r["prefill_staging"]
+    rows = f"{p['chunk_rows']:,} rows"
+    if p["mode"] == "lent":
+        first = "staging rows lent per step (--prefill-staging-rows 0); a chunk of one request"
+        second = (f"stages up to {rows}: {p['chunk_blocks']:,} blocks = "
+                  f"{_gib(p['chunk_bytes'])} lent for its step;")
+    else:
+        first = (f"staging region of {p['reserved_rows']:,} rows = {p['reserved_blocks']:,} "
+                 f"blocks = {_gib(p['reserved_bytes'])} reserved (end of the pool)")
+        fits = "it holds" if p["reserved_rows"] >= p["chunk_rows"] else "more than it holds"
+        second = f"a chunk of one request stages up to {rows} ({fits});"
+    return [f"  prefill      {first}",
+            f"               {second}",
+            f"               a call writes {_gib(p['chunk_written_bytes'])} of it (its index "
+            f"group's pages, {p['group_row_bytes']:,} B a row; a block holds",
+            f"               every layer's page); worker workspace "
+            f"{_gib(p['workspace_bytes'])}"]
 
 
 def format_plan(report: dict[str, Any]) -> str:
@@ -352,6 +405,7 @@ def format_plan(report: dict[str, Any]) -> str:
         "GPU keeps",
         f"  only the indexer cache, its newest {ACTIVE_TAIL_PAGES} pages (resident tail) and "
         f"{r['device_buffer_size']:,} hot-buffer rows.",
+        *_staging_lines(r),
         "",
         f"  requests at max length  HiSparse steady state {r['steady_state_concurrency']:,.1f} "
         f"(GPU {r['gpu_concurrency']:,.1f}, host {r['host_concurrency']:,.1f}: "
@@ -376,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
                         shared_host_pool=args.shared_host_pool, pp=args.pp, nodes=args.nodes,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_concurrent_batches=args.max_concurrent_batches,
-                        row_aligned_blocks=args.row_aligned_blocks, top_k=args.top_k)
+                        row_aligned_blocks=args.row_aligned_blocks, top_k=args.top_k,
+                        prefill_staging_rows=args.prefill_staging_rows)
     if args.json is not None:
         write_json(json_document("plan", PLAN_SCHEMA_VERSION, report), args.json)
     if args.json != "-":

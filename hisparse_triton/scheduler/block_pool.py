@@ -14,7 +14,9 @@ only when nothing else is free. A block moves between the queues when its reader
 and go (to the back). When ``allocate`` hands a cached block to a new owner, the pool calls
 ``on_reuse(block)`` before returning: the readers learn that the page is gone (the
 scheduler marks it lost) and drop their registrations. ``take`` instead adopts a named free
-block with its bytes (a prefix hit), so its readers stay.
+block with its bytes (a prefix hit), so its readers stay. A cached block for which the
+``keep(block)`` hook answers True is skipped (it stays where it is in its queue): its page
+must stay as it is for now (the scheduler's read holds: a resolve served it in place).
 
 Bookkeeping is six int32 numpy arrays of ``num_blocks`` entries (reference count, reader
 count, next and previous in each free queue): 24 B per block, allocated once, whatever
@@ -107,12 +109,15 @@ class BlockPool:
 
     ``on_reuse(block)``: called by ``allocate`` for every handed-out block that had readers,
     after its reference count is set; it must drop every reader of the block
-    (``drop_reader``). See the module docstring for readers and cached blocks.
+    (``drop_reader``). ``keep(block) -> bool``: asked by ``allocate`` (and ``peek``) about
+    cached blocks; True keeps that one from reuse for now. See the module docstring for
+    readers and cached blocks.
     """
 
     def __init__(self, num_blocks: int, name: str = "pool",
                  journal: Optional[Journal] = None,
-                 on_reuse: Optional[Callable[[int], None]] = None) -> None:
+                 on_reuse: Optional[Callable[[int], None]] = None,
+                 keep: Optional[Callable[[int], bool]] = None) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"{name} BlockPool needs num_blocks >= 1 (block 0 is the null "
                              f"block), got {num_blocks!r}.")
@@ -126,6 +131,7 @@ class BlockPool:
         self._cached = FreeQueue(num_blocks, empty=True)  # free, still read
         self.journal = journal if journal is not None else Journal()
         self.on_reuse = on_reuse
+        self.keep = keep
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -183,13 +189,28 @@ class BlockPool:
         """Whether ``block`` is free and still holds a page someone reads."""
         return self.is_free(block) and self._readers[block] > 0
 
+    def count_free(self, blocks: np.ndarray) -> int:
+        """How many of ``blocks`` (distinct valid ids, an integer array) are free."""
+        return int(np.count_nonzero(self._ref_array[blocks] == 0))
+
     def peek(self, n: int) -> list[int]:
-        """The ``n`` blocks ``allocate(n)`` would return next (fewer if fewer are free)."""
-        out = []
-        for block in self._free:
+        """The ``n`` blocks ``allocate(n)`` would return next (fewer if fewer can be)."""
+        out = self._truly.walk(n)
+        if len(out) < n:
+            out += self._reusable(n - len(out))
+        return out
+
+    def _reusable(self, n: int) -> list[int]:
+        """The first ``n`` cached blocks ``keep`` lets go, front first (fewer if fewer)."""
+        keep = self.keep
+        if keep is None:
+            return self._cached.walk(n)
+        out: list[int] = []
+        for block in self._cached:
             if len(out) == n:
                 break
-            out.append(block)
+            if not keep(block):
+                out.append(block)
         return out
 
     # -- state changes --------------------------------------------------------------------
@@ -216,27 +237,31 @@ class BlockPool:
     # -- mutations -----------------------------------------------------------------------
     def allocate(self, n: int, *, request_id: Optional[Hashable] = None) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each): truly free ones first, then
-        cached ones, each queue front first; ``CapacityError`` if fewer are free. Calls
-        ``on_reuse`` for each cached one."""
+        cached ones ``keep`` lets go, each queue front first; ``CapacityError`` if fewer can
+        be taken (nothing changed). Calls ``on_reuse`` for each cached one."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n!r} blocks.")
         free = self.num_free
-        if n > free:
+        truly = min(n, len(self._truly))
+        reused = self._reusable(n - truly) if n > truly else []
+        if truly + len(reused) < n:
             who = f" for request {request_id!r}" if request_id is not None else ""
+            kept = "" if n > free else (
+                f", {free - truly - len(reused)} of them kept from reuse until the step ends "
+                f"(pages a resolve read in place)")
             raise CapacityError(
                 f"{self.name} pool cannot allocate {n} blocks{who}: {free} of "
-                f"{self.capacity} are free.", resource=f"{self.name} blocks", needed=n,
-                available=free, request_id=request_id)
-        truly = min(n, len(self._truly))
+                f"{self.capacity} are free{kept}.", resource=f"{self.name} blocks", needed=n,
+                available=truly + len(reused), request_id=request_id)
         pop = self._truly.popleft
         blocks = [pop() for _ in range(truly)]
-        pop = self._cached.popleft
-        reused = [pop() for _ in range(n - truly)]
+        remove = self._cached.remove
+        places = [remove(block) for block in reused]   # the block before each (undo)
         blocks += reused
         for block in blocks:
             self._ref[block] = 1
         if self.journal.active:
-            self.journal.record(lambda: self._unallocate(blocks))
+            self.journal.record(lambda: self._unallocate(blocks, truly, places))
         for block in reused:
             self._notify_reuse(block)
         return blocks
@@ -249,8 +274,13 @@ class BlockPool:
                 f"{self.name}: block {block} was handed to a new owner but "
                 f"{self._readers[block]} reader(s) still read its old page.")
 
-    def _unallocate(self, blocks: list[int]) -> None:
-        for block in reversed(blocks):
+    def _unallocate(self, blocks: list[int], truly: int, places: list[int]) -> None:
+        """Undo ``allocate``: the cached blocks back after the block each followed, the
+        truly free ones back at the front, in reverse order."""
+        for block, prev in zip(reversed(blocks[truly:]), reversed(places)):
+            self._ref[block] = 0
+            self._queue(block).insert_after(prev, block)
+        for block in reversed(blocks[:truly]):
             self._ref[block] = 0
             self._queue(block).insert_after(0, block)
 

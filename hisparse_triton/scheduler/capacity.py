@@ -5,8 +5,10 @@ nothing: an admission (state row, host blocks, the hot region after the prefix h
 adopts), an append (the paged groups' new blocks) and a decode batch. When the device
 blocks do not fit as they are, the residency policy's reclaim plan says whom to offload and
 what is available afterwards; a call that cannot fit even then is refused with
-``CapacityError`` while nothing has changed yet. ``can_admit`` / ``can_append`` are these
-counts without the error. No torch.
+``CapacityError`` while nothing has changed yet. Blocks a resolve read in place since the
+step began (``read_holds``) are not available, and the requests it read are not reclaimed
+from, until the step ends. ``can_admit`` / ``can_append`` are these counts without the
+error. No torch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hisparse_triton.errors import CapacityError
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.coordinator import GroupCoordinator
 from hisparse_triton.scheduler.prefix_cache import PrefixCache, PrefixEntry, prompt_page_hashes
+from hisparse_triton.scheduler.read_holds import ReadHolds
 from hisparse_triton.scheduler.requests import (
     Request,
     RequestTable,
@@ -60,8 +63,9 @@ class Capacity:
     def __init__(self, *, requests: RequestTable, devices: GroupCoordinator,
                  device_pool: BlockPool, host_pool: BlockPool, prefix: Optional[PrefixCache],
                  policy: ResidencyPolicy, max_model_len: int,
-                 max_num_batched_tokens: Optional[int]) -> None:
+                 max_num_batched_tokens: Optional[int], holds: ReadHolds) -> None:
         self.requests, self.devices, self.prefix, self.policy = requests, devices, prefix, policy
+        self.holds = holds
         self.device_pool, self.host_pool = device_pool, host_pool
         self.block_size = policy.block_size
         self.max_model_len = max_model_len
@@ -70,8 +74,10 @@ class Capacity:
     @property
     def available_device_blocks(self) -> int:
         """Free device blocks (cached ones included: taking one loses its page) minus the
-        hot regions reserved for requests that have not offloaded yet."""
-        return self.device_pool.num_free - self.devices.reserved
+        hot regions reserved for requests that have not offloaded yet and minus the blocks
+        held for rows a resolve read in place (below 0 when those holds exceed the rest)."""
+        pool = self.device_pool
+        return pool.num_free - self.devices.reserved - self.holds.held_free()
 
     def fit(self, needed: int, request_id: Hashable = None,
             num_tokens: int = 0) -> tuple[Optional[Reclaim], int]:
@@ -82,16 +88,24 @@ class Capacity:
         if needed <= available or not self.devices.resident:
             reclaim = None
         else:
+            holds = self.holds
+            requests = self.requests.values()
+            if holds.active:   # a request a resolve read keeps its pages until the step ends
+                requests = [r for r in requests if not holds.is_held(r.row)]
             reclaim = self.policy.plan_reclaim(
-                self.requests.values(), needed, available, self.devices.resident_blocks,
-                self.device_pool.ref_count)
+                requests, needed, available, self.devices.resident_blocks,
+                self.device_pool.ref_count, holds.keeps if holds.active else None)
             available = reclaim.available
         if request_id is not None and needed > available:
+            held = self.holds.total()
+            because = (f"; {held} more are held until the step ends for rows a resolve read "
+                       f"in place: retry after commit" if held else "")
             raise CapacityError(
                 f"request {request_id!r}: appending {num_tokens} tokens needs {needed} device "
                 f"blocks, {max(available, 0)} of {self.device_pool.capacity} are "
-                f"available (free minus reserved hot regions).", resource="device blocks",
-                needed=needed, available=max(available, 0), request_id=request_id)
+                f"available (free minus reserved hot regions{because}).",
+                resource="device blocks", needed=needed, available=max(available, 0),
+                request_id=request_id)
         return reclaim, available
 
     def admission(self, request_id: Hashable, prompt_len: object, max_new_tokens: object,
@@ -119,14 +133,18 @@ class Capacity:
         hot_cost = self.devices.hot_cost
         reclaim, available = self.fit(hot_cost + len(hits) * len(self.devices.paged))
         freed = reclaim.freed if reclaim is not None else frozenset()
+        kept = self.holds.keeps   # held blocks were never counted available
         available -= sum(1 for e in hits for b in e.blocks.values()
-                         if b and (self.device_pool.is_free(b) or b in freed))
+                         if b and (self.device_pool.is_free(b) or b in freed) and not kept(b))
         if hot_cost > available:
+            held = self.holds.total()
+            because = (f", and {held} held until the step ends for rows a resolve read in "
+                       f"place: retry after commit" if held else "")
             raise CapacityError(
                 f"cannot add request {request_id!r}: its hot region needs {hot_cost} "
                 f"device blocks, {max(available, 0)} of {self.device_pool.capacity} "
                 f"are available (free minus the hot regions reserved for the other "
-                f"requests).", resource="device blocks", needed=hot_cost,
+                f"requests{because}).", resource="device blocks", needed=hot_cost,
                 available=max(available, 0), request_id=request_id)
         return Admission(prompt_len=prompt_len, max_new_tokens=max_new_tokens, hashes=hashes,
                          hits=hits, new_host=new_host, reclaim=reclaim, token_ids=token_ids)

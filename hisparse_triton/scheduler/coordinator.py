@@ -9,7 +9,7 @@ resident groups when the pool reuses a block they read.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -195,11 +195,21 @@ class GroupCoordinator:
         for m in self.hot:
             m.free(req)
 
-    def truncate(self, req: Request, new_len: int) -> None:
+    def truncate(self, req: Request, new_len: int,
+                 keep: Optional[Callable[[list[int]], None]] = None) -> None:
         """Return the blocks of ``req``'s pages past ``new_len`` tokens in every group (hot
-        regions stay: they are the request's for its lifetime)."""
+        regions stay: they are the request's for its lifetime); ``keep``: takes the resident
+        groups' blocks over instead of the pool (a resolve may have read them)."""
         for m in self.managers:
-            m.truncate(req, new_len)
+            m.truncate(req, new_len, keep if isinstance(m, ResidentManager) else None)
+
+    def reader_rows(self, block: int) -> list[int]:
+        """The state rows whose unpinned resident pages ``block`` holds."""
+        for m in self.resident:
+            rows = m.reader_rows(block)
+            if rows:
+                return rows
+        return []
 
     def on_reuse(self, block: int) -> None:
         """The pool handed ``block`` to a new owner: a resident group reading it loses the

@@ -7,7 +7,8 @@ table's, the prefix cache's); this module adds the rules that tie them together:
   block tables and hot regions; host: the requests' host blocks);
 - every reader count equals the readers registered (device: unpinned resident pages and
   published pages; host: published pages);
-- the hot reservations are backed: ``available_device_blocks >= 0``;
+- the hot reservations are backed: at least as many free device blocks (some may be held
+  for rows read in place until the step ends);
 - an offloaded request has a region in every hot group.
 No torch.
 """
@@ -54,6 +55,7 @@ def scheduler_problems(s: "HiSparseScheduler") -> list[str]:
 
     dev, host = s.device_block_pool, s.host_block_pool
     owned = [b for m in devices.managers for b in m.owned_blocks(live)]
+    owned += s.read_holds.kept_blocks()    # dropped pages a resolve read, until the step ends
     problems += _compare("device", "reference count", _counts(owned, dev.num_blocks),
                          dev._ref_array)
     host_owned = [b for req in live for b in req.host_blocks]
@@ -67,7 +69,7 @@ def scheduler_problems(s: "HiSparseScheduler") -> list[str]:
     problems += _compare("host", "reader count",
                          _counts(s._prefix.host_blocks(), host.num_blocks),
                          host._readers_array)
-    if s.available_device_blocks < 0:
+    if dev.num_free < devices.reserved:
         problems.append(f"the hot reservations ({devices.reserved} blocks) exceed the "
                         f"{dev.num_free} free device blocks")
     positions = sorted(m.position for m in devices.hot)
@@ -88,6 +90,7 @@ def scheduler_snapshot(s: "HiSparseScheduler") -> dict:
     state["managers"] = s.devices.snapshot()
     state["pending"] = s.plan_builder.snapshot()
     state["cache"] = s._prefix.snapshot()
+    state["holds"] = s.read_holds.snapshot()
     state["misc"] = (free_rows, s.counters.snapshot())
     return state
 

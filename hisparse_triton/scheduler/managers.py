@@ -17,7 +17,7 @@ to the ``PlanBuilder`` (the workers' copy). State changes go through the journal
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -67,9 +67,11 @@ class GroupManager:
     def free(self, req: Request) -> None:
         """Return every block ``req`` holds in this group."""
 
-    def truncate(self, req: Request, new_len: int) -> None:
+    def truncate(self, req: Request, new_len: int,
+                 keep: Optional[Callable[[list[int]], None]] = None) -> None:
         """``req`` keeps its first ``new_len`` tokens (a rollback): return the blocks of its
-        pages past the new end (``req.seq_len`` is still the old length)."""
+        pages past the new end (``req.seq_len`` is still the old length); ``keep``, when
+        given, takes those block references over instead of the pool."""
 
     def owned_blocks(self, requests: Sequence[Request]) -> list[int]:
         """Every block reference the group's live requests hold (``check_invariants``)."""
@@ -136,16 +138,21 @@ class PagedManager(GroupManager):
         self._add_blocks(-len(blocks))
         self.journal.write(self.blocks, req.row, 0)
 
-    def truncate(self, req: Request, new_len: int) -> None:
+    def truncate(self, req: Request, new_len: int,
+                 keep: Optional[Callable[[list[int]], None]] = None) -> None:
         """Tail first, like ``free``: pages ``[pages(new_len), pages(seq_len))`` the request
-        still holds go back to the pool; their entries become the null block."""
+        still holds go back to the pool (or to ``keep``); their entries become the null
+        block."""
         first = max(self._first_held_page(req), self.group.pages(new_len))
         end = self.group.pages(req.seq_len)
         if end <= first:
             return
         row = self.blocks[req.row]
         blocks = [b for b in reversed(row[first:end].tolist()) if b]
-        self.pool.free(blocks)
+        if keep is None:
+            self.pool.free(blocks)
+        else:
+            keep(blocks)
         self._add_blocks(-len(blocks))
         self.journal.write(row, slice(first, end), 0)
         self.plan_builder.clear_pages(req.row, self.position, range(first, end))
@@ -302,6 +309,10 @@ class ResidentManager(PagedManager):
             self.journal.setitem(self._readers, block, kept)
         else:
             self.journal.delitem(self._readers, block)
+
+    def reader_rows(self, block: int) -> list[int]:
+        """The state rows whose unpinned pages ``block`` holds (none: not read here)."""
+        return [row for row, _ in self._readers.get(block, ())]
 
     def reader_counts(self) -> dict[int, int]:
         """Block -> how many unpinned pages read it (``check_invariants``)."""

@@ -88,8 +88,14 @@ class SchedulerQueries:
     def available_device_blocks(self) -> int:
         """Device blocks an ``append_slots`` may take now: free blocks (cached ones
         included: taking one loses its page) minus the hot regions reserved for requests
-        that have not offloaded yet."""
-        return self.capacity.available_device_blocks
+        that have not offloaded yet and the blocks held for rows read in place (0 at
+        least)."""
+        return max(self.capacity.available_device_blocks, 0)
+
+    held_device_blocks = property(
+        lambda self: self.read_holds.total(),
+        doc="Device blocks kept from any new owner until the step ends because a resolve "
+            "read their pages in place (``hold_reads``).")
 
     truly_free_device_blocks = property(
         lambda self: self.device_block_pool.num_truly_free,

@@ -133,13 +133,17 @@ class ResidencyPolicy:
 
     def plan_reclaim(self, requests: Iterable[Request], needed: int, available: int,
                      resident_blocks: Callable[[Request, int, int], Sequence[int]],
-                     ref_count: Callable[[int], int]) -> Reclaim:
+                     ref_count: Callable[[int], int],
+                     kept: Optional[Callable[[int], bool]] = None) -> Reclaim:
         """Which requests to release (most pinned durable pages first) so that ``needed``
         blocks fit in ``available`` (+ what the releases free), and whether they will.
 
         ``resident_blocks(req, first, limit)``: the request's resident blocks of those
-        pages (0 = none); ``ref_count(block)``: its pool reference count now. An offload
-        takes reserved blocks only, so it changes nothing available.
+        pages (0 = none); ``ref_count(block)``: its pool reference count now; ``kept(block)``
+        (optional): a block that, once free, stays out of reuse for now (the read holds: it
+        frees nothing available). An offload takes reserved blocks only, so it changes
+        nothing available; it needs them free, though, so with ``available`` below 0 (held
+        blocks) a request that must offload first is passed over.
         """
         candidates = sorted((r for r in requests if self.pinned_clean(r) > 0),
                             key=lambda r: (-self.pinned_clean(r), r.row))
@@ -149,6 +153,8 @@ class ResidencyPolicy:
             if needed <= available:
                 break
             span = self.release_range(req, pressure=True)
+            if span is not None and span.offload and available < 0:
+                continue
             chosen.append(req)
             if span is None:
                 continue
@@ -156,9 +162,10 @@ class ResidencyPolicy:
                 if block:
                     drops = released.get(block, 0) + 1
                     released[block] = drops
-                    if drops == ref_count(block):
+                    if drops == ref_count(block) and (kept is None or not kept(block)):
                         available += 1
-        freed = frozenset(b for b, drops in released.items() if drops == ref_count(b))
+        freed = frozenset(b for b, drops in released.items()
+                          if drops == ref_count(b) and (kept is None or not kept(b)))
         return Reclaim(requests=tuple(chosen), available=available,
                        fits=needed <= available, freed=freed)
 

@@ -46,7 +46,7 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 
 from hisparse_triton.config import EngineConfig
-from hisparse_triton.errors import HiSparseError, SchedulerStateError
+from hisparse_triton.errors import HiSparseError, PrefillStagingError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
 from hisparse_triton.scheduler.bookkeeping import check_plan
@@ -58,6 +58,7 @@ from hisparse_triton.scheduler.journal import Journal
 from hisparse_triton.scheduler.plan_builder import PlanBuilder, pack_mirror_rows_wide
 from hisparse_triton.scheduler.prefix_cache import PrefixCache
 from hisparse_triton.scheduler.queries import SchedulerQueries
+from hisparse_triton.scheduler.read_holds import ReadHolds
 from hisparse_triton.scheduler.requests import (
     Request,
     RequestTable,
@@ -149,13 +150,16 @@ class HiSparseScheduler(SchedulerQueries):
             requests=self._requests, devices=d, policy=self.policy,
             prefix=self._prefix if self.prefix_caching else None, counters=self.counters,
             device_pool=self.device_block_pool, host_pool=self.host_block_pool, journal=j)
+        self.read_holds = ReadHolds(self.max_num_seqs, pool=self.device_block_pool, devices=d,
+                                    columns=self._requests.columns, journal=j)
         self.device_block_pool.on_reuse = self._on_device_reuse
+        self.device_block_pool.keep = self.read_holds.keeps
         self.host_block_pool.on_reuse = self._prefix.on_host_block_reused
         self.capacity = Capacity(
             requests=self._requests, devices=d, device_pool=self.device_block_pool,
             host_pool=self.host_block_pool, prefix=self._prefix if self.prefix_caching else None,
             policy=self.policy, max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens)
+            max_num_batched_tokens=self.max_num_batched_tokens, holds=self.read_holds)
         #: Each paged group's layers (``devices.row_names``) as the keys of a dict.
         self._group_layers = [dict.fromkeys(names) for names in d.row_names]
         self._closed = False
@@ -349,11 +353,14 @@ class HiSparseScheduler(SchedulerQueries):
         new_len = req.check_truncate(new_len)
         if new_len == req.seq_len:
             return
+        holds = self.read_holds
         with self.journal.transaction():
             if req.hot is not None:   # hot slots may hold the dropped host rows
                 self.plan_builder.invalidate(req.row, req.host_row_ranges(
                     new_len, req.seq_len, self.block_size))
-            self.devices.truncate(req, new_len)
+            # A resolve may have read the dropped pages in place: keep their blocks.
+            self.devices.truncate(req, new_len,
+                                  holds.keep if holds.is_held(req.row) else None)
             self._requests.truncate(req, new_len, self.block_size)
             self.plan_builder.write_seq_len(req.row, new_len)
 
@@ -367,6 +374,7 @@ class HiSparseScheduler(SchedulerQueries):
             self.devices.free(req)
             self.host_block_pool.free(req.host_blocks[::-1])
             self.plan_builder.reset_row(req.row)
+            self.read_holds.forget(req.row)     # its rows end with it
             self._requests.remove(req)
 
     def reset_prefix_cache(self) -> int:
@@ -390,6 +398,7 @@ class HiSparseScheduler(SchedulerQueries):
         ``commit`` set: a worker applies it only after every earlier plan's mirror.
         """
         self._check_open()
+        self._release_holds()
         return self._build(commit=True, released_pages=self.durability.make_durable())
 
     def flush(self) -> StepPlan:
@@ -420,9 +429,82 @@ class HiSparseScheduler(SchedulerQueries):
         Newly durable full pages are published; the residency rules release what they let
         go (their table changes wait for the next plan). Optional: ``step()`` does the same
         first. A loop calls it after the forward to hand released blocks to the next step's
-        appends one step earlier."""
+        appends one step earlier. It ends the step: blocks held for rows read in place
+        (``hold_reads``) may get new owners again."""
         self._check_open()
+        self._release_holds()
         self.durability.make_durable()
+
+    def hold_reads(self, request_ids: Optional[Sequence[Optional[Hashable]]] = None) -> None:
+        """The rows of these requests (None: of every live request) were read in place by a
+        resolve since the step began; keep the blocks they point at from any new owner
+        until the step ends (the next ``step()`` or ``commit_mirrors()``): their unpinned
+        pages' blocks are not reused (nor counted available: a call that would need them
+        raises ``CapacityError``), their pages are not reclaimed, and blocks ``truncate``
+        drops from them are kept until then. An id may repeat (a prefill chunk's tokens);
+        ``None`` entries (padding) are skipped; ``UnknownRequestError`` for an unknown id,
+        ``ValueError`` for anything but a list or tuple; nothing changes on error. The
+        facade calls it for every resolve; a split stack needs it only when it changes
+        tables between a resolve and the end of that step (``docs/runtime.md``, "The row
+        lifetime")."""
+        self._check_open()
+        if request_ids is None:
+            self.read_holds.hold_all()
+            return
+        check_id_list(request_ids)
+        rows = [self._request(rid, "hold_reads").row for rid in dict.fromkeys(request_ids)
+                if rid is not None]
+        self.read_holds.hold(np.asarray(rows, dtype=np.int64))
+
+    def borrow_prefill_staging(self, rows: int) -> list[int]:
+        """Device blocks for ``rows`` staging rows of ``resolve_prefill`` (a plan that
+        reserves no staging region: ``HiSparseConfig.prefill_staging_rows = 0``), lent until
+        the step ends (the next ``step()`` or ``commit_mirrors()``): the blocks lent earlier
+        in the step, plus new ones when they hold fewer than ``rows`` rows (in the order
+        staging rows use them; pass them to ``worker.resolve_prefill(...,
+        staging_blocks=)``). New blocks come from the free ones as for an append (reclaim
+        included): one that held another request's unpinned page makes that page lost, a
+        change that must reach the workers before they stage (``has_pending_changes``:
+        hand a ``flush()`` plan over). Call ``hold_reads`` for the chunk's requests first
+        (their pages are then not taken, and the chunk's bound stays valid).
+        ``PrefillStagingError`` (a ``CapacityError``) when the free blocks cannot hold them,
+        ``ValueError`` for a bad count or a plan with a reserved region; nothing changes on
+        error."""
+        self._check_open()
+        rows = int_at_least("rows", rows, 0)
+        staging = self.prefill_staging
+        if not staging.lent:
+            raise ValueError(f"borrow_prefill_staging: this plan reserves a staging region "
+                             f"of {staging.capacity_rows} rows (prefill_staging_rows); "
+                             f"resolve_prefill stages there, nothing is lent.")
+        lent = self.read_holds.lent_blocks()
+        missing = -(-rows // self.block_size) - len(lent)
+        if missing <= 0:
+            return lent
+        reclaim, available = self.capacity.fit(missing)
+        if missing > available:
+            held = self.read_holds.total()
+            raise PrefillStagingError(
+                f"resolve_prefill needs {rows} staging rows ({missing} more device blocks of "
+                f"{self.block_size} rows) but {max(available, 0)} blocks are free beside the "
+                f"hot regions reserved for other requests and the {held} held for this "
+                f"step's reads and staging: commit() first (the held blocks return), "
+                f"prefill fewer tokens per chunk, or reserve a region with "
+                f"HiSparseConfig.prefill_staging_rows.", resource="prefill staging rows",
+                needed=rows, available=(len(lent) + max(available, 0)) * self.block_size)
+        with self.journal.transaction():
+            self.durability.run_reclaim(reclaim)
+            blocks = self.device_block_pool.allocate(missing)
+            self.read_holds.lend(blocks)
+            self.durability.track_peaks()
+        return lent + blocks
+
+    def _release_holds(self) -> None:
+        """The step ends: release the read holds (all-or-nothing)."""
+        holds = self.read_holds
+        if holds.active or holds.kept_blocks():
+            with self.journal.transaction():
+                holds.release()
 
     # ------------------------------------------------------------------ pool hooks
     def _on_device_reuse(self, block: int) -> None:

@@ -334,8 +334,10 @@ class HiSparseWorker(WorkerViews):
         resolves each request's Q selections as ONE union: a position several draft tokens
         select takes one hot slot and is gathered (and counted as a miss) once; the result
         is ``[R, Q, K]``. Returns ``[R, K] int32`` rows of ``device_cache(layer)`` valid for
-        the leader and every follower (-1 = masked), until the next plan that releases pages
-        or the next resolve of this index group for the same request; the tensor is the
+        the leader and every follower (-1 = masked), until the next plan applied (it may
+        hand a block read in place to a new owner, unless the scheduler holds it:
+        ``HiSparseScheduler.hold_reads``) or the next resolve of this index group for the
+        same request; the tensor is the
         index group's persistent output, overwritten by its next resolve. Misses are
         gathered host -> device into the hot rows of all of the index group's layers in one
         launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
@@ -373,21 +375,37 @@ class HiSparseWorker(WorkerViews):
             cache.set_gather_programs_per_sm(value)
         self.gather_programs_per_sm = value
 
-    def check_resolve(self, leader_layer: str, state_rows: object, topk: object) -> None:
+    def check_resolve(self, leader_layer: str, state_rows: object, topk: object, *,
+                      stream: Optional[object] = None) -> None:
         """Every check ``resolve_rows`` makes of its arguments, without resolving: the leader,
-        ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``) and that both are on this
-        worker's device or the CPU. ``ValueError`` naming what is wrong; changes nothing
-        (a caller that must do other work first, e.g. hand a plan over, checks first)."""
+        ``topk`` (``check_topk``), ``state_rows`` (``int32 [R]``), that both are on this
+        worker's device or the CPU, and ``stream`` (a stream of this device, when given).
+        ``ValueError`` naming what is wrong; changes nothing (a caller that must do other
+        work first, e.g. hand a plan over, checks first)."""
         self._check_open()
-        self._index_group(leader_layer)
+        cache = self._index_group(leader_layer)
         self.check_topk(topk)
         check_state_rows(state_rows, topk.shape[0])
         check_readable(topk, self.device, "topk")
         check_readable(state_rows, self.device, "state_rows")
+        if stream is not None:
+            cache._stream_events(stream)
+
+    def check_prefill(self, leader_layer: str, state_rows: object, topk: object, *,
+                      host_rows_bound: Optional[int] = None,
+                      staging_blocks: object = None) -> None:
+        """Every check ``resolve_prefill`` makes of its arguments before it stages: the
+        leader, ``topk`` (integer ``[T, K]``), ``state_rows`` (``int32 [T]``), both on this
+        worker's device or the CPU, ``host_rows_bound``, ``staging_blocks``. ``ValueError``
+        naming what is wrong; changes nothing. (Whether the chunk fits its staging rows is
+        known only once staged, unless the bound proves it.)"""
+        self._check_open()
+        self._index_group(leader_layer)
+        self._prefill_stager().check(state_rows, topk, host_rows_bound, staging_blocks)
 
     def resolve_prefill(self, leader_layer: str, state_rows: torch.Tensor,
                         topk: torch.Tensor, *, host_rows_bound: Optional[int] = None,
-                        check: bool = True) -> torch.Tensor:
+                        check: bool = True, staging_blocks: object = None) -> torch.Tensor:
         """Rows of one index group's prefill chunk, host-only rows staged on the device.
 
         ``topk``: ``[T, K]`` integer token positions of the chunk's ``T`` query tokens (any
@@ -395,13 +413,16 @@ class HiSparseWorker(WorkerViews):
         masked); ``state_rows``: ``[T] int32``, the state row of each token's request (-1 =
         padding). Returns ``[T, K] int32`` rows of ``device_cache(layer)`` valid for the
         leader and every follower (-1 = masked): a row whose page has a device block in
-        place, any other row copied once from the host pool into the prefill staging
-        region (``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
-        out), for all of the group's layers in one gather launch. Hot buffers and LRU
+        place, any other row copied once from the host pool into a staging row (the
+        region of ``HiSparseConfig.prefill_staging_rows``, blocks the scheduler never hands
+        out, or ``staging_blocks``), for all of the group's layers in one gather launch. Hot buffers and LRU
         state are not touched; nothing is allocated after the first call (a workspace of
-        ``4`` bytes per host-pool row, shared by the index groups). The rows are valid
-        until the next ``resolve_prefill`` (any index group) or the next plan that
-        releases pages; the tensor is overwritten by the next call.
+        ``4`` bytes per host-pool row, shared by the index groups). Staged rows are valid
+        until the next ``resolve_prefill`` (any index group), rows read in place until the
+        next plan applied (as ``resolve_rows``'); the tensor is overwritten by the next
+        call. A plan that reserves no region (``prefill_staging_rows = 0``) stages into the
+        rows of ``staging_blocks``: the blocks ``HiSparseScheduler.borrow_prefill_staging``
+        lent for the step, in the order it returned them (none given: no staging rows).
 
         Overflow (more distinct host-only rows than the region holds): those columns are
         -1 and ``PrefillStagingError`` names both numbers. It is found without a host
@@ -412,6 +433,12 @@ class HiSparseWorker(WorkerViews):
         """
         self._check_open()
         cache = self._index_group(leader_layer)
+        return self._prefill_stager().stage(cache, state_rows, topk,
+                                            host_rows_bound=host_rows_bound, check=check,
+                                            staging_blocks=staging_blocks)
+
+    def _prefill_stager(self):
+        """The worker's ``PrefillStager``, built (with its workspace) at the first use."""
         stager = self.__dict__.get("_prefill")
         if stager is None:
             from hisparse_triton.worker.prefill import PrefillStager
@@ -419,8 +446,7 @@ class HiSparseWorker(WorkerViews):
             stager = PrefillStager.for_plan(self.kv_cache_config, self.config,
                                             device=self.device, kernel=self._kernel_backend)
             self._prefill = stager
-        return stager.stage(cache, state_rows, topk, host_rows_bound=host_rows_bound,
-                            check=check)
+        return stager
 
     @property
     def prefill_counts(self) -> Optional[torch.Tensor]:

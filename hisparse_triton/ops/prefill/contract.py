@@ -25,10 +25,12 @@ class PrefillPlan(NamedTuple):
     against a staging region of ``C`` rows.
 
     - ``rows``: ``[T, K] int32`` device rows for the attention kernel: a resident row, a
-      staging row (``staging_first_row + rank``) or -1 (masked, or beyond the region).
+      staging row's (``dst_rows[0, rank]``) or -1 (masked, or beyond the region).
     - ``src_rows``: ``[1, C] int32`` host row staged into staging row ``i`` for
       ``i < staged``; -1 after (the gather's source plan).
-    - ``dst_rows``: ``[1, C] int32`` ``staging_first_row + i`` (the gather's destinations).
+    - ``dst_rows``: ``[1, C] int32`` the device row of staging row ``i``:
+      ``staging_first_row + i``, or a workspace's map (``PrefillWorkspace.map_staging``)
+      (the gather's destinations).
     - ``staged``: ``[1] int32`` rows to copy: ``min(needed, C)`` (the gather's count).
     - ``needed``: ``[1] int32`` distinct host-only rows the chunk references; the chunk
       fits the region when ``needed <= C``.

@@ -110,6 +110,10 @@ def _traced_plan(args: tuple, sizes: dict, out: Optional[Tensor],
     """Traced calls: the registered op (fresh outputs) plus torch ops that place the results
     where the keywords ask."""
     check_prefill_args(*args, *sizes.values(), out, workspace)
+    if workspace is not None and workspace.mapped:
+        raise ValueError("plan_prefill: a workspace with a staging map "
+                         "(PrefillWorkspace.map_staging) is for eager calls; a traced call "
+                         "stages into consecutive rows (staging_first_row + i)")
     rows, src_rows, counts = plan_prefill_op(*args, *sizes.values())
     return reference.emit_plan(rows, src_rows, counts, sizes["staging_first_row"], out,
                                workspace)

@@ -55,11 +55,14 @@ def plan_prefill(
     3. else ``g = host_blocks[st, pos // B] * B + pos % B`` when that block is in
        ``[1, num_host_blocks)`` (else -1): a host-only row. The chunk's distinct host-only
        rows (over all its tokens and requests: a host row shared by two requests is staged
-       once) are ranked in increasing ``g``; rank ``r < C`` -> staging row
-       ``staging_first_row + r``; ``r >= C`` -> -1 (the chunk overflows the region).
+       once) are ranked in increasing ``g``; rank ``r < C`` -> staging row ``r``, device
+       row ``dst_rows[0, r]`` (``staging_first_row + r``, or the workspace's map:
+       ``PrefillWorkspace.map_staging``); ``r >= C`` -> -1 (the chunk overflows the
+       region).
     Outputs: ``PrefillPlan`` (``needed`` = distinct host-only rows; ``staged = min(needed,
     C)``; ``src_rows[0, r]`` = the host row of rank ``r < staged``, -1 after;
-    ``dst_rows[0, i] = staging_first_row + i``). With ``out`` the rows are written there;
+    ``dst_rows[0, i]`` the device row of staging row ``i``). With ``out`` the rows are
+    written there;
     with ``workspace`` every output lives in it (valid until its next call). No state is
     read or written besides the outputs: hot buffers and LRU are not involved. This torch
     version synchronises with the device (``torch.unique``); the kernels never do.
@@ -81,8 +84,13 @@ def plan_prefill(
     distinct = torch.unique(g[hok])            # sorted ascending
     needed = distinct.numel()
     rank = torch.searchsorted(distinct, torch.where(hok, g, 0).contiguous())
-    rows = torch.where(res, device_row,
-                       torch.where(hok & (rank < C), staging_first_row + rank, -1)).to(i32)
+    fits = hok & (rank < C)
+    if workspace is not None:                  # staging row i is device row dst_rows[i]
+        dst = workspace.dst_rows[0].to(i64)
+    else:
+        dst = torch.arange(staging_first_row, staging_first_row + C, dtype=i64, device=dev)
+    staged_row = dst[torch.where(fits, rank, 0)] if C else torch.full_like(rank, -1)
+    rows = torch.where(res, device_row, torch.where(fits, staged_row, -1)).to(i32)
     staged = min(needed, C)
     src_rows = torch.full((1, C), -1, dtype=i32, device=dev)
     src_rows[0, :staged] = distinct[:staged].to(i32)

@@ -11,8 +11,10 @@ by the plan, not by the call:
 - ``tile_sums [cdiv(num_host_rows, RANK_TILE)] int32``: marked rows per tile of
   ``row_rank`` (the scan's first pass);
 - the staging plan: ``src_rows [1, C] int32`` (host row of staging row ``i``; -1 past the
-  staged count), ``dst_rows [1, C] int32`` (``first_row + i``, written once),
-  ``counts [2] int32`` (``staged``, ``needed``); ``C`` = the region's capacity in rows;
+  staged count), ``dst_rows [1, C] int32`` (the device row of staging row ``i``:
+  ``first_row + i`` for a region of consecutive rows, written once; any rows for a
+  workspace given a map with ``map_staging``), ``counts [2] int32`` (``staged``,
+  ``needed``); ``C`` = the region's capacity in rows;
 - ``rows``: the ``[T, K] int32`` output, one grow-only buffer whose views are cached per
   shape (a chunk of a new, larger shape allocates; size it with ``reserve`` up front).
 
@@ -54,7 +56,8 @@ class PrefillWorkspace:
 
     - ``num_host_rows``: rows of the host pool (``num_host_blocks * block_size``);
     - ``capacity_rows``: the staging region's rows (0: no region, every host-only column
-      overflows); ``first_row``: device row of staging row 0.
+      overflows); ``first_row``: device row of staging row 0 (the region's rows are
+      consecutive; ``map_staging`` maps them anywhere instead).
     Device memory: ``4 * num_host_rows + 8 * capacity_rows`` bytes plus the output. Not
     thread-safe: one call at a time (the calls of a worker run one after another).
     """
@@ -68,32 +71,59 @@ class PrefillWorkspace:
         if first_row + capacity_rows > 2**31 - 1:
             raise ValueError(f"PrefillWorkspace: staging rows up to "
                              f"{first_row + capacity_rows} do not fit int32 row ids")
-        C = capacity_rows
         with torch.inference_mode(False):
             self.row_rank = torch.full((num_host_rows,), ROW_UNUSED, dtype=torch.int32,
                                        device=self.device)
             self.tile_sums = torch.zeros(-(-num_host_rows // RANK_TILE), dtype=torch.int32,
                                          device=self.device)
-            # One allocation for the plan; a zero-capacity plan still has valid addresses.
-            plan = torch.empty(2 * max(C, 1) + 2, dtype=torch.int32, device=self.device)
-            self.src_rows = plan[:C].view(1, C)
-            self.src_rows.fill_(-1)
-            self.dst_rows = plan[max(C, 1):max(C, 1) + C].view(1, C)
-            self.dst_rows.copy_(torch.arange(first_row, first_row + C, dtype=torch.int32,
-                                             device=self.device).view(1, C))
-            self.counts = plan[2 * max(C, 1):]
-            self.counts.zero_()
             self._rows = torch.empty(0, dtype=torch.int32, device=self.device)
+            self._plan = torch.empty(0, dtype=torch.int32, device=self.device)
+            self._set_plan(capacity_rows)
+            self.dst_rows.copy_(torch.arange(first_row, first_row + capacity_rows,
+                                             dtype=torch.int32, device=self.device).view(1, -1))
+        #: Whether ``map_staging`` gave the staging rows (else ``first_row + i``).
+        self.mapped = False
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _set_plan(self, capacity_rows: int) -> None:
+        """The plan's views for ``capacity_rows`` rows, in one grow-only allocation (a
+        zero-capacity plan still has valid addresses); ``src_rows`` -1, counts 0."""
+        C, size = capacity_rows, 2 * max(capacity_rows, 1) + 2
+        if self._plan.numel() < size:
+            self._plan = torch.empty(size, dtype=torch.int32, device=self.device)
+        plan = self._plan
+        self.src_rows = plan[:C].view(1, C)
+        self.src_rows.fill_(-1)
+        self.dst_rows = plan[max(C, 1):max(C, 1) + C].view(1, C)
+        self.counts = plan[2 * max(C, 1):2 * max(C, 1) + 2]
+        self.counts.zero_()
         #: ``[1] int32`` views of ``counts``: rows staged (the gather's count), rows needed.
         self.staged = self.counts[0:1]
         self.needed = self.counts[1:2]
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self.capacity_rows = C
+
+    def map_staging(self, rows: torch.Tensor) -> None:
+        """Stage into ``rows`` from the next call on: ``[C] int32`` device rows on this
+        workspace's device, staging row ``i`` -> ``rows[i]`` (e.g. blocks borrowed from the
+        pool, not consecutive). The workspace then has ``capacity_rows = C`` and
+        ``first_row = 0`` (what a call passes as ``staging_rows`` / ``staging_first_row``);
+        the plan buffer grows at most to the largest ``C`` seen. Eager calls only (the
+        registered op, under tracing, stages into consecutive rows)."""
+        if (not isinstance(rows, torch.Tensor) or rows.dtype != torch.int32
+                or rows.dim() != 1 or _normalise(rows.device) != self.device):
+            raise ValueError(f"PrefillWorkspace.map_staging: rows must be a 1-D int32 tensor "
+                             f"on {self.device}, got {getattr(rows, 'dtype', type(rows))} of "
+                             f"shape {tuple(getattr(rows, 'shape', ()))}")
+        with torch.inference_mode(False):
+            self._set_plan(rows.numel())
+            self.dst_rows.copy_(rows.view(1, -1))
+        self.first_row, self.mapped = 0, True
 
     @property
     def nbytes(self) -> int:
         """Device bytes held (scratch, plan and the output buffer)."""
-        return 4 * (self.row_rank.numel() + self.tile_sums.numel()
-                    + 2 * max(self.capacity_rows, 1) + 2 + self._rows.numel())
+        return 4 * (self.row_rank.numel() + self.tile_sums.numel() + self._plan.numel()
+                    + self._rows.numel())
 
     def reserve(self, tokens: int, top_k: int) -> None:
         """Grow the output buffer to hold ``[tokens, top_k]`` rows (allocates at most once
@@ -137,6 +167,7 @@ class PrefillWorkspace:
                    first_row=first_row)
 
     def __repr__(self) -> str:
+        mapped = ", mapped" if self.mapped else ""
         return (f"PrefillWorkspace(device={self.device}, num_host_rows={self.num_host_rows}, "
-                f"capacity_rows={self.capacity_rows}, first_row={self.first_row}, "
+                f"capacity_rows={self.capacity_rows}, first_row={self.first_row}{mapped}, "
                 f"rows={self._rows.numel()})")
