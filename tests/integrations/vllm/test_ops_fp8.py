@@ -110,10 +110,12 @@ def test_paged_kernel_matches_torch_model(kernel_device, with_seq_starts):
     np.testing.assert_array_equal(got, want)
 
 
-def test_staging_kernel_matches_torch_model(kernel_device):
+@pytest.mark.parametrize("with_device_rows", [False, True])
+def test_staging_kernel_matches_torch_model(kernel_device, with_device_rows):
     rng = np.random.default_rng(4)
     cache, table, starts, T, host, host_ids, device_ids = staging_case(rng)
-    kw = dict(host_cache=host, host_row_ids=host_ids, device_row_ids=device_ids)
+    kw = dict(host_cache=host, host_row_ids=host_ids,
+              device_row_ids=device_ids if with_device_rows else None)
     want = run(vllm_reference.cp_gather_and_upconvert_fp8_kv_cache, cache, table, starts, 2,
                None, T, **kw)
     got = run(_kernel(), cache, table, starts, 2, None, T, kernel_device.type, **kw)
