@@ -24,7 +24,8 @@ from hisparse_triton.integrations.vllm_checks import (
     check_upconvert_addresses,
     checked,
 )
-from hisparse_triton.kernels.gather import device_guard, validate_pool
+from hisparse_triton.kernels.gather import device_guard
+from hisparse_triton.kernels import vllm_residency
 
 __all__ = ["cp_gather_and_upconvert_fp8_kv_cache", "model_loop_trips"]
 
@@ -148,11 +149,10 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
     device = dst.device
     if device.type == "cuda":
         if host_cache is not None:
-            validate_pool(host_cache, device)
+            vllm_residency._check_host_cache("cp_gather_and_upconvert_fp8_kv_cache",
+                                             host_cache, device)
     else:
-        from hisparse_triton.kernels.vllm_residency import _check_backend
-
-        _check_backend(device)
+        vllm_residency._check_backend(device)
     src8 = src_cache.view(torch.uint8)
     host8 = host_cache.view(torch.uint8) if host_cache is not None else src8
     with device_guard(dst):

@@ -140,13 +140,13 @@ def test_bad_arguments_raise():
     cache, table, starts, _, T = paged_case(rng)
     dst = torch.zeros(T, 512, dtype=torch.bfloat16)
     for op in (vllm_reference.cp_gather_and_upconvert_fp8_kv_cache, _kernel()):
-        with pytest.raises(ValueError, match="576"):
+        with pytest.raises(RuntimeError, match="576"):
             op(torch.from_numpy(cache), dst, torch.from_numpy(table), torch.from_numpy(starts),
                3, None)
-        with pytest.raises(ValueError, match="batch_size"):
+        with pytest.raises(RuntimeError, match="batch_size"):
             op(torch.from_numpy(cache), torch.zeros(T, 576, dtype=torch.bfloat16),
                torch.from_numpy(table), torch.from_numpy(starts), 9, None)
-        with pytest.raises(ValueError, match="together"):
+        with pytest.raises(RuntimeError, match="together"):
             op(torch.from_numpy(cache), torch.zeros(T, 576, dtype=torch.bfloat16),
                torch.from_numpy(table), torch.from_numpy(starts), 3, None,
                torch.zeros(4, 656, dtype=torch.uint8), None)
