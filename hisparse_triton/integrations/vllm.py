@@ -25,11 +25,12 @@ unchanged:
 
 The ops are registered by ``hisparse_triton.ops.registry.register_family`` (family ``vllm``
 of ``hisparse_triton.ops.OP_TABLE``) with vLLM's schema text, ``on_existing="keep"`` (or
-``"replace"`` when overriding) and the backend chosen per call from the op's index tensors.
+``"replace"`` for the overridden ones) and the backend chosen per call from the op's index
+tensors.
 
 ``register()`` returns whether ours serve the four ``hisparse_*`` ops (what vLLM checks before
-it starts HiSparse) and logs the providers (or the refusal) once; ``providers()`` says which implementation
-each op has. Calling it again is cheap and safe. This module never imports vLLM; when vLLM's
+it starts HiSparse) and logs the providers (or the refusal) once; ``providers()`` says which
+implementation each op has. Calling it again is cheap and safe. This module never imports vLLM; when vLLM's
 compiled extension is installed but not loaded yet, its library is loaded first (so its own
 ops are seen and never redefined).
 """
