@@ -101,6 +101,24 @@ def _host_cache_checks(row_bytes: int, vllm: bool = True) -> dict[str, Check]:
     }
 
 
+def _hot_cache_checks(three_d_only: bool) -> dict[str, Check]:
+    """vLLM's hot-cache checks (paged 3-D only, or also a 2-D staging buffer) and our device
+    rule."""
+    return {
+        "hot_cache shape": Check(
+            _set(hot_cache=lambda a: a["hot_cache"].reshape(
+                (-1, 16) if three_d_only else (2, 3, 4, 16))),
+            "hot_cache must be [num_blocks, block_size, row_width]" if three_d_only
+            else "hot_cache must be a 2D staging buffer or paged 3D cache", "hot_cache"),
+        "row 16-byte aligned": Check(
+            _set(hot_cache=lambda a: a["hot_cache"][..., :8].contiguous(),
+                 host_cache=_host(40, 8)), "KV rows must be 16-byte aligned", "8 B"),
+        "hot rows contiguous": Check(_strided("hot_cache"), "hot-cache rows must be contiguous",
+                                     "hot_cache"),
+        "hot_cache device": Check(_meta("hot_cache"), None, "hot_cache is on meta"),
+    }
+
+
 # ------------------------------------------------------------------------------ resolve
 
 
@@ -125,14 +143,7 @@ RESOLVE = {
                                 "global_indices"),
     "global_indices row-major": Check(_column_major("global_indices"),
                                       "global_indices must be row-major 2D", "global_indices"),
-    "hot_cache 3-D": Check(_set(hot_cache=lambda a: a["hot_cache"].reshape(-1, 16)),
-                           "hot_cache must be [num_blocks, block_size, row_width]",
-                           "hot_cache"),
-    "row 16-byte aligned": Check(
-        _set(hot_cache=lambda a: a["hot_cache"][..., :8].contiguous(),
-             host_cache=_host(40, 8)), "KV rows must be 16-byte aligned", "8 B"),
-    "hot rows contiguous": Check(_strided("hot_cache"), "hot-cache rows must be contiguous",
-                                 "hot_cache"),
+    **_hot_cache_checks(three_d_only=True),
     **_host_cache_checks(16),
     "hot_block_table dtype": Check(_to("hot_block_table", i64),
                                    "hot_block_table must be a 2D int32 CUDA tensor",
@@ -285,22 +296,6 @@ def _compact_args() -> dict:
     z = lambda *shape: torch.zeros(shape, dtype=i32)  # noqa: E731
     return dict(host_cache=_host(), hot_cache=torch.zeros(6, 4, 16, dtype=torch.uint8),
                 miss_global_indices=z(2, 8), miss_hot_indices=z(2, 8), miss_counts=z(2))
-
-
-def _hot_cache_checks(three_d_only: bool) -> dict[str, Check]:
-    return {
-        "hot_cache shape": Check(
-            _set(hot_cache=lambda a: a["hot_cache"].reshape(
-                (-1, 16) if three_d_only else (2, 3, 4, 16))),
-            "hot_cache must be [num_blocks, block_size, row_width]" if three_d_only
-            else "hot_cache must be a 2D staging buffer or paged 3D cache", "hot_cache"),
-        "row 16-byte aligned": Check(
-            _set(hot_cache=lambda a: a["hot_cache"][..., :8].contiguous(),
-                 host_cache=_host(40, 8)), "KV rows must be 16-byte aligned", "8 B"),
-        "hot rows contiguous": Check(_strided("hot_cache"), "hot-cache rows must be contiguous",
-                                     "hot_cache"),
-        "hot_cache device": Check(_meta("hot_cache"), None, "hot_cache is on meta"),
-    }
 
 
 PLAN_MATCH = "hot_indices/miss_mask must match contiguous 2D global_indices"
