@@ -35,7 +35,9 @@ rows, a production-sized host pool (and a small one where the launcher picks oth
 and every size 1 (Triton specialises ints equal to 1 into constants);
 the row / page copies at 132 B (indexer), 656 B (fp8 MLA) and 1,152 B (bf16 MLA) rows for 1,
 4 and 61 layers, a gather over tables only 2- or 1-byte aligned (int16 / uint8 words) and one
-over pools with more than 2**31 rows (64-bit size arguments). Identical specialisations are compiled once. The JSON document
+over pools with more than 2**31 rows (64-bit size arguments); group ``vllm``: the vLLM plugin's
+FP8 up-convert gather from device rows, host rows and both. Identical specialisations are
+compiled once. The JSON document
 (``--json``) has the schema ``hisparse-triton/compile-report`` version 1.
 """
 
@@ -54,8 +56,8 @@ from hisparse_triton.kernels import sass_model
 from hisparse_triton.kernels.launches import record_launches
 from hisparse_triton.kernels.target_compiler import TargetCompiler
 
-__all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main", "occupancy",
-           "report_in_subprocess"]
+__all__ = ["ARCH_LIMITS", "GROUPS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main",
+           "occupancy", "report_in_subprocess"]
 
 #: Per-SM limits of the architectures the report knows (CUDA occupancy calculator values).
 ARCH_LIMITS: dict[int, dict[str, int]] = {
@@ -73,6 +75,8 @@ RESOLVE_WIDTHS = (2048, 4096, 8192, 16384, 32768)
 RESOLVE_SLOTS = (4096, 8192, 16384, 32768)
 ROW_BYTES = (132, 656, 1152)
 LAYERS = (1, 4, 61)
+#: The launch groups: resolve, the row / page copies, the vLLM plugin's FP8 up-convert.
+GROUPS = ("resolve", "copy", "vllm")
 _BLOCK = 64
 _BIG_HOST_BLOCKS = 1_000_000  # 64M host rows: production host pools (int64 sort keys)
 _SMALL_HOST_BLOCKS = 4_096    # 256K host rows
@@ -185,6 +189,36 @@ def _copy_calls() -> list[tuple[str, Callable[[], None]]]:
     return calls
 
 
+def _vllm_calls() -> list[tuple[str, Callable[[], None]]]:
+    """The vLLM plugin's FP8 up-convert gather (``kernels/vllm_fp8.py``) of an 8,192-token
+    prefill workspace for 64 requests: from the device cache, and on the staging path from
+    host rows, with and without device rows."""
+    import torch
+
+    from hisparse_triton.kernels import vllm_fp8
+
+    T, batch, blocks = 8192, 64, 2048
+    pages = T // batch // _BLOCK
+
+    def call(host: bool, device_rows: bool) -> Callable[[], None]:
+        def run() -> None:
+            src = torch.empty(blocks, _BLOCK, 656, dtype=torch.uint8)
+            dst = torch.empty(T, 576, dtype=torch.bfloat16)
+            kw = {}
+            if host:
+                kw = dict(host_cache=torch.empty(blocks * _BLOCK, 656, dtype=torch.uint8),
+                          host_row_ids=_i32(1, batch * pages * _BLOCK))
+                if device_rows:
+                    kw["device_row_ids"] = _i32(1, batch * pages * _BLOCK)
+            vllm_fp8.cp_gather_and_upconvert_fp8_kv_cache(
+                src, dst, _i32(batch, pages), _i32(batch), batch, None, **kw)
+        return run
+
+    return [("vllm fp8 upconvert device rows", call(False, False)),
+            ("vllm fp8 upconvert host rows", call(True, False)),
+            ("vllm fp8 upconvert host+device rows", call(True, True))]
+
+
 def _gather_i64_sizes() -> None:
     """A gather whose pools have more than 2**31 rows and bytes per block (meta tensors: no
     memory), so the launch passes those sizes as 64-bit ints."""
@@ -270,10 +304,10 @@ def _grid(grid: Any) -> list[int]:
     return [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
 
 
-def compile_report(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", "copy"),
+def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
                    widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
                    progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
-    """Record and compile every launch of ``groups`` (``"resolve"``, ``"copy"``); resolve at
+    """Record and compile every launch of ``groups`` (``GROUPS``); resolve at
     the top-k ``widths`` (plus, with ``small_host``, a host pool small enough for int32 sort
     keys). ``arch``: ``90`` (``sm_90``) ... or an AMD target ``"gfx942"`` (``amd_report``).
     Returns the report payload (``{"arch", "vendor", "warp_size", "triton", "launches"}``,
@@ -296,7 +330,8 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", 
 
     compiler = amd_report.AmdCompiler(arch) if amd else _Compiler(arch)
     calls = (_resolve_calls(widths, small_host) if "resolve" in groups else []) \
-        + (_copy_calls() if "copy" in groups else [])
+        + (_copy_calls() if "copy" in groups else []) \
+        + (_vllm_calls() if "vllm" in groups else [])
     tag = ["?"]
     with record_launches(tag=tag) as launches, _planned_for(compiler):
         for what, call in calls:
@@ -336,7 +371,7 @@ def arch_flag(arch: int | str) -> str:
     return arch if isinstance(arch, str) else f"sm_{arch}"
 
 
-def report_in_subprocess(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", "copy"),
+def report_in_subprocess(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
                          widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
                          timeout: float = 1800) -> dict[str, Any]:
     """``compile_report`` in a fresh interpreter without ``TRITON_INTERPRET`` (usable from

@@ -1,7 +1,8 @@
 """Record kernel launches instead of running them (compile report, host-cost benchmark, tests).
 
 ``record_launches()`` replaces every Triton kernel of the kernel modules (``resolve``,
-``gather``, ``backup``, ``prefill``) by a stand-in whose ``kernel[grid](*args, **kwargs)``
+``gather``, ``backup``, ``prefill`` and the vLLM plugin's ``vllm_residency``, ``vllm_gather``,
+``vllm_fp8``) by a stand-in whose ``kernel[grid](*args, **kwargs)``
 appends a ``Launch`` to a list and returns; the launchers' own Python (argument checks, launch shapes,
 workspace handling) still runs. With ``cpu_as_cuda=True`` the launchers also accept CPU
 tensors without ``TRITON_INTERPRET=1`` (they stand in for CUDA tensors). Everything is
@@ -54,9 +55,10 @@ class _Recorder:
 
 def kernel_modules() -> list[Any]:
     """The modules that define the Triton kernels."""
-    from hisparse_triton.kernels import backup, gather, prefill, resolve
+    from hisparse_triton.kernels import (backup, gather, prefill, resolve, vllm_fp8, vllm_gather,
+                                         vllm_residency)
 
-    return [resolve, gather, backup, prefill]
+    return [resolve, gather, backup, prefill, vllm_residency, vllm_gather, vllm_fp8]
 
 
 @contextlib.contextmanager

@@ -24,9 +24,10 @@ from hisparse_triton.integrations.vllm_checks import (
     check_upconvert_addresses,
     checked,
 )
-from hisparse_triton.kernels.gather import device_guard, validate_pool
+from hisparse_triton.kernels.gather import device_guard
+from hisparse_triton.kernels import vllm_residency
 
-__all__ = ["cp_gather_and_upconvert_fp8_kv_cache"]
+__all__ = ["cp_gather_and_upconvert_fp8_kv_cache", "model_loop_trips"]
 
 _TOKENS = 16
 _BLOCK_B = 64
@@ -53,6 +54,18 @@ def _f32_to_bf16_bits(x):
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     bits = tl.where(nan, 0x7FFF, rounded.to(tl.int32, bitcast=True))
     return tl.where(bits >= 32768, bits - 65536, bits).to(tl.int16)
+
+
+@triton.jit
+def _either(dev_ptrs, host_ptrs, on_dev, on_host, HAS_HOST: tl.constexpr):
+    """The values (ints) at ``dev_ptrs`` where ``on_dev``, at ``host_ptrs`` where ``on_host``
+    (never both), else 0: one masked load per source, OR-ed (a masked-off lane reads nothing
+    and gives 0). No pointer select: AMD's pointer canonicalisation cannot follow a select
+    between two tensors' pointers."""
+    value = tl.load(dev_ptrs, mask=on_dev, other=0)
+    if HAS_HOST:
+        value = value | tl.load(host_ptrs, mask=on_host, other=0)
+    return value
 
 
 @triton.jit
@@ -102,17 +115,20 @@ def _upconvert_kernel(
     on_host = ~on_dev & (host_row >= 0) & (host_row < host_rows)
     found = on_dev | on_host
     dr = tl.where(on_dev, dev_row, 0)
-    base = tl.where(on_host, host_row * 656, (dr // B) * block_bytes + (dr % B) * row_bytes)
-    # One source per row: the device cache or the host cache (a pointer select).
-    p8 = tl.where(on_host, host8_ptr + base, src8_ptr + base)
-    p16 = tl.where(on_host, host16_ptr + (base + 528) // 2, src16_ptr + (base + 528) // 2)
-    p32 = tl.where(on_host, host32_ptr + (base + 512) // 4, src32_ptr + (base + 512) // 4)
+    dev_base = (dr // B) * block_bytes + (dr % B) * row_bytes
+    host_base = tl.where(on_host, host_row, 0) * 656
     # 512 e4m3 values, the fp32 scale of each one's 128-value tile, 64 bf16 rope values.
     i = tl.arange(0, 512)
     rw = tl.arange(0, 64)
-    nope = tl.load(p8[:, None] + i[None, :], mask=found[:, None], other=0).to(tl.int32)
-    sw = tl.load(p32[:, None] + i[None, :] // 128, mask=found[:, None], other=0)
-    rope = tl.load(p16[:, None] + rw[None, :], mask=found[:, None], other=0)
+    nope = _either(src8_ptr + dev_base[:, None] + i[None, :],
+                   host8_ptr + host_base[:, None] + i[None, :], on_dev[:, None],
+                   on_host[:, None], HAS_HOST).to(tl.int32)
+    sw = _either(src32_ptr + ((dev_base + 512) // 4)[:, None] + i[None, :] // 128,
+                 host32_ptr + ((host_base + 512) // 4)[:, None] + i[None, :] // 128,
+                 on_dev[:, None], on_host[:, None], HAS_HOST)
+    rope = _either(src16_ptr + ((dev_base + 528) // 2)[:, None] + rw[None, :],
+                   host16_ptr + ((host_base + 528) // 2)[:, None] + rw[None, :],
+                   on_dev[:, None], on_host[:, None], HAS_HOST)
     scale = sw.to(tl.float32, bitcast=True)
     bits = tl.where(found[:, None], _f32_to_bf16_bits(_e4m3_to_f32(nope & 255) * scale), 0)
     out = dst_ptr + t.to(tl.int64)[:, None] * dst_stride
@@ -133,11 +149,10 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
     device = dst.device
     if device.type == "cuda":
         if host_cache is not None:
-            validate_pool(host_cache, device)
+            vllm_residency._check_host_cache("cp_gather_and_upconvert_fp8_kv_cache",
+                                             host_cache, device)
     else:
-        from hisparse_triton.kernels.vllm_residency import _check_backend
-
-        _check_backend(device)
+        vllm_residency._check_backend(device)
     src8 = src_cache.view(torch.uint8)
     host8 = host_cache.view(torch.uint8) if host_cache is not None else src8
     with device_guard(dst):
@@ -152,3 +167,12 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
             dst.stride(0), B=B, TOKENS=_TOKENS, BLOCK_B=_BLOCK_B,
             HAS_SEQ=seq_starts is not None, HAS_HOST=host_cache is not None,
             HAS_DEV=device_row_ids is not None, num_warps=4)
+
+
+def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
+    """Trip counts of the kernel's runtime loop for one launch (``kernels/sass_model.py``):
+    the scan of ``workspace_starts`` in ``BLOCK_B`` requests."""
+    values = dict(zip(kernel.arg_names, args))
+    values.update(kwargs)
+    trips = -(-values["batch"] // values["BLOCK_B"])
+    return {"for q0 in range(0, batch, BLOCK_B)": max(1, trips)}

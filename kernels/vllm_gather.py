@@ -32,8 +32,8 @@ from hisparse_triton.kernels.gather import (
     GRID_PROGRAMS_PER_SM,
     device_guard,
     sm_count,
-    validate_pool,
 )
+from hisparse_triton.kernels import vllm_residency
 
 __all__ = ["hisparse_gather_compact", "hisparse_gather_plan"]
 
@@ -91,11 +91,10 @@ def _launch(host_cache, hot_cache, src, dst, mask, rsi, counts, attn, R: int, K:
             plan: bool) -> None:
     device = src.device
     if device.type == "cuda":
-        validate_pool(host_cache, device)
+        vllm_residency._check_host_cache(
+            "hisparse_gather_plan" if plan else "hisparse_gather_compact", host_cache, device)
     else:
-        from hisparse_triton.kernels.vllm_residency import _check_backend
-
-        _check_backend(device)
+        vllm_residency._check_backend(device)
     block_bytes = hot_cache.stride(0) * hot_cache.element_size()
     word = 4 if block_bytes % 4 == 0 and hot_cache.data_ptr() % 4 == 0 \
         and host_cache.data_ptr() % 4 == 0 else 1

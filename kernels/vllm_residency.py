@@ -489,6 +489,17 @@ def _check_backend(device: torch.device) -> None:
                            "or TRITON_INTERPRET=1 set before import to run on the CPU")
 
 
+def _check_host_cache(op: str, host_cache: torch.Tensor, device: torch.device) -> None:
+    """A CUDA launch reads the host cache in place: it must be pinned CPU memory (or on
+    ``device``). Refused with the ``RuntimeError`` vLLM's ops raise."""
+    from hisparse_triton.kernels.gather import validate_pool
+
+    try:
+        validate_pool(host_cache, device)
+    except ValueError as error:
+        raise RuntimeError(f"{op}: host_cache must be pinned CPU memory: {error}") from None
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -103,6 +103,34 @@ def test_gfx942_report_of_the_copy_kernels_carries_the_cache_hints():
     assert gather_info["grid"][0] == gather.GRID_PROGRAMS_PER_SM * gather.DEFAULT_SM_COUNT
 
 
+@needs_amd
+def test_gfx942_compiles_the_vllm_fp8_upconvert_in_every_form():
+    """The vLLM plugin's FP8 up-convert gather compiles for gfx942 from the device cache and
+    from host rows (with and without device rows), without spills: the compile report's
+    ``vllm`` group (one of the groups CI checks) holds all three launches."""
+    doc = _run_uninterpreted("""
+        import json
+        from hisparse_triton.kernels.amd_report import AmdCompiler
+        from hisparse_triton.kernels.compile_report import _vllm_calls
+        from hisparse_triton.kernels.launch_config import target_override
+        from hisparse_triton.kernels.launches import record_launches
+        compiler = AmdCompiler("gfx942")
+        tag = [""]
+        with record_launches(tag=tag) as launches, target_override(compiler.target):
+            for what, call in _vllm_calls():
+                tag[0] = what
+                call()
+        print(json.dumps([dict(compiler.compile(l.kernel, l.args, dict(l.kwargs)),
+                               variant=l.tag) for l in launches]))
+    """)
+    assert [r["variant"] for r in doc] == ["vllm fp8 upconvert device rows",
+                                           "vllm fp8 upconvert host rows",
+                                           "vllm fp8 upconvert host+device rows"]
+    for r in doc:
+        assert r["error"] is None, r
+        assert not r["spills"] and r["scratch_bytes"] == 0 and r["instructions"] > 0, r
+
+
 def test_asm_usage_reads_the_amdhsa_metadata():
     asm = textwrap.dedent("""\
         k:

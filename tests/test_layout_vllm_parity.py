@@ -6,7 +6,10 @@ number: the groups (kind, layers, page bytes, blocks per request), the host pool
 stride), the device pool (blocks, bytes per block), every layer's byte offset and strides in
 both pools, and the steady-state concurrency. vLLM always rounds the block up to whole sparse
 pages, so ours plans with ``row_aligned_blocks=True``; ``max_concurrent_batches`` 2 stands
-for vLLM's async scheduling.
+for vLLM's async scheduling. Two families of geometries: one sparse row for every layer, and
+mixed sparse pages in the host source group (rows drawn per index group: 41,984 B and
+81,920 B pages at block 64, equal pages from different dtypes), where the host regions'
+order (vLLM's: by equal spec, specs in first-seen order) is what can differ.
 
 Runs only where vLLM 0.33.0 imports (its source on ``sys.path`` plus the pure-Python
 packages its config and KV-cache modules import: pydantic, packaging, regex, numpy, cbor2,
@@ -56,6 +59,7 @@ from hisparse_triton.specs import (  # noqa: E402
 )
 
 NUM_GEOMETRIES = 300
+NUM_MIXED = 200
 SEED = 20_330
 
 TORCH_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn,
@@ -165,6 +169,33 @@ def random_geometry(rng: random.Random):
     return config, specs, available, host_budget, top_k
 
 
+#: Sparse rows the mixed family draws from: fp8_ds_mla (656 B), its bf16 twin of the same
+#: page (328 bf16), 1,280 B rows (uint8 or bf16: 81,920 B pages at block 64), a bf16 MLA row.
+MIXED_ROWS = ((656, "uint8"), (328, "bfloat16"), (1280, "uint8"), (640, "bfloat16"),
+              (576, "bfloat16"))
+
+
+def random_mixed_geometry(rng: random.Random):
+    """``random_geometry`` with the sparse rows drawn again per index group (a new row at
+    half of the leaders), so the source group mixes page sizes and specs; the host budget is
+    sized for the new pages."""
+    config, specs, available, _, top_k = random_geometry(rng)
+    row, mixed = None, {}
+    for name, spec in specs.items():
+        if isinstance(spec, MLAAttentionSpec) and spec.cache_role is SparseCacheRole.SPARSE:
+            if row is None or (spec.is_index_group_leader and rng.random() < 0.5):
+                row = rng.choice(MIXED_ROWS)
+            spec = MLAAttentionSpec(spec.block_size, row[0], row[1], spec.cache_role,
+                                    spec.is_index_group_leader)
+        mixed[name] = spec
+    source = sum(s.page_size_bytes for s in mixed.values()
+                 if isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.SPARSE)
+    block = next(iter(mixed.values())).block_size
+    host_blocks = (cdiv(config.max_model_len, block) + 2) * rng.choice((1, 2, 7))
+    host_budget = host_blocks * (source + 4096) + rng.randrange(4096)
+    return config, mixed, available, host_budget, top_k
+
+
 # --- both plans as comparable numbers -------------------------------------------------------
 
 def _vllm_kind(group) -> str:
@@ -233,15 +264,25 @@ def our_numbers(config, specs, available, host_budget):
 
 def _cases():
     rng = random.Random(SEED)
-    return [random_geometry(rng) for _ in range(NUM_GEOMETRIES)]
+    uniform = [random_geometry(rng) for _ in range(NUM_GEOMETRIES)]
+    return uniform + [random_mixed_geometry(rng) for _ in range(NUM_MIXED)]
 
 
 CASES = _cases()
 
 
+def _source_pages(specs) -> list[int]:
+    return [s.page_size_bytes for s in specs.values()
+            if isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.SPARSE]
+
+
 @pytest.mark.filterwarnings("ignore::hisparse_triton.layout.HiSparsePlanWarning")
-@pytest.mark.parametrize("index", range(NUM_GEOMETRIES))
+@pytest.mark.parametrize("index", range(NUM_GEOMETRIES + NUM_MIXED),
+                         ids=[f"{'mixed' if i >= NUM_GEOMETRIES else 'uniform'}-{i}"
+                              for i in range(NUM_GEOMETRIES + NUM_MIXED)])
 def test_planner_equals_vllm(index, monkeypatch):
+    """Every number of both plans is equal (0 differences); the only geometries not
+    compared are those both planners reject and those vLLM loses layers of."""
     config, specs, available, host_budget, top_k = CASES[index]
     regular = {name for name, spec in specs.items() if not isinstance(spec, MLAAttentionSpec)}
     try:
@@ -253,7 +294,17 @@ def test_planner_equals_vllm(index, monkeypatch):
         pytest.skip(f"both planners reject this geometry (vLLM: {exc})")
     except StopIteration:
         theirs = None  # vLLM's packed split made an empty group (see below)
-    ours = our_numbers(config, specs, available, host_budget)
+    try:
+        ours = our_numbers(config, specs, available, host_budget)
+    except ValueError as exc:
+        if theirs is not None:
+            raise
+        # vLLM failed in its regular grouping before it reached the sparse layers: without
+        # the regular layers, its HiSparse layout must reject them as ours does
+        mla = {name: spec for name, spec in specs.items() if name not in regular}
+        with pytest.raises((ValueError, AssertionError)):
+            vllm_numbers(config, mla, available, host_budget, top_k, monkeypatch)
+        pytest.skip(f"both planners reject this geometry's sparse layers (ours: {exc})")
     if theirs is None or not regular <= {n for _, names, _, _ in theirs["groups"] for n in names}:
         # vLLM's packed grouping pairs an unbalanced sliding-window bucket's page sizes with
         # zip when it splits the bucket, which drops layers (or leaves a group empty and
@@ -272,6 +323,27 @@ def test_planner_equals_vllm(index, monkeypatch):
         assert ours["concurrency"] <= theirs["concurrency"]
     else:
         assert ours["concurrency"] == pytest.approx(theirs["concurrency"], rel=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::hisparse_triton.layout.HiSparsePlanWarning")
+def test_the_mixed_geometries_are_planned_with_mixed_source_pages(monkeypatch):
+    """The mixed family is not vacuous: vLLM plans many of its geometries, and they put
+    pages of different sizes, and equal pages of different specs, in the host source group
+    (the layouts whose region order ``test_planner_equals_vllm`` compares)."""
+    planned = sizes = specs_per_page = 0
+    for config, specs, available, host_budget, top_k in CASES[NUM_GEOMETRIES:]:
+        try:
+            vllm_numbers(config, specs, available, host_budget, top_k, monkeypatch)
+        except Exception:  # noqa: BLE001 - rejected or layers lost: not compared
+            continue
+        planned += 1
+        pages = _source_pages(specs)
+        sizes += len(set(pages)) > 1
+        sparse = {s for s in specs.values()
+                  if isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.SPARSE}
+        specs_per_page += any(sum(s.page_size_bytes == p for s in sparse) > 1 for p in pages)
+    assert planned >= 50 and sizes >= 25 and specs_per_page >= 10, (planned, sizes,
+                                                                     specs_per_page)
 
 
 def test_the_geometries_cover_every_grouping_rule():

@@ -266,6 +266,28 @@ def test_host_pool_places_leaders_first_with_index_sharing():
     assert offsets == sorted(offsets)
 
 
+def test_host_pool_gathers_mixed_page_sizes_by_spec():
+    """Source layers of pages [41,984, 81,920, 41,984, 41,984]: vLLM's host regions are
+    gathered by equal spec in first-seen order, so layer 1 (the 81,920 B spec) comes after
+    layers 0, 2 and 3 (vLLM 0.33.0's own planner gives the same offsets)."""
+    from hisparse_triton.specs import MLAAttentionSpec, SparseCacheRole
+
+    spec = {}
+    for i, row in enumerate((656, 1280, 656, 656)):
+        spec[f"layers.{i}.attn"] = MLAAttentionSpec(64, row, "uint8", SparseCacheRole.SPARSE, True)
+        spec[f"layers.{i}.indexer"] = MLAAttentionSpec(64, 16, "uint8",
+                                                       SparseCacheRole.INDEXER, True)
+    config = EngineConfig(4096, HiSparseConfig(index_topk=64, host_pool_gib=1))
+    groups = get_hisparse_kv_cache_groups(config, spec)
+    stride = 3 * 41_984 + 81_920
+    kv = get_hisparse_kv_cache_config(config, groups, GIB, 100 * stride)
+    assert kv.hisparse_host_num_blocks == 100
+    host = {t.layers[0]: (t.offset, t.size) for t in kv.kv_cache_tensors if t.host_resident}
+    small, large = 100 * 41_984, 100 * 81_920
+    assert host == {"layers.0.attn": (0, small), "layers.2.attn": (small, small),
+                    "layers.3.attn": (2 * small, small), "layers.1.attn": (3 * small, large)}
+
+
 # --- properties of the grouping --------------------------------------------------------------
 
 @st.composite

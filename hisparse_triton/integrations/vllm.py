@@ -9,9 +9,15 @@ vLLM's names, schemas (argument order, defaults, mutated arguments) and semantic
 (``hisparse_triton.integrations.vllm_reference``), so vLLM's HiSparse runs on these kernels
 unchanged:
 
-- an op vLLM already provides is left alone, unless ``override=True`` or
-  ``HISPARSE_TRITON_VLLM_OVERRIDE=1``: then ours replace its CPU and CUDA kernels (for A/B
-  runs against vLLM's CUDA ops);
+- vLLM's compiled ops win: an op vLLM already provides is left alone (with all five present
+  and no override, ``register()`` changes nothing), unless overridden
+  (``HISPARSE_TRITON_VLLM_OVERRIDE`` or ``register(override=...)``): ``1`` / ``hisparse``
+  replaces the CPU and CUDA kernels of vLLM's four ``hisparse_*`` ops (for A/B runs against
+  vLLM's CUDA ops) and keeps its ``cp_gather_and_upconvert_fp8_kv_cache``, which vLLM's FP8
+  MLA prefill also runs without HiSparse; ``all`` replaces that one too;
+- ``register()`` refuses, with a logged reason, to register anything (returns ``False``)
+  when the running vLLM is not a 0.33 release or an op vLLM already has differs from 0.33's
+  schema: these ops implement 0.33's semantics;
 - each call runs on the backend ``HISPARSE_TRITON_BACKEND`` names (``auto``: Triton on CUDA
   tensors, the torch models on CPU ones; ``triton``; ``torch``), read at every call;
 - fake (meta) kernels let ``torch.compile`` and CUDA-graph capture trace the ops; the schema
@@ -19,11 +25,12 @@ unchanged:
 
 The ops are registered by ``hisparse_triton.ops.registry.register_family`` (family ``vllm``
 of ``hisparse_triton.ops.OP_TABLE``) with vLLM's schema text, ``on_existing="keep"`` (or
-``"replace"`` when overriding) and the backend chosen per call from the op's index tensors.
+``"replace"`` for the overridden ones) and the backend chosen per call from the op's index
+tensors.
 
 ``register()`` returns whether ours serve the four ``hisparse_*`` ops (what vLLM checks before
-it starts HiSparse) and logs the providers once; ``providers()`` says which implementation
-each op has. Calling it again is cheap and safe. This module never imports vLLM; when vLLM's
+it starts HiSparse) and logs the providers (or the refusal) once; ``providers()`` says which
+implementation each op has. Calling it again is cheap and safe. This module never imports vLLM; when vLLM's
 compiled extension is installed but not loaded yet, its library is loaded first (so its own
 ops are seen and never redefined).
 """
@@ -31,11 +38,13 @@ ops are seen and never redefined).
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import importlib.util
 import logging
 import os
+import re
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -43,20 +52,26 @@ from hisparse_triton.integrations import vllm_reference
 from hisparse_triton.ops import registry
 from hisparse_triton.ops.registry import OpDefinition
 
-__all__ = ["DEFINITIONS", "FAMILY", "HISPARSE_OPS", "NAMESPACE", "OP_NAMES", "OVERRIDE_ENV",
-           "SCHEMAS", "providers", "register"]
+__all__ = ["DEFINITIONS", "FAMILY", "HISPARSE_OPS", "NAMESPACE", "OP_NAMES", "OVERRIDES",
+           "OVERRIDE_ENV", "SCHEMAS", "VLLM_RELEASE", "providers", "register"]
 
 logger = logging.getLogger(__name__)
 
 #: The op namespace vLLM calls.
 NAMESPACE = "_C_cache_ops"
-#: Environment variable that forces ours over vLLM's (``1``).
+#: Environment variable that puts ours in place of vLLM's own ops (see ``OVERRIDES``).
 OVERRIDE_ENV = "HISPARSE_TRITON_VLLM_OVERRIDE"
 #: The ops vLLM 0.33 requires before it starts HiSparse (``_has_hisparse_ops``).
 HISPARSE_OPS = ("hisparse_resolve_residency", "hisparse_invalidate_written_slots",
                 "hisparse_gather_plan", "hisparse_gather_compact")
 #: Every op defined here.
 OP_NAMES = HISPARSE_OPS + ("cp_gather_and_upconvert_fp8_kv_cache",)
+#: Override value -> the ops of vLLM's own that ours replace: none (unset, ``""``, ``0``), the
+#: four HiSparse ops (``1``, ``hisparse``), or all five (``all``: also the FP8 up-convert that
+#: vLLM's FP8 MLA prefill runs without HiSparse).
+OVERRIDES = {"": (), "0": (), "1": HISPARSE_OPS, "hisparse": HISPARSE_OPS, "all": OP_NAMES}
+#: The vLLM release (major, minor) whose ops, schemas and semantics these are.
+VLLM_RELEASE = (0, 33)
 
 #: vLLM 0.33.0's schemas, verbatim (argument names, order, defaults, aliasing).
 SCHEMAS = {
@@ -136,6 +151,8 @@ DEFINITIONS = {
 #: op name -> "hisparse_triton" (ours serve it) or "vllm" (vLLM's own), for ops seen so far.
 _PROVIDERS: dict[str, str] = {}
 _LOGGED: list[bool] = []
+#: Why ``register()`` refused (once per process: the running vLLM does not change).
+_REFUSED: list[str] = []
 
 
 def _load_vllm_extension() -> None:
@@ -159,22 +176,91 @@ def _load_vllm_extension() -> None:
                                  "absent here", path, error)
 
 
-def register(override: bool = False) -> bool:
+def _overridden(override: Union[bool, str]) -> tuple[str, ...]:
+    """The ops of vLLM's own that ours replace: ``override`` (``True`` = ``"hisparse"``), or
+    when it is ``False`` the environment's ``OVERRIDE_ENV`` (``OVERRIDES``)."""
+    if override is True:
+        return OVERRIDES["hisparse"]
+    where = "register(override=...)"
+    if override is False:
+        override, where = os.environ.get(OVERRIDE_ENV, ""), OVERRIDE_ENV
+    value = override.strip().lower() if isinstance(override, str) else override
+    if value not in OVERRIDES:
+        raise ValueError(f"{where} must be one of {', '.join(repr(v) for v in OVERRIDES)} "
+                         f"(or, for register, True / False), got {override!r}")
+    return OVERRIDES[value]
+
+
+def _running_vllm_version() -> Optional[str]:
+    """The version of the vLLM running here: its module's ``__version__`` when it is
+    imported (vLLM's plugin loader is part of it), else its installed distribution's; None
+    without vLLM. Imports no vLLM module."""
+    version = getattr(sys.modules.get("vllm"), "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _refusal() -> Optional[str]:
+    """Why these ops must not be registered here, or None: the running vLLM is not a 0.33
+    release, or an op it already has (its compiled extension's) has another schema than
+    0.33's. Ops this module registered are ours and skipped."""
+    version = _running_vllm_version()
+    if version is not None:
+        found = re.match(r"(\d+)\.(\d+)(?!\d)", version)
+        if found is None or (int(found[1]), int(found[2])) != VLLM_RELEASE:
+            return (f"vLLM {version} is running, but these ops implement vLLM "
+                    f"{'.'.join(map(str, VLLM_RELEASE))}'s schemas and semantics")
+    for name in OP_NAMES:
+        qualname = f"{NAMESPACE}::{name}"
+        if qualname in registry.OP_TABLE:
+            continue
+        try:
+            theirs = torch._C._dispatch_find_schema_or_throw(qualname, "").schema()
+        except RuntimeError:
+            continue  # vLLM does not have it: ours may define it
+        ours = torch._C.parse_schema(f"{qualname}{SCHEMAS[name][len(name):]}")
+        if str(theirs) != str(ours):
+            return f"vLLM's {qualname} has the schema {theirs}, not vLLM 0.33's {ours}"
+    return None
+
+
+def register(override: Union[bool, str] = False) -> bool:
     """Provide vLLM 0.33's HiSparse ops under ``torch.ops._C_cache_ops`` (see the module
-    docstring). ``override`` (or ``HISPARSE_TRITON_VLLM_OVERRIDE=1``) replaces vLLM's own.
-    Returns whether ours serve the four ``hisparse_*`` ops; logs the providers once."""
-    override = override or os.environ.get(OVERRIDE_ENV, "") == "1"
+    docstring). ``override``: ``False`` (the default: ``HISPARSE_TRITON_VLLM_OVERRIDE``
+    decides), ``True`` or ``"hisparse"`` (ours replace vLLM's four ``hisparse_*`` ops),
+    ``"all"`` (and its FP8 up-convert); a bad value raises ``ValueError``. Returns whether
+    ours serve the four ``hisparse_*`` ops: ``False`` also when the running vLLM is not 0.33
+    or one of its ops has another schema (nothing is registered then; the reason is logged
+    once as a warning). Logs the providers once."""
+    replaced = _overridden(override)
+    if _REFUSED:
+        return False
     if any(name not in _PROVIDERS for name in OP_NAMES):
         _load_vllm_extension()
-    pending = [DEFINITIONS[name] for name in OP_NAMES
-               if _PROVIDERS.get(name) is None or (_PROVIDERS[name] == "vllm" and override)]
+    if not _PROVIDERS:
+        reason = _refusal()
+        if reason is not None:
+            _REFUSED.append(reason)
+            logger.warning("vLLM HiSparse ops: hisparse-triton registers none (%s); vLLM's own "
+                           "ops, if it has them, stay", reason)
+            return False
     changed = False
-    if pending:
+    for on_existing in ("replace", "keep"):
+        pending = [DEFINITIONS[name] for name in OP_NAMES
+                   if (name in replaced) == (on_existing == "replace")
+                   and (_PROVIDERS.get(name) is None
+                        or (_PROVIDERS[name] == "vllm" and name in replaced))]
+        if not pending:
+            continue
         done = registry.register_family(FAMILY, pending, namespace=NAMESPACE,
-                                        on_existing="replace" if override else "keep")
+                                        on_existing=on_existing)
         for name, outcome in done.outcomes.items():
             _PROVIDERS[name] = "vllm" if outcome == "kept" else "hisparse_triton"
-        changed = done.changed
+        changed = changed or done.changed
     active = all(_PROVIDERS[name] == "hisparse_triton" for name in HISPARSE_OPS)
     if changed or not _LOGGED:
         ours = [n for n in OP_NAMES if _PROVIDERS[n] == "hisparse_triton"]
@@ -187,5 +273,6 @@ def register(override: bool = False) -> bool:
 
 
 def providers() -> dict[str, Optional[str]]:
-    """Op name -> ``"hisparse_triton"`` / ``"vllm"`` (``None``: ``register()`` not called)."""
+    """Op name -> ``"hisparse_triton"`` / ``"vllm"`` (``None``: ``register()`` not called, or
+    it refused)."""
     return {name: _PROVIDERS.get(name) for name in OP_NAMES}

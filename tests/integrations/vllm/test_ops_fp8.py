@@ -110,10 +110,12 @@ def test_paged_kernel_matches_torch_model(kernel_device, with_seq_starts):
     np.testing.assert_array_equal(got, want)
 
 
-def test_staging_kernel_matches_torch_model(kernel_device):
+@pytest.mark.parametrize("with_device_rows", [False, True])
+def test_staging_kernel_matches_torch_model(kernel_device, with_device_rows):
     rng = np.random.default_rng(4)
     cache, table, starts, T, host, host_ids, device_ids = staging_case(rng)
-    kw = dict(host_cache=host, host_row_ids=host_ids, device_row_ids=device_ids)
+    kw = dict(host_cache=host, host_row_ids=host_ids,
+              device_row_ids=device_ids if with_device_rows else None)
     want = run(vllm_reference.cp_gather_and_upconvert_fp8_kv_cache, cache, table, starts, 2,
                None, T, **kw)
     got = run(_kernel(), cache, table, starts, 2, None, T, kernel_device.type, **kw)
@@ -138,13 +140,13 @@ def test_bad_arguments_raise():
     cache, table, starts, _, T = paged_case(rng)
     dst = torch.zeros(T, 512, dtype=torch.bfloat16)
     for op in (vllm_reference.cp_gather_and_upconvert_fp8_kv_cache, _kernel()):
-        with pytest.raises(ValueError, match="576"):
+        with pytest.raises(RuntimeError, match="576"):
             op(torch.from_numpy(cache), dst, torch.from_numpy(table), torch.from_numpy(starts),
                3, None)
-        with pytest.raises(ValueError, match="batch_size"):
+        with pytest.raises(RuntimeError, match="batch_size"):
             op(torch.from_numpy(cache), torch.zeros(T, 576, dtype=torch.bfloat16),
                torch.from_numpy(table), torch.from_numpy(starts), 9, None)
-        with pytest.raises(ValueError, match="together"):
+        with pytest.raises(RuntimeError, match="together"):
             op(torch.from_numpy(cache), torch.zeros(T, 576, dtype=torch.bfloat16),
                torch.from_numpy(table), torch.from_numpy(starts), 3, None,
                torch.zeros(4, 656, dtype=torch.uint8), None)

@@ -182,6 +182,135 @@ def test_override_environment_variable():
     assert result.stdout.split() == ["True", "-1"]
 
 
+VLLM_ALL_OPS = """
+    import logging, sys, torch
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    from hisparse_triton.integrations import vllm as plugin
+    from hisparse_triton.ops import registry
+    # Stand-ins for vLLM's compiled ops: vLLM 0.33's schemas, kernels that mark their call.
+    lib = torch.library.Library("_C_cache_ops", "FRAGMENT")
+    SCHEMAS = dict(plugin.SCHEMAS, **SCHEMA_CHANGES)
+    for name in plugin.OP_NAMES:
+        lib.define(SCHEMAS[name])
+        lib.impl(name, lambda *args, name=name: CALLED.append(name), "CPU")
+    CALLED = []
+
+    def call(name):
+        CALLED.clear()
+        dgi = torch.zeros(1, 4, dtype=torch.int32)
+        if name == "hisparse_invalidate_written_slots":
+            torch.ops._C_cache_ops.hisparse_invalidate_written_slots(
+                dgi, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.int64))
+        else:  # the FP8 up-convert of one request's 4 rows
+            torch.ops._C_cache_ops.cp_gather_and_upconvert_fp8_kv_cache(
+                torch.zeros(2, 4, 656, dtype=torch.uint8),
+                torch.zeros(4, 576, dtype=torch.bfloat16), torch.ones(1, 1, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.int32), 1, None)
+        return "vllm" if CALLED == [name] else "ours"
+
+    def report(active):
+        ours = sorted(k for k in registry.OP_TABLE if k.startswith("_C_cache_ops::"))
+        print("RESULT", active, plugin.providers(), call("hisparse_invalidate_written_slots"),
+              call("cp_gather_and_upconvert_fp8_kv_cache"), ours)
+"""
+
+
+def _registered(code: str, schema_changes: str = "{}", **env: str) -> tuple[str, str]:
+    result = _python(textwrap.dedent(VLLM_ALL_OPS.replace("SCHEMA_CHANGES", schema_changes))
+                     + textwrap.dedent(code), HISPARSE_TRITON_BACKEND="torch", **env)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    return line, result.stderr
+
+
+def test_with_vllms_compiled_ops_and_no_override_nothing_changes():
+    line, log = _registered("report(plugin.register())")
+    providers = {name: "vllm" for name in plugin.OP_NAMES}
+    assert line == f"RESULT False {providers} vllm vllm []"
+    assert "hisparse-triton: none; vLLM: " in log
+
+
+@pytest.mark.parametrize("value", ["1", "hisparse"])
+def test_the_override_replaces_the_hisparse_ops_and_keeps_vllms_fp8_upconvert(value):
+    """vLLM runs ``cp_gather_and_upconvert_fp8_kv_cache`` for FP8 MLA prefill without
+    HiSparse too: the HiSparse override leaves it to vLLM."""
+    line, _ = _registered("report(plugin.register())", HISPARSE_TRITON_VLLM_OVERRIDE=value)
+    providers = {name: "hisparse_triton" for name in plugin.HISPARSE_OPS}
+    providers["cp_gather_and_upconvert_fp8_kv_cache"] = "vllm"
+    ours = sorted(f"_C_cache_ops::{name}" for name in plugin.HISPARSE_OPS)
+    assert line == f"RESULT True {providers} ours vllm {ours}"
+
+
+def test_the_override_all_replaces_the_fp8_upconvert_too():
+    line, _ = _registered("report(plugin.register())", HISPARSE_TRITON_VLLM_OVERRIDE="all")
+    providers = {name: "hisparse_triton" for name in plugin.OP_NAMES}
+    ours = sorted(f"_C_cache_ops::{name}" for name in plugin.OP_NAMES)
+    assert line == f"RESULT True {providers} ours ours {ours}"
+    line, _ = _registered("report(plugin.register('hisparse')); report(plugin.register('all'))")
+    assert line.startswith("RESULT True") and line.endswith("ours vllm " + str(sorted(
+        f"_C_cache_ops::{name}" for name in plugin.HISPARSE_OPS)))
+
+
+def test_a_bad_override_value_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv(plugin.OVERRIDE_ENV, "yes")
+    with pytest.raises(ValueError, match="HISPARSE_TRITON_VLLM_OVERRIDE .*'all'.* got 'yes'"):
+        plugin.register()
+    with pytest.raises(ValueError, match="got 'everything'"):
+        plugin.register(override="everything")
+
+
+REFUSED = {name: None for name in plugin.OP_NAMES}
+
+
+def test_another_vllm_schema_is_refused_and_nothing_is_registered():
+    changes = repr({"hisparse_gather_compact": "hisparse_gather_compact(Tensor host_cache, "
+                    "Tensor! hot_cache, Tensor miss_global_indices, Tensor miss_counts) -> ()"})
+    line, log = _registered("report(plugin.register('all')); print(plugin.register('all'))",
+                            changes)
+    assert line == f"RESULT False {REFUSED} vllm vllm []"
+    assert "registers none (vLLM's _C_cache_ops::hisparse_gather_compact has the schema" in log
+    assert log.count("registers none") == 1  # logged once
+
+
+FAKE_VLLM = """
+    import types
+    sys.modules["vllm"] = types.SimpleNamespace(__version__=VERSION)  # a running vLLM
+"""
+
+
+@pytest.mark.parametrize("version,accepted", [("0.34.0", False), ("0.32.1", False),
+                                              ("1.33.0", False), ("0.33.2+cu129", True)])
+def test_the_running_vllms_version_must_be_033(version, accepted):
+    """A fake running vLLM of another release: refused, nothing registered (its own ops, the
+    stand-ins, stay); a 0.33 patch release is accepted."""
+    code = textwrap.dedent(FAKE_VLLM.replace("VERSION", repr(version))) \
+        + "report(plugin.register('all'))"
+    line, log = _registered(code)
+    if accepted:
+        assert line.startswith("RESULT True") and " ours ours " in line
+    else:
+        assert line == f"RESULT False {REFUSED} vllm vllm []"
+        assert f"registers none (vLLM {version} is running, but these ops implement vLLM " \
+               "0.33's schemas and semantics)" in log
+
+
+def test_the_version_is_read_from_the_installed_distribution(tmp_path):
+    """Before vLLM is imported, its distribution's metadata says which vLLM is installed."""
+    info = tmp_path / "vllm-0.35.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.35.0\n")
+    result = _python("""
+    import torch
+    from hisparse_triton.integrations import vllm as plugin
+    print(plugin.register(), plugin.providers(),
+          hasattr(torch.ops._C_cache_ops, "hisparse_resolve_residency"))
+    """, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == f"False {REFUSED} False"
+    assert "vLLM 0.35.0 is running" in result.stderr
+
+
 def test_importing_the_plugin_imports_no_vllm():
     result = _python("""
     import sys

@@ -204,14 +204,14 @@ def test_optional_outputs_absent():
 
 
 BAD_ARGUMENTS = {
-    "max_union_rows": (9, 17, ValueError),                        # above the hot size
-    "lru_slots": (6, lambda t: t.to(torch.int32), TypeError),     # int16 only
-    "region_stride": (8, 15, ValueError),
-    "hot_indices": (4, lambda t: t[:, :4], ValueError),
-    "request_ids": (14, None, ValueError),                        # without the source table
-    "attention_block_stride": (13, 1, ValueError),
-    "swap_counts": (21, None, ValueError),                        # swaps come together
-    "stats": (11, lambda t: t.view(torch.int64), TypeError),
+    "max_union_rows": (9, 17),                        # above the hot size
+    "lru_slots": (6, lambda t: t.to(torch.int32)),    # int16 only
+    "region_stride": (8, 15),
+    "hot_indices": (4, lambda t: t[:, :4]),
+    "request_ids": (14, None),                        # without the source table
+    "attention_block_stride": (13, 1),
+    "swap_counts": (21, None),                        # swaps come together
+    "stats": (11, lambda t: t.view(torch.int64)),
 }
 
 
@@ -221,10 +221,10 @@ def test_bad_arguments_raise_and_change_nothing(name):
                                hot_size=16)
     args, outs = resolve_args(case)
     before = {k: v.clone() for k, v in outs.items()}
-    index, change, error = BAD_ARGUMENTS[name]
+    index, change = BAD_ARGUMENTS[name]
     args[index] = change(args[index]) if callable(change) else change
     for op in (vllm_reference.hisparse_resolve_residency, _kernel()):
-        with pytest.raises(error, match=name):
+        with pytest.raises(RuntimeError, match=name):  # vLLM's type (test_ops_checks.py)
             op(*args)
         for key, tensor in outs.items():
             assert torch.equal(tensor, before[key]), key
