@@ -106,6 +106,50 @@ def test_the_check_can_be_turned_into_a_warning(monkeypatch, caplog):
     assert "torch 2.4.0 is installed" in caplog.text
 
 
+@pytest.mark.parametrize("triton, numpy, ok", [
+    ("3.6.0", "2.4.0", False), ("3.6.1", "2.5.1", False), ("3.6.0", "2.3.5", True),
+    ("3.7.1", "2.4.6", True), ("3.9.0", "2.4.6", True), ("3.6.0", None, True),
+    (None, "2.4.0", True),
+])
+def test_the_interpreter_numpy_bound(monkeypatch, triton, numpy, ok):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    versions = {"triton": triton, "numpy": numpy}
+    if ok:
+        compat.check_interpreter(versions)
+        return
+    with pytest.raises(UnsupportedVersionError,
+                       match=rf"numpy {numpy} is installed; the interpreter of Triton {triton} "
+                             r"\(TRITON_INTERPRET=1\) needs numpy < 2\.4\. Install 'numpy<2\.4'"
+                             r" or Triton >= 3\.7") as info:
+        compat.check_interpreter(versions)
+    assert info.value.package == "numpy" and info.value.found == numpy
+    assert info.value.supported == "numpy < 2.4"
+
+
+def test_the_numpy_bound_is_the_interpreters_only(monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compat.check_interpreter({"triton": "3.6.0", "numpy": "2.4.0"})  # compiled: no bound
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(compat.SKIP_ENV_VAR, "1")
+    with caplog.at_level(logging.WARNING, logger="hisparse_triton.compat"):
+        compat.check_interpreter({"triton": "3.6.0", "numpy": "2.4.0"})
+    assert "numpy 2.4.0 is installed" in caplog.text
+
+
+def test_the_kernels_check_the_interpreter_on_import(monkeypatch):
+    import importlib
+
+    import hisparse_triton.kernels as kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compat, "installed_version",
+                        {"triton": "3.6.0", "numpy": "2.4.0"}.get)
+    with pytest.raises(UnsupportedVersionError, match="numpy 2.4.0 is installed"):
+        importlib.reload(kernels)
+    monkeypatch.undo()
+    importlib.reload(kernels)
+
+
 def test_parse_version():
     assert compat.parse_version("2.13.0+cpu") == (2, 13, 0)
     assert compat.parse_version("3.7") == (3, 7, 0)
