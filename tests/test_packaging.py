@@ -70,6 +70,29 @@ def test_the_declared_range_is_the_checked_range(pyproject):
     assert compat.SUPPORTED == {"torch": ((2, 6), None), "triton": ((3, 6), (3, 10))}
 
 
+def _ci_tritons() -> set[str]:
+    """The Triton versions .ci/run installs: ``triton==X.Y.Z`` and its ``for triton in`` list."""
+    text = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    found = set(re.findall(r"triton==(\d+\.\d+\.\d+)\b", text))
+    for listed in re.findall(r"^for triton in ([\d. ]+); do", text, re.M):
+        found.update(listed.split())
+    return found
+
+
+def test_every_declared_triton_is_tested_and_stated():
+    """What is declared is tested: CI installs one version of every Triton minor in the range
+    ``compat.SUPPORTED`` (the one ``pyproject.toml`` declares), and the README's matrix
+    names each of them."""
+    (major, low), high = compat.SUPPORTED["triton"]
+    assert high is not None and high[0] == major  # a range within one major version
+    tested = _ci_tritons()
+    assert {tuple(map(int, v.split(".")[:2])) for v in tested} == \
+        {(major, minor) for minor in range(low, high[1])}, tested
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for version in tested:
+        assert re.search(rf"\| [^|\n]*\b{re.escape(version)}\b[^|\n]* \|", readme), version
+
+
 def test_installed_versions_pass():
     compat.check_versions()
     assert compat.installed_version("torch") is not None
