@@ -8,6 +8,11 @@ The package runs it before the first use of a torch-side name (``HiSparseRuntime
 ``ops``, ...); the planner (``EngineConfig``, ``hisparse_triton.layout``) needs neither
 package and is never checked. ``HISPARSE_TRITON_SKIP_VERSION_CHECK=1`` turns the error into
 a logged warning (to try a version outside the range at your own risk).
+
+``INTERPRETER_NUMPY`` bounds NumPy for Triton's CPU interpreter (``TRITON_INTERPRET=1``) only;
+``check_interpreter()`` checks it when ``hisparse_triton.kernels`` is imported under the
+interpreter. The bound cannot be declared in ``pyproject.toml`` (a requirement cannot depend
+on the installed Triton), and compiled kernels do not need it.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from typing import Mapping, Optional
 
 from hisparse_triton.errors import UnsupportedVersionError
 
-__all__ = ["SKIP_ENV_VAR", "SUPPORTED", "check_versions", "installed_version",
-           "parse_version"]
+__all__ = ["INTERPRETER_NUMPY", "SKIP_ENV_VAR", "SUPPORTED", "check_interpreter",
+           "check_versions", "installed_version", "parse_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,11 @@ SUPPORTED: dict[str, tuple[tuple[int, int], Optional[tuple[int, int]]]] = {
     "torch": ((2, 6), None),
     "triton": ((3, 6), (3, 10)),
 }
+
+#: Triton (major, minor) -> the exclusive NumPy maximum its interpreter needs. Triton 3.6's
+#: interpreter turns a runtime loop bound (a one-element array) into an int with ``int()``,
+#: which NumPy 2.4 refuses (Triton 3.7 squeezes the array first).
+INTERPRETER_NUMPY: dict[tuple[int, int], tuple[int, int]] = {(3, 6): (2, 4)}
 
 #: Distributions that provide the package (PyTorch nightlies ship Triton as
 #: ``pytorch-triton``).
@@ -107,3 +117,37 @@ def check_versions(versions: Optional[Mapping[str, Optional[str]]] = None) -> No
             continue
         raise UnsupportedVersionError(f"{problem} {advice}", package, found,
                                       _range_text(package))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_interpreter(versions: Optional[Mapping[str, Optional[str]]] = None) -> None:
+    """Under ``TRITON_INTERPRET=1``, raise ``UnsupportedVersionError`` (package ``"numpy"``)
+    when the installed Triton's interpreter needs an older NumPy than the installed one
+    (``INTERPRETER_NUMPY``); nothing without the interpreter. ``versions``: ``{"triton": ...,
+    "numpy": ...}`` to check instead of the installed ones; ``$HISPARSE_TRITON_SKIP_VERSION_
+    CHECK=1`` logs the problem as a warning instead."""
+    if not _interpreting():
+        return
+    versions = dict(versions or {})
+    found = {package: versions[package] if package in versions else installed_version(package)
+             for package in ("triton", "numpy")}
+    try:
+        triton = parse_version(found["triton"] or "")[:2]
+        numpy = parse_version(found["numpy"] or "")[:2]
+    except ValueError:
+        return  # not installed (check_versions says so) or an unparseable build: trust it
+    high = INTERPRETER_NUMPY.get(triton)
+    if high is None or numpy < high:
+        return
+    wanted = f"numpy < {high[0]}.{high[1]}"
+    problem = (f"numpy {found['numpy']} is installed; the interpreter of Triton "
+               f"{found['triton']} (TRITON_INTERPRET=1) needs {wanted}.")
+    advice = (f"Install 'numpy<{high[0]}.{high[1]}' or Triton >= {triton[0]}.{triton[1] + 1}, "
+              f"or set {SKIP_ENV_VAR}=1 to try this one at your own risk.")
+    if os.environ.get(SKIP_ENV_VAR) == "1":
+        logger.warning("%s %s is set: continuing anyway.", problem, SKIP_ENV_VAR)
+        return
+    raise UnsupportedVersionError(f"{problem} {advice}", "numpy", found["numpy"], wanted)

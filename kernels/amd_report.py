@@ -220,8 +220,21 @@ def workgroup_handoff(arch: str, tgsplit: bool = False) -> list[str]:
     from triton._C.libtriton import amd, llvm
 
     llvm.init_targets()
-    asm = llvm.translate_to_asm(_HANDOFF_IR, amd.TARGET_TRIPLE, arch,
-                                "+tgsplit" if tgsplit else "", [], False, False)
+    ir, features = _HANDOFF_IR, ""
+    if hasattr(amd, "get_target_triple"):
+        # Triton 3.9's LLVM: a triple per target; threadgroup split is a function attribute
+        # (the "+tgsplit" feature is gone).
+        triple = amd.get_target_triple(arch)
+        if tgsplit:
+            ir = ir.replace(") {", ') "amdgpu-tg-split"="true" {', 1)
+    else:  # Triton 3.6 to 3.8: one triple; threadgroup split is a subtarget feature
+        triple = amd.TARGET_TRIPLE
+        features = "+tgsplit" if tgsplit else ""
+    args = [ir, triple, arch, features, [], False, False]
+    try:
+        asm = llvm.translate_to_asm(*args)
+    except TypeError:  # Triton 3.8 adds an argument (canonicalize_gep; off as Triton leaves it)
+        asm = llvm.translate_to_asm(*args, False)
     body = asm.split("handoff:", 1)[1].split("s_endpgm", 1)[0]
     code = [line.strip().split(";")[0].strip() for line in body.splitlines()
             if re.match(r"\t[a-z]", line) and not line.startswith("\t.")]

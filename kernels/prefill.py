@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from hisparse_triton.kernels.gather import device_guard
+from hisparse_triton.kernels.masks import _lanes
 from hisparse_triton.ops.prefill.contract import PrefillPlan, check_prefill_args
 from hisparse_triton.ops.prefill.workspace import RANK_TILE, ROW_MARK, PrefillWorkspace
 
@@ -86,7 +87,7 @@ def _prefill_columns_kernel(
     posc = tl.maximum(pos, 0)
     page = posc // BLOCK_SIZE
     off = posc % BLOCK_SIZE
-    inr = cm & row_ok & (pos >= 0) & (pos < seq) & (page < P)
+    inr = cm & _lanes(row_ok, c) & (pos >= 0) & (pos < seq) & (page < P)
     rb = tl.load(resident_ptr + stc * stride_res_s + page * stride_res_p, mask=inr,
                  other=0).to(tl.int64)
     res = inr & (rb >= 1) & (rb < num_device_blocks)

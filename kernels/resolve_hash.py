@@ -56,6 +56,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hisparse_triton.kernels.masks import _lanes
 from hisparse_triton.kernels.resolve_policy import _lru_replacement
 from hisparse_triton.kernels.resolve_sorted import _first_of_state, _padding_row, _sorted_row
 
@@ -281,7 +282,7 @@ def _resolve_hash_kernel(
             new_pos, filled, erank, _, _ = _lru_replacement(cls, p, n_evict, n_serving, n_fill,
                                                             zero, zero)
             active = (n_serving + n_fill) > 0
-            ok = pm & active & (new_pos >= 0) & (new_pos < H)
+            ok = pm & _lanes(active, p) & (new_pos >= 0) & (new_pos < H)
             tl.store(lru_row + new_pos.to(tl.int64) * stride_lru_h, slot, mask=ok)
             src = tl.load(miss_src_ptr + plan + erank, mask=filled, other=-1)
             dev_f = _slot_row32(hot_row, stride_hot_b, slot_c, filled, num_device_blocks,

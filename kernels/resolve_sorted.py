@@ -75,6 +75,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hisparse_triton.kernels.masks import _lanes
 from hisparse_triton.kernels.resolve_policy import _lru_replacement
 
 _I32_MAX = 2**31 - 1
@@ -372,7 +373,7 @@ def _sorted_row(
         slot = tl.load(old_lru_ptr + scr_h + p, mask=pm, other=-1)
         new_pos, filled, erank, ev_carry, hit_carry = _lru_replacement(
             cls, p, n_evict, n_serving, n_fill, ev_carry, hit_carry)
-        ok = pm & active & (new_pos >= 0) & (new_pos < H)
+        ok = pm & _lanes(active, p) & (new_pos >= 0) & (new_pos < H)
         tl.store(lru_row + new_pos.to(tl.int64) * stride_lru_h, slot, mask=ok)
         src = tl.load(miss_src_ptr + plan + erank, mask=filled, other=-1)
         dev = _slot_device_row(hot_row, stride_hot_b, slot, filled, num_device_blocks,

@@ -10,8 +10,9 @@
    an ``if`` costs its body).
 2. **Loops.** A branch to an address at or before its own is a back edge; the instructions of
    ``[target, branch]`` run ``trips`` times. ``loop_trips`` maps the *source line* (``"path:line"``, or the line
-   number alone) of the back-edge branch (``nvdisasm -gi`` line info; ``loop_lines`` finds the line of a ``for``
-   statement in a kernel's source) to its trip count; a loop it does not name runs once and is
+   number alone) of the back-edge branch (``nvdisasm -gi`` line info; of an inlined ``@triton.jit``
+   call, the innermost line, which Triton 3.9 follows with its call sites; ``loop_lines`` finds
+   the line of a ``for`` statement in a kernel's source) to its trip count; a loop it does not name runs once and is
    listed in ``unmapped_loops``. Static SASS counts a loop body once; the dynamic trace this
    builds (loop bodies repeated) is what every figure below counts. Kernels whose hot loops
    are ``tl.static_range`` (unrolled: static = dynamic) need no trips.
@@ -77,6 +78,7 @@ CLASSES = ("alu", "fp", "uniform", "shared", "shuffle", "global", "barrier", "br
 
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _FILE_LINE = re.compile(r'//## File "([^"]*)", line (\d+)')
+_INLINED_AT = re.compile(r'inlined at "([^"]*)", line (\d+)')
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _REG = re.compile(r"\b(U?R\d+|U?P\d)\b(\.64|\.128)?")
 
@@ -147,10 +149,15 @@ def parse_sass(text: str) -> list[Instr]:
     pending_labels: list[str] = []
     line: Optional[int] = None
     file: Optional[str] = None
+    caller: Optional[tuple[str, int]] = None  # the call site of the last inlined line read
     for raw in text.splitlines():
         m = _FILE_LINE.search(raw)
         if m:
-            file, line = m.group(1), int(m.group(2))
+            here = (m.group(1), int(m.group(2)))
+            if here != caller:  # not the outer frame of an inlined line (Triton 3.9+)
+                file, line = here
+            at = _INLINED_AT.search(raw)
+            caller = (at.group(1), int(at.group(2))) if at else None
             continue
         m = _LABEL.match(raw.strip())
         if m:
@@ -162,6 +169,7 @@ def parse_sass(text: str) -> list[Instr]:
                 break  # a second function: stop
             continue
         addr, body = int(m.group(1), 16), m.group(2)
+        caller = None
         for label in pending_labels:
             labels[label] = addr
         pending_labels = []

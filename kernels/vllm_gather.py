@@ -34,6 +34,7 @@ from hisparse_triton.kernels.gather import (
     sm_count,
 )
 from hisparse_triton.kernels import vllm_residency
+from hisparse_triton.kernels.masks import _lanes
 
 __all__ = ["hisparse_gather_compact", "hisparse_gather_plan"]
 
@@ -61,12 +62,13 @@ def _gather_rows_kernel(
             padding = row < 0
             if HAS_RSI:
                 padding = tl.load(rsi_ptr + row) < 0
+            pad = _lanes(padding, c)
             dst = tl.load(dst_ptr + at, mask=cm, other=-1)
             if HAS_ATTN:
                 attention = tl.where(dst < 0, -1, (dst // HBS) * abs_stride + dst % HBS)
-                tl.store(attn_ptr + at, tl.where(padding, -1, attention), mask=cm)
+                tl.store(attn_ptr + at, tl.where(pad, -1, attention), mask=cm)
             sel = tl.load(mask_ptr + at, mask=cm, other=0)
-            live = cm & (sel != 0) & ~padding
+            live = cm & (sel != 0) & ~pad
         else:
             count = tl.minimum(tl.maximum(tl.load(counts_ptr + row), 0), K)
             live = cm & (c < count)

@@ -55,6 +55,7 @@ from hisparse_triton.integrations.vllm_checks import (
     checked,
 )
 from hisparse_triton.kernels.gather import device_guard
+from hisparse_triton.kernels.masks import _lanes
 from hisparse_triton.kernels.resolve import _lower_bound, _sorted_tile  # noqa: F401 (jit)
 from hisparse_triton.ops.resolve.workspace import scratch_width
 
@@ -244,13 +245,13 @@ def _resolve_residency_kernel(
                 pos = tl.load(gi_ptr + row64 * stride_gi + c, mask=cm, other=-1).to(tl.int64)
                 if HAS_SRC:
                     page = tl.where(pos >= 0, pos // sbs, -1)
-                    ok = cm & (req >= 0) & (req < SR) & (page >= 0) & (page < SC)
+                    ok = cm & _lanes((req >= 0) & (req < SR), c) & (page >= 0) & (page < SC)
                     blk = tl.load(src_ptr + req.to(tl.int64) * stride_src + tl.where(ok, page, 0),
                                   mask=ok, other=0).to(tl.int64)
                     g = tl.where(ok & (blk > 0), blk * sbs + pos % sbs, -1)
                     if HAS_RES:
                         rpage = tl.where(pos >= 0, pos // HBS, -1)
-                        rok = cm & (st < RR) & (rpage >= 0) & (rpage < RC)
+                        rok = cm & _lanes(st < RR, c) & (rpage >= 0) & (rpage < RC)
                         rb = tl.load(res_ptr + st64 * stride_res + tl.where(rok, rpage, 0),
                                      mask=rok, other=0).to(tl.int64)
                         rok = rok & (rb != null_block) & (rb >= 0)

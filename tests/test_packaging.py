@@ -70,6 +70,29 @@ def test_the_declared_range_is_the_checked_range(pyproject):
     assert compat.SUPPORTED == {"torch": ((2, 6), None), "triton": ((3, 6), (3, 10))}
 
 
+def _ci_tritons() -> set[str]:
+    """The Triton versions .ci/run installs: ``triton==X.Y.Z`` and its ``for triton in`` list."""
+    text = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    found = set(re.findall(r"triton==(\d+\.\d+\.\d+)\b", text))
+    for listed in re.findall(r"^for triton in ([\d. ]+); do", text, re.M):
+        found.update(listed.split())
+    return found
+
+
+def test_every_declared_triton_is_tested_and_stated():
+    """What is declared is tested: CI installs one version of every Triton minor in the range
+    ``compat.SUPPORTED`` (the one ``pyproject.toml`` declares), and the README's matrix
+    names each of them."""
+    (major, low), high = compat.SUPPORTED["triton"]
+    assert high is not None and high[0] == major  # a range within one major version
+    tested = _ci_tritons()
+    assert {tuple(map(int, v.split(".")[:2])) for v in tested} == \
+        {(major, minor) for minor in range(low, high[1])}, tested
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for version in tested:
+        assert re.search(rf"\| [^|\n]*\b{re.escape(version)}\b[^|\n]* \|", readme), version
+
+
 def test_installed_versions_pass():
     compat.check_versions()
     assert compat.installed_version("torch") is not None
@@ -104,6 +127,50 @@ def test_the_check_can_be_turned_into_a_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hisparse_triton.compat"):
         compat.check_versions({"torch": "2.4.0", "triton": "3.7.1"})
     assert "torch 2.4.0 is installed" in caplog.text
+
+
+@pytest.mark.parametrize("triton, numpy, ok", [
+    ("3.6.0", "2.4.0", False), ("3.6.1", "2.5.1", False), ("3.6.0", "2.3.5", True),
+    ("3.7.1", "2.4.6", True), ("3.9.0", "2.4.6", True), ("3.6.0", None, True),
+    (None, "2.4.0", True),
+])
+def test_the_interpreter_numpy_bound(monkeypatch, triton, numpy, ok):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    versions = {"triton": triton, "numpy": numpy}
+    if ok:
+        compat.check_interpreter(versions)
+        return
+    with pytest.raises(UnsupportedVersionError,
+                       match=rf"numpy {numpy} is installed; the interpreter of Triton {triton} "
+                             r"\(TRITON_INTERPRET=1\) needs numpy < 2\.4\. Install 'numpy<2\.4'"
+                             r" or Triton >= 3\.7") as info:
+        compat.check_interpreter(versions)
+    assert info.value.package == "numpy" and info.value.found == numpy
+    assert info.value.supported == "numpy < 2.4"
+
+
+def test_the_numpy_bound_is_the_interpreters_only(monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compat.check_interpreter({"triton": "3.6.0", "numpy": "2.4.0"})  # compiled: no bound
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(compat.SKIP_ENV_VAR, "1")
+    with caplog.at_level(logging.WARNING, logger="hisparse_triton.compat"):
+        compat.check_interpreter({"triton": "3.6.0", "numpy": "2.4.0"})
+    assert "numpy 2.4.0 is installed" in caplog.text
+
+
+def test_the_kernels_check_the_interpreter_on_import(monkeypatch):
+    import importlib
+
+    import hisparse_triton.kernels as kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compat, "installed_version",
+                        {"triton": "3.6.0", "numpy": "2.4.0"}.get)
+    with pytest.raises(UnsupportedVersionError, match="numpy 2.4.0 is installed"):
+        importlib.reload(kernels)
+    monkeypatch.undo()
+    importlib.reload(kernels)
 
 
 def test_parse_version():

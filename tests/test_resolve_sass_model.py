@@ -89,6 +89,33 @@ def test_straight_line_counts_and_cycles():
     assert m.us_per_call(sm.SMS + 1) == pytest.approx(2 * m.us_per_call(1))  # two waves
 
 
+# Triton 3.9's line info for an inlined @triton.jit call (the loop of helper h.py, called at
+# k.py line 3): the innermost line, then each call site on a line of its own.
+INLINED = """
+	//## File "k.py", line 2
+        /*0000*/                   MOV R0, RZ ;
+.L_x_0:
+	//## File "h.py", line 9 inlined at "k.py", line 3
+	//## File "k.py", line 3
+        /*0010*/                   IADD3 R0, R0, 0x1, RZ ;
+	//## File "h.py", line 8 inlined at "k.py", line 3
+	//## File "k.py", line 3
+        /*0020*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+        /*0030*/              @!P0 BRA `(.L_x_0) ;
+	//## File "k.py", line 4
+	//## File "k.py", line 3
+        /*0040*/                   EXIT ;
+"""
+
+
+def test_an_inlined_line_is_the_innermost_frame():
+    instrs = sm.parse_sass(INLINED)
+    assert [(i.file, i.line) for i in instrs] == [
+        ("k.py", 2), ("h.py", 9), ("h.py", 8), ("h.py", 8), ("k.py", 3)]
+    model = sm.model_sass(INLINED, num_warps=4, loop_trips={"h.py:8": 16})
+    assert model.unmapped_loops == [] and model.counts["alu"] == 1 + 2 * 16
+
+
 def test_loop_trips_by_source_line():
     once = sm.model_sass(LOOP, num_warps=4)
     assert once.unmapped_loops == [{"addr": "0x30", "line": 7, "trips": None}]
