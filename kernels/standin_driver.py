@@ -90,8 +90,8 @@ class StandInLaunch:
     signature with one C-level ``itemgetter``, ``_pointer_picker``; every argument where
     there is no signature), and charges nothing for the scalars: an argument tuple that
     holds only plain scalars (ints, floats, bools, strings, None) is checked once and then
-    remembered by identity (a tuple of scalars never comes to hold a tensor), as a direct
-    launch passes the same tuple of addresses every call (``kernels.direct_launch``). The
+    remembered by identity (a tuple of scalars never comes to hold a tensor; a caller that
+    launches with addresses may pass the same tuple every call). The
     check of a new tuple, and the reads, are as cheap as Python allows (a C-level type
     scan; ``isinstance`` only for what is not a plain tensor: it costs about 0.1 us through
     torch's metaclass, which the C launcher never pays). Like ``cuLaunchKernel``, the C

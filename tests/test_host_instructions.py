@@ -31,10 +31,9 @@ def test_the_count_is_the_difference_of_two_repeat_counts_per_unit():
     job, env = jobs[0]
     assert job["callable"] == "split_step" and job["step"]["launches"] == "standin"
     assert job["step"]["steps"] == 7 and job["step"]["batch"] == 4
-    assert env["HISPARSE_TRITON_DIRECT_LAUNCH"] == "1" and "TRITON_INTERPRET" not in env
+    assert "TRITON_INTERPRET" not in env
     off, jobs = _fake_runner(per_call=1, fixed=0)
-    count_instructions("bookkeeping", runner=off, direct=False, launches="stubbed")
-    assert jobs[0][1]["HISPARSE_TRITON_DIRECT_LAUNCH"] == "0"
+    count_instructions("bookkeeping", runner=off, launches="stubbed")
     assert jobs[0][0]["callable"] == "bookkeeping"
 
 

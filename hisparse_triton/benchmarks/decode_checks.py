@@ -4,10 +4,10 @@ never loses the others.
 
 Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
 
-- ``launch_path``: host microseconds per launch of the decode gather through its direct
-  launch (``BoundCopy``) and through Triton's normal path (``launch_copy``:
-  ``JITFunction.run`` per call), and of the bound resolve (whatever path ``BoundResolve``
-  takes) against ``ops.resolve``; CUDA only (the CPU figure is ``bench --host``'s);
+- ``launch_path``: host microseconds per eager launch of the decode gather through its
+  bound launch (``BoundCopy``: checks once per plan layout) and through ``launch_copy``
+  (checks every call), and of the bound resolve (``BoundResolve``) against ``ops.resolve``;
+  all of them ``kernel[grid](...)`` launches; CUDA only;
 - ``resolve_variants``: device microseconds of one resolve at R = 1, 8, 64 x K = 2048 x
   H = 4096 at two miss rates, for every variant ``kernels.resolve.resolve_variants`` lists
   (the shape's dispatch, hash, sorted), each checked against the reference first;
@@ -59,9 +59,10 @@ def _host_us(fn: Callable[[], Any], device: torch.device, n: int) -> float:
 
 # ----------------------------------------------------------------------------- launch path
 def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Host us per launch: direct vs normal, gather and resolve (see the module docstring)."""
+    """Host us per eager launch: bound vs checked every call, gather and resolve (see the
+    module docstring)."""
     if device.type != "cuda":
-        return {"skipped": "host cost on CPU: `bench --host` (stand-in driver)"}
+        return {"skipped": "host cost on CPU: bench/host_cost.py (stand-in driver)"}
     from hisparse_triton import ops
     from hisparse_triton.benchmarks.host_cost import _state, _tables
     from hisparse_triton.kernels import gather
@@ -76,8 +77,8 @@ def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
     counts = torch.full((R,), 32, dtype=torch.int32, device=device)
     bound = gather.BoundCopy(dev, host, pages=False, kernel="gather")
     out: dict[str, Any] = {
-        "gather_direct_us": _host_us(lambda: bound(src, dst, counts), device, n),
-        "gather_normal_us": _host_us(lambda: gather.launch_copy(
+        "gather_bound_us": _host_us(lambda: bound(src, dst, counts), device, n),
+        "gather_checked_us": _host_us(lambda: gather.launch_copy(
             dev, host, src, dst, counts, pages=False, kernel="gather"), device, n),
     }
     state = {k: v.to(device) for k, v in _state(R, K, 4096, 64).items()}
@@ -96,8 +97,9 @@ def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
     out["resolve_ops_us"] = _host_us(lambda: ops.resolve(
         *args, **sizes, workspace=ws, out=rows, counters=counters, backend="triton"),
         device, n)
-    out["note"] = ("host time per launch, best of 3 x n calls with one sync after; the "
-                   "direct figure is what the decode path pays per gather")
+    out["note"] = ("host time per eager launch, best of 3 x n calls with one sync after; "
+                   "the bound figures are what an eager decode step pays per launch (a "
+                   "CUDA-graph replay pays none of it)")
     return out
 
 

@@ -11,8 +11,8 @@ the number of kernel launches one call makes.
     resolve_host_cost(batch=64, top_k=2048, hot_slots=4096)   # DeepSeek-V3.2 decode shape
 
 Triton's own launch path (binding, specialisation, cache lookup, its Python launcher) is
-measured by ``step_cost.launch_path_host_cost`` against the stand-in sm_90 driver, with and
-without direct launches; ``bench --host`` reports both.
+measured by ``step_cost.launch_path_host_cost`` against the stand-in sm_90 driver;
+``bench --host`` reports both.
 """
 
 from __future__ import annotations

@@ -90,14 +90,13 @@ def _run_child(job: dict, env: dict, timeout: float) -> tuple[int, dict]:
 
 
 def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
-                       launches: str = "standin", direct: bool = True,
+                       launches: str = "standin",
                        timeout: float = 1800, runner: Optional[Callable[..., Any]] = None,
                        **step_kwargs: Any) -> dict[str, Any]:
     """Instructions per ``unit`` (``UNITS``) of the decode step, counted by callgrind (see
     the module docstring). ``repeats``: the two repeat counts whose difference is taken;
     ``launches``: the launch mode (``step_cost._launch_mode``: ``"standin"``,
-    ``"standin_bare"``, ``"stubbed"``); ``direct``: direct launches on
-    (``$HISPARSE_TRITON_DIRECT_LAUNCH``); ``step_kwargs``: ``step_cost.decode_step``'s sizes
+    ``"standin_bare"``, ``"stubbed"``); ``step_kwargs``: ``step_cost.decode_step``'s sizes
     (``batch``, ``top_k``, ``layers``, ...). ``runner`` replaces the counted run (tests).
     Returns a JSON-able dict; ``ValueError`` for a bad unit or repeats, ``RuntimeError``
     when valgrind is missing or a run fails."""
@@ -113,7 +112,6 @@ def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
         runner = _run_child
     callable_name, per = UNITS[unit]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["HISPARSE_TRITON_DIRECT_LAUNCH"] = "1" if direct else "0"
     step = dict(step_kwargs, launches=launches)
     step.setdefault("steps", high + 2)   # room for every counted step's tokens
     if runner is _run_child:
@@ -124,7 +122,7 @@ def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
                              timeout)
         counts.append(count)
     divisor = (high - low) * (info["groups"] if per == "groups" else 1)
-    return {"unit": unit, "launches": launches, "direct": direct,
+    return {"unit": unit, "launches": launches,
             "instructions": round((counts[1] - counts[0]) / divisor),
             "repeats": list(repeats), "collected": counts, "index_groups": info["groups"],
             "step": {k: v for k, v in step.items() if k != "launches"},

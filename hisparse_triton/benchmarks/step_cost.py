@@ -93,8 +93,8 @@ class _Counted:
 @contextmanager
 def _standin_launches(read_addresses: bool = True) -> Iterator[_Counted]:
     """Triton's real Python launch path against the stand-in sm_90 driver
-    (``kernels.standin_driver``): real compiles, ``JITFunction.run`` (or the direct launches
-    bound from it) per launch, the C launch replaced by a counting stand-in. The launchers
+    (``kernels.standin_driver``): real compiles, ``JITFunction.run`` per launch, the C
+    launch replaced by a counting stand-in. The launchers
     accept CPU tensors as CUDA ones (their backend checks are lifted in the block). Needs a
     process whose kernels were imported without ``TRITON_INTERPRET=1``. ``read_addresses``:
     the stand-in's emulation of the C launcher's address reads
@@ -235,8 +235,7 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
 
     ``launches``: ``"stubbed"`` (every Triton launch a counting stand-in: the runtime's own
     Python only) or ``"standin"`` (Triton's real Python launch path against the stand-in
-    sm_90 driver, direct launches where bound: ``$HISPARSE_TRITON_DIRECT_LAUNCH=0`` turns
-    them off; needs a fresh process, see ``launch_path_host_cost``) or ``"standin_bare"``
+    sm_90 driver; needs a fresh process, see ``launch_path_host_cost``) or ``"standin_bare"``
     (the same without the stand-in's Python emulation of the C launcher's address reads)."""
     mode = launches
     with decode_step(batch, steps, top_k=top_k, device_buffer_size=device_buffer_size,
@@ -278,9 +277,7 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
 _LAUNCH_PATHS = {
     "stubbed": lambda: "stubbed (counting stand-ins: the runtime's own Python only)",
     "standin": lambda: ("Triton's Python launch path against the stand-in sm_90 driver "
-                        "(real compiles, C launch not run), direct launches "
-                        + ("on" if os.environ.get("HISPARSE_TRITON_DIRECT_LAUNCH", "1") != "0"
-                           else "off (HISPARSE_TRITON_DIRECT_LAUNCH=0)")),
+                        "(real compiles, JITFunction.run per launch, C launch not run)"),
 }
 _LAUNCH_PATHS["standin_bare"] = lambda: (_LAUNCH_PATHS["standin"]() + "; the stand-in's "
                                          "emulated address reads left out")
@@ -294,12 +291,11 @@ print(json.dumps(decode_step_host_cost(launches=mode, **kwargs)))
 """
 
 
-def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = True,
+def launch_path_host_cost(batch: int = 64, steps: int = 40, *,
                           read_addresses: bool = True, timeout: float = 1800,
                           **kwargs: Any) -> dict[str, Any]:
     """``decode_step_host_cost(launches="standin")`` in a fresh Python process (its kernels
-    imported without ``TRITON_INTERPRET``), with direct launches on (``direct``) or off
-    (``HISPARSE_TRITON_DIRECT_LAUNCH=0``: every launch through ``JITFunction.run``). The
+    imported without ``TRITON_INTERPRET``): every launch through ``JITFunction.run``. The
     first run compiles the kernels for sm_90 (Triton's disk cache keeps them).
     ``read_addresses=False``: launch mode ``"standin_bare"`` (the stand-in does not emulate
     the C launcher's address reads: Triton's Python launch path alone).
@@ -309,7 +305,6 @@ def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = Tr
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["HISPARSE_TRITON_DIRECT_LAUNCH"] = "1" if direct else "0"
     args = json.dumps(dict(batch=batch, steps=steps,
                            launches="standin" if read_addresses else "standin_bare", **kwargs))
     proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, args], env=env,

@@ -119,8 +119,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "and a whole DeepSeek-V3.2-shaped decode step at batch 64 "
                              "(bookkeeping + 61 index groups), with launches per step; then "
                              "the same step with Triton's real Python launch path against a "
-                             "stand-in sm_90 driver, before (HISPARSE_TRITON_DIRECT_LAUNCH=0) "
-                             "and after (direct launches)")
+                             "stand-in sm_90 driver")
     timing.add_argument("--no-overlap", action="store_true",
                         help="with --decode-step: skip the step with a stand-in compute kernel "
                              "per layer, serial vs side stream (gpu_check runs it in its "
@@ -268,24 +267,22 @@ def run_host(args: argparse.Namespace) -> int:
     if not args.no_launch_path:
         from hisparse_triton.benchmarks.step_cost import launch_path_host_cost
 
-        lines.append("host cost with Triton's real Python launch path (JITFunction.run or "
-                     "direct launches) against a STAND-IN sm_90 driver on CPU: real compiles, "
-                     "each launch's tensor addresses read, nothing launched:")
-        # after_bare: the stand-in's Python emulation of the C launcher's pointer
-        # address reads left out (Triton's Python launch path alone)
-        for label, direct, reads in (("before", False, True), ("after", True, True),
-                                     ("after_bare", True, False)):
+        lines.append("host cost with Triton's real Python launch path (JITFunction.run per "
+                     "launch) against a STAND-IN sm_90 driver on CPU: real compiles, each "
+                     "launch's tensor addresses read, nothing launched:")
+        # bare: the stand-in's Python emulation of the C launcher's pointer address reads
+        # left out (Triton's Python launch path alone)
+        for label, reads in (("standin", True), ("bare", False)):
             try:
                 launch_path[label] = launch_path_host_cost(batch, steps, top_k=top_k,
                                                            device_buffer_size=hot,
-                                                           direct=direct,
                                                            read_addresses=reads)
             except Exception as exc:  # the stubbed numbers above still stand
                 launch_path[label] = {"error": str(exc)[-500:]}
                 lines.append(f"  {label}: failed: {str(exc)[-200:]}")
                 continue
             r = launch_path[label]
-            how = "direct launches" if direct else "JITFunction.run per launch"
+            how = "kernel[grid](...) per launch"
             if not reads:
                 how += ", no emulated address reads"
             lines.append(
@@ -311,7 +308,7 @@ def _host_instructions(batch: int, top_k: int, hot: int, lines: list[str]) -> di
     without the stand-in's emulated address reads; appends the report's lines."""
     from hisparse_triton.benchmarks.instructions import count_instructions
 
-    lines.append("instructions (callgrind; direct launches, stand-in sm_90 driver):")
+    lines.append("instructions (callgrind; Triton's launch path, stand-in sm_90 driver):")
     counts: dict = {}
     for label, unit, mode in (("step", "step", "standin"),
                               ("resolve_rows", "resolve_rows", "standin"),
