@@ -54,14 +54,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.kernels.launch_config import check_launch
+from hisparse_triton.kernels.launch_config import KernelLaunch, check_launch
 from hisparse_triton.ops.copy.contract import check_copy_args, table_alignment
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
 
-__all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "LaunchShape", "copy_rows_kernel",
-           "device_guard", "gather_rows", "launch_copy", "launch_shape", "restore_pages",
-           "sm_count", "validate_pool"]
+__all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "BoundCopy", "LaunchShape",
+           "copy_launch", "copy_rows_kernel", "device_guard", "gather_rows", "launch_copy",
+           "launch_shape", "restore_pages", "sm_count", "validate_pool"]
 
 @triton.jit
 def copy_rows_kernel(
@@ -288,11 +288,23 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
     synchronise with the device. What depends only on the tables and the plan's shape (launch
     shape, word views, offsets, pool checks) is prepared once and cached on ``dst``.
     """
+    launch = copy_launch(dst, src, src_ids, dst_ids, counts, pages=pages, kernel=kernel,
+                         config=config)
+    if launch is not None:
+        with device_guard(src_ids):
+            launch()
+
+
+def copy_launch(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                counts: Optional[torch.Tensor], *, pages: bool, kernel: str,
+                config: Optional[CopyConfig] = None) -> Optional[KernelLaunch]:
+    """The launch ``launch_copy`` makes for these arguments (checked the same way), without
+    making it; None for an empty plan (nothing to launch)."""
     check_copy_args(dst, src, src_ids, dst_ids, counts, pages=pages)
     shape = src_ids.shape
     rows, cols = shape[-2], shape[-1]
     if rows == 0 or cols == 0:
-        return
+        return None
     device = src_ids.device
     dst.check_pool()
     src.check_pool()
@@ -301,14 +313,11 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
     prepared = dst.cached(key, lambda: _prepare(dst, src, device, rows, cols, pages=pages,
                                                 kernel=kernel, config=config))
     has_counts = counts is not None
-    with device_guard(src_ids):
-        copy_rows_kernel[prepared.grid](
-            *prepared.args,
-            src_ids, dst_ids, counts if has_counts else src_ids,
+    args = (*prepared.args, src_ids, dst_ids, counts if has_counts else src_ids,
             *_plan_strides(src_ids), *_plan_strides(dst_ids),
-            counts.stride(0) if has_counts else 0,
-            *prepared.sizes,
-            HAS_COUNTS=has_counts, **prepared.constexprs)
+            counts.stride(0) if has_counts else 0, *prepared.sizes)
+    return KernelLaunch(copy_rows_kernel, prepared.grid, args,
+                        dict(HAS_COUNTS=has_counts, **prepared.constexprs))
 
 
 class BoundCopy:

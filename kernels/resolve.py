@@ -45,7 +45,7 @@ from hisparse_triton.ops.resolve.contract import (
     ResolveResult,
     check_resolve_args as _check_resolve_args,
 )
-from hisparse_triton.kernels.launch_config import resolve_launch_warps
+from hisparse_triton.kernels.launch_config import KernelLaunch, resolve_launch_warps
 from hisparse_triton.ops.resolve.workspace import (
     HASH_MAX_SLOTS,
     HASH_MAX_WIDTH,
@@ -58,7 +58,7 @@ from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see th
 
 __all__ = ["BoundResolve", "GATHER_SEARCH", "HASH_MAX_SLOTS", "HASH_MAX_WIDTH", "MAX_BLOCK_H",
            "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH", "VARIANTS", "ResolveWorkspace", "resolve",
-           "resolve_variants", "restore_resolve_state"]
+           "resolve_launch", "resolve_variants", "restore_resolve_state"]
 
 #: Most keys sorted in registers by one program; wider rows are merged in scratch.
 MAX_SORT_WIDTH = 2048
@@ -338,11 +338,54 @@ def _resolve(
     ``variant`` (``"hash"`` / ``"sorted"``, default by shape: see the module docstring),
     ``probes`` (the hash kernel's insertion rounds before its sorted fallback) and ``hash_mul``
     (its hash multiplier; 0 sends every key to one entry: forced collisions)."""
-    R, K, S, P, _, H = _check_resolve_args(
-        topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
-        lru, block_size, num_device_blocks, num_host_blocks, counters, out, workspace)
+    state = (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows, lru)
+    dims = _check_resolve_args(topk, state_rows, *state, block_size, num_device_blocks,
+                               num_host_blocks, counters, out, workspace)
     if not topk.is_cuda:
         _check_backend(topk.device)
+    launch, result = _describe(dims, topk, state_rows, state, block_size, num_device_blocks,
+                               num_host_blocks, counters, out, workspace, sort_width, block_h,
+                               num_warps, gather_search, block_r, variant, probes, hash_mul)
+    if launch is not None:
+        with device_guard(topk):
+            launch()
+    return result
+
+
+def resolve_launch(topk: torch.Tensor, state_rows: torch.Tensor, seq_lens: torch.Tensor,
+                   resident_blocks: torch.Tensor, host_blocks: torch.Tensor,
+                   hot_blocks: torch.Tensor, slot_host_rows: torch.Tensor, lru: torch.Tensor,
+                   *, block_size: int, num_device_blocks: int, num_host_blocks: int,
+                   counters: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   workspace: Optional[ResolveWorkspace] = None, **knobs: Any
+                   ) -> tuple[Optional[KernelLaunch], ResolveResult]:
+    """The launch ``_resolve`` makes for these arguments (checked the same way; the launch
+    knobs of ``_resolve`` as keywords), without making it, and the result it would fill:
+    ``(None, result)`` for zero rows. Needs no GPU (the compile report compiles it)."""
+    state = (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows, lru)
+    dims = _check_resolve_args(topk, state_rows, *state, block_size, num_device_blocks,
+                               num_host_blocks, counters, out, workspace)
+    names = ("sort_width", "block_h", "num_warps", "gather_search", "block_r", "variant",
+             "probes", "hash_mul")
+    unknown = set(knobs) - set(names)
+    if unknown:
+        raise TypeError(f"resolve_launch: unknown keyword(s) {sorted(unknown)}")
+    values = dict(dict.fromkeys(names), block_r=256, **knobs)
+    return _describe(dims, topk, state_rows, state, block_size, num_device_blocks,
+                     num_host_blocks, counters, out, workspace,
+                     *(values[name] for name in names))
+
+
+def _describe(dims: tuple, topk: torch.Tensor, state_rows: torch.Tensor, state: tuple,
+              block_size: int, num_device_blocks: int, num_host_blocks: int,
+              counters: Optional[torch.Tensor], out: Optional[torch.Tensor],
+              workspace: Optional[ResolveWorkspace], sort_width: Optional[int],
+              block_h: Optional[int], num_warps: Optional[int], gather_search: Optional[bool],
+              block_r: int, variant: Optional[str], probes: Optional[int],
+              hash_mul: Optional[int]) -> tuple[Optional[KernelLaunch], ResolveResult]:
+    """``resolve_launch`` once the arguments are checked (``dims``: what the checks
+    returned)."""
+    R, K, S, P, _, H = dims
     has_counters = counters is not None
     launch = _launch(K, H, block_size, num_host_blocks, has_counters, sort_width, block_h,
                      num_warps, gather_search, block_r, variant, probes, hash_mul)
@@ -354,14 +397,10 @@ def _resolve(
     rows = out if out is not None else bufs.rows
     result = ResolveResult(rows, *bufs[1:5])
     if R == 0:
-        return result
-    args = _kernel_args(launch, topk, state_rows,
-                        (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
-                         lru), rows, bufs, counters,
+        return None, result
+    args = _kernel_args(launch, topk, state_rows, state, rows, bufs, counters,
                         (K, S, P, H, num_device_blocks, num_host_blocks))
     constexprs = launch.constexprs
     if workspace is None and launch.variant == "hash":  # a one-off table: the kernel clears it
         constexprs = {**constexprs, "CLEAN_FIRST": True}
-    with device_guard(topk):
-        _kernel_of(launch)[(R,)](*args, **constexprs)
-    return result
+    return KernelLaunch(_kernel_of(launch), (R,), args, constexprs), result

@@ -1,4 +1,4 @@
-"""The stand-in CUDA driver (``kernels.standin_driver``): Triton's real Python launch path with
+"""The stand-in CUDA driver (``lab.standin_driver``): Triton's real Python launch path with
 real sm_90 compiles and the C launch replaced by a recorder, and what it reads of each launch's
 arguments (the C launcher's address reads, emulated)."""
 
@@ -12,10 +12,10 @@ import torch
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in compiles with Triton's ptxas")
 def test_launch_path_host_cost_runs_the_real_launch_path():
-    """``bench --host``'s launch-path figures: a small step through Triton's real launch path
+    """``bench/host_cost.py``'s launch-path figures: a small step through Triton's real launch path
     (stand-in driver, fresh process), with and without the emulated address reads; same
     launches."""
-    from hisparse_triton.benchmarks.step_cost import launch_path_host_cost
+    from lab.step_cost import launch_path_host_cost
 
     small = dict(top_k=64, device_buffer_size=128, prompt_len=64, layers=2)
     full = launch_path_host_cost(4, 2, **small)
@@ -27,7 +27,7 @@ def test_launch_path_host_cost_runs_the_real_launch_path():
 
 
 def test_the_standin_reads_tensor_addresses_unless_told_not_to():
-    from hisparse_triton.kernels.standin_driver import StandInLaunch
+    from lab.standin_driver import StandInLaunch
 
     reads = []
 
@@ -44,7 +44,7 @@ def test_the_standin_reads_tensor_addresses_unless_told_not_to():
 
 
 def test_the_standin_picks_pointer_parameters_by_the_kernel_signature():
-    from hisparse_triton.kernels.standin_driver import _KernelArg, _pointer_picker
+    from lab.standin_driver import _KernelArg, _pointer_picker
 
     const, kern = _KernelArg(None, 0), _KernelArg(None, 1)
     args = ("a", 1, "b", "c", 64)
@@ -61,7 +61,7 @@ def test_the_standin_picks_pointer_parameters_by_the_kernel_signature():
 @pytest.mark.parametrize("picked", [False, True])
 @pytest.mark.parametrize("where", [0, 1, 40, 79])
 def test_the_standin_reads_each_tensor_every_launch_and_no_scalar(where, picked):
-    from hisparse_triton.kernels.standin_driver import StandInLaunch, _KernelArg
+    from lab.standin_driver import StandInLaunch, _KernelArg
 
     reads = []
 

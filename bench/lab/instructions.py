@@ -12,8 +12,8 @@ stand-in launch); what it does not: time (cache misses, frequency, other load). 
 figures of one tree against another, not against time targets.
 
 Needs ``valgrind`` and ``callgrind_control`` on the PATH; a run at DeepSeek-V3.2 structure
-takes about a minute per repeat count on two cores. ``bench --host --instructions`` prints
-the counts beside the times.
+takes about a minute per repeat count on two cores. ``bench/host_cost.py --instructions``
+prints the counts beside the times.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ UNITS = {"step": ("split_step", None), "resolve_rows": ("resolves", "groups"),
 
 _CHILD = """
 import json, os, subprocess, sys
-from hisparse_triton.benchmarks.step_cost import decode_step
+from lab.step_cost import decode_step
 job = json.loads(sys.argv[1])
 with decode_step(**job["step"]) as step:
     unit = getattr(step, job["callable"])
@@ -111,7 +111,9 @@ def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
                                "on the PATH.")
         runner = _run_child
     callable_name, per = UNITS[unit]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    from lab import child_env
+
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     step = dict(step_kwargs, launches=launches)
     step.setdefault("steps", high + 2)   # room for every counted step's tokens
     if runner is _run_child:

@@ -312,7 +312,7 @@ def standin_cuda_driver(arch: int = 90, *, record: bool = True,
 
 def _drop_device_caches() -> None:
     """Forget every kernel compiled for the stand-in (Triton keys its caches by device)."""
-    from hisparse_triton.kernels.launches import kernel_modules
+    from lab.launches import kernel_modules
     from triton.runtime.jit import JITFunction
 
     for module in kernel_modules():
