@@ -59,7 +59,7 @@ def decode_step_device(batch: int = 64, prompt_len: int = 4096, steps: int = 12,
     geometry = get_preset(preset)
     spec = build_kv_cache_spec(geometry, num_layers=layers)
     top_k = geometry.index_topk
-    max_len = prompt_len + 2 * steps * (distinct_steps + 4) + 64
+    max_len = prompt_len + steps * (distinct_steps + 4) + 64
     plan = plan_for_workload(spec, max_model_len=max_len, num_requests=batch, topk=top_k,
                              device_buffer_size=2 * top_k, prompt_len=prompt_len)
     dev = torch.device(device)
