@@ -26,7 +26,7 @@ import torch
 from hisparse_triton import benchmarks as bm
 from hisparse_triton import ops
 from hisparse_triton.ops.resolve import reference
-from hisparse_triton.benchmarks.host_cost import resolve_host_cost
+from lab.host_cost import resolve_host_cost
 from hisparse_triton.benchmarks.timing import L2Flush
 
 TOP_K, HOT, SEQ = 2048, 4096, 32768
@@ -109,11 +109,11 @@ def test_gpu_resolve(record, ratio):
 
 
 def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90) -> dict:
-    """The compile report's issue-cycle model (``kernels/sass_model.py``) of every resolve
+    """The compile report's issue-cycle model (``hisparse_triton/compile/sass_model.py``) of every resolve
     variant at the top-k ``widths``: per variant the kernel, warps, registers, CTAs per SM and
     the model (cycles per row, us per call at R = 1, 8, 64, 132). Compiles for ``sm_<arch>``
     on CPU (minutes for the wide variants); needs ``TRITON_INTERPRET`` unset."""
-    from hisparse_triton.kernels.compile_report import compile_report
+    from hisparse_triton.compile.report import compile_report
 
     payload = compile_report(arch, groups=("resolve",), widths=widths, small_host=True)
     keep = ("variant", "kernel", "grid", "num_warps", "registers", "spills", "shared_bytes",

@@ -23,14 +23,15 @@ step that cannot start inside the budget is recorded as skipped):
    --no-index -e .`` when it is not: offline, setuptools only); ``device_info()`` records
    the devices (SM / CU counts);
 1. ``decode-checks``: issue 20's decode-path points in one subprocess
-   (``hisparse_triton.benchmarks.decode_checks``): launch path (direct vs normal), resolve
+   (``lab.decode_checks``): host time per eager launch (bound vs checked), resolve
    variants, a step with and without the side-stream overlap (grid capped vs not), the
    split gather (2+ GPUs, else skipped with the reason), the vLLM ops; each section records
    its own error and is saved as soon as it is done;
    ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
-   index groups, every request on the host path): eager device / host time, the 61
-   resolves replayed from one CUDA graph, misses and GB/s gathered per step (its overlap
-   runs left out: decode-checks has them);
+   index groups, every request on the host path): the eager step and the graph-replayed
+   step (the decode forward from one CUDA graph, a new plan each step), device and host time
+   of each, the 61 resolves alone from the graph, misses and GB/s gathered per step (its
+   overlap runs left out: decode-checks has them);
 2. ``bench-targets``: 656 B gather / backup at 4k, 32k, 256k rows, 1 and 4 layers, miss
    ratios 1, 0.3, 0.067: Triton (per launch and CUDA-graph replay) vs torch eager vs the
    contiguous pinned copy, all in one run;
@@ -322,7 +323,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if decode.get("eager_step_device_ms") is not None:
         lines.append(f"  decode step ({decode.get('preset')}, batch {decode.get('batch')}): "
                      f"eager {decode['eager_step_device_ms']} ms device / "
-                     f"{decode.get('eager_step_host_ms')} ms host; graph "
+                     f"{decode.get('eager_step_host_ms')} ms host; graph-replayed "
+                     f"{decode.get('graph_step_device_ms')} ms device / "
+                     f"{decode.get('graph_step_host_ms')} ms host; resolves from the graph "
                      f"{decode.get('graph_resolve_us_per_group')} us per index group "
                      f"(target <= 15); {decode.get('h2d_gbps_in_step')} GB/s gathered")
     lines += decode_check_lines(report)
@@ -469,8 +472,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             record = _run(tests_command(tuple(flags), cuda), log, limit)
             record["summary"] = pytest_summary(record["tail"])
         elif step.kind == "decode-checks":
-            record = _run([sys.executable, "-m", "hisparse_triton.benchmarks.decode_checks",
-                           "--device", "cuda", *flags, "--json", str(target)], log, limit)
+            record = _run([sys.executable, "-m", "lab.decode_checks", "--device", "cuda",
+                           *flags, "--json", str(target)], log, limit,
+                          env={"PYTHONPATH": os.pathsep.join(
+                              p for p in (str(ROOT / "bench"), os.environ.get("PYTHONPATH"))
+                              if p)})
             record["result"] = _load_json(target)
         elif step.kind == "decode":
             record = _run(cli + ["bench", *flags, "--json", str(target)], log, limit)

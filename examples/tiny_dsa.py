@@ -83,7 +83,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -370,18 +370,35 @@ class TinyDSA:
         for i, w in enumerate(self.layers):
             name = c.sparse_layer(i)
             x = _rms_norm(h, w["attn_norm"])
-            latent = w["w_kv"](x)                                   # [R, Q, d]
-            latent = torch.cat([latent[..., :c.kv_lora_rank],
-                                self.rope(latent[..., c.kv_lora_rank:], positions)], dim=-1)
-            self._write(store, name, requests, _to_kv_grid(latent), counts)
+            self._write(store, name, requests, self.latent(w, x, positions), counts)
             if c.is_leader(i):
                 topk = self._indexer(store, i, x, positions, requests, counts)
                 selection = store.select(name, requests, topk)
             assert topk is not None and selection is not None
-            h = h + self._attention(w, x, positions, topk, selection.gather(name))
-            gate, up = w["w_up"](_rms_norm(h, w["mlp_norm"])).chunk(2, dim=-1)
-            h = h + w["w_down"](torch.relu(gate) * up)
+            h = self.mlp(w, h + self._attention(w, x, positions, topk, selection.gather(name)))
         return self.lm_head(_rms_norm(h, self.final_norm))
+
+    def latent(self, w: dict, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer's latent KV rows of ``x [R, Q, D]``, rounded to the stored grid."""
+        c = self.config
+        latent = w["w_kv"](x)                                       # [R, Q, d]
+        return _to_kv_grid(torch.cat([latent[..., :c.kv_lora_rank],
+                                      self.rope(latent[..., c.kv_lora_rank:], positions)],
+                                     dim=-1))
+
+    def index_key(self, w: dict, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A leader's indexer key rows of ``x [R, Q, D]``, rounded to the stored grid."""
+        c = self.config
+        nope = c.index_dim - c.index_rope_dim
+        key = w["w_ik"](x)                                          # [R, Q, dI]
+        return _to_kv_grid(torch.cat([key[..., :nope], self.index_rope(key[..., nope:],
+                                                                      positions)], -1))
+
+    @staticmethod
+    def mlp(w: dict, h: torch.Tensor) -> torch.Tensor:
+        """``h`` plus the layer's gated MLP of it."""
+        gate, up = w["w_up"](_rms_norm(h, w["mlp_norm"])).chunk(2, dim=-1)
+        return h + w["w_down"](torch.relu(gate) * up)
 
     @staticmethod
     def _write(store: KVStore, layer: str, requests: Sequence[Hashable], rows: torch.Tensor,
@@ -395,16 +412,26 @@ class TinyDSA:
         top-k positions in descending score order (ties: lower position first), -1 where
         fewer than ``K`` exist."""
         c, w = self.config, self.layers[i]
-        R, Q = positions.shape
-        nope = c.index_dim - c.index_rope_dim
-        key = w["w_ik"](x)                                           # [R, Q, dI]
-        key = torch.cat([key[..., :nope], self.index_rope(key[..., nope:], positions)], -1)
-        self._write(store, c.indexer_layer(i), requests, _to_kv_grid(key), counts)
+        R = positions.shape[0]
+        self._write(store, c.indexer_layer(i), requests, self.index_key(w, x, positions),
+                    counts)
         history = [store.indexer_keys(c.indexer_layer(i), request) for request in requests]
         T = max(k.shape[0] for k in history)
         keys = torch.zeros(R, T, c.index_dim, device=self.device)
         for r, k in enumerate(history):
             keys[r, :k.shape[0]] = k
+        return self.select_topk(w, x, positions, keys)
+
+    def select_topk(self, w: dict, x: torch.Tensor, positions: torch.Tensor,
+                    keys: torch.Tensor) -> torch.Tensor:
+        """The indexer's choice from ``keys [R, T, dI]`` (request ``r``'s key of position
+        ``t``; positions past a query's own are never chosen): ``[R, Q, K] int64`` top-k
+        positions in descending score order (ties: lower position first), -1 where fewer
+        than ``K`` exist. The same bits for any ``T`` past the longest history."""
+        c = self.config
+        R, Q = positions.shape
+        T = keys.shape[1]
+        nope = c.index_dim - c.index_rope_dim
         query = w["w_iq"](x).view(R, Q, c.index_heads, c.index_dim)
         query = torch.cat([query[..., :nope], self.index_rope(query[..., nope:], positions)],
                           dim=-1)
@@ -915,6 +942,172 @@ class SplitStore(_PoolStore):
         return self.worker.resolve_prefill(leader, state_rows, topk, host_rows_bound=bound)
 
 
+# ============================================================================ CUDA graphs
+def _read_rows_fixed(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``_read_rows`` at a fixed shape (no host sync, CUDA-graph capturable): ``[...,
+    row_bytes] uint8`` rows ``rows [...]`` of ``cache``, zeros where ``rows < 0``."""
+    B = cache.shape[1]
+    rows = rows.long()
+    safe = rows.clamp(min=0)
+    picked = cache[safe // B, safe % B]
+    return torch.where((rows >= 0).unsqueeze(-1), picked, torch.zeros_like(picked))
+
+
+class GraphDecode:
+    """A decode step of every request at fixed shapes, captured once in a CUDA graph and
+    replayed with a new plan each step (``--cuda-graph``): how a serving stack decodes.
+
+    The graph holds the whole decode forward of ``batch`` rows: KV writes at the rows the
+    scheduler handed out, every index group's indexer (over the history read through the
+    worker's block tables), its ``worker.resolve_rows`` (the gather of the misses inside),
+    the attention reading the returned rows, the MLPs and the LM head. Its inputs are
+    persistent tensors (tokens, positions, state rows, the new tokens' device rows), filled
+    before each replay; what stays eager between replays is the scheduler, ``apply(plan)``
+    (before) and ``mirror(plan)`` (after): ``SplitStore.begin`` / ``commit``. A step of
+    fewer requests than the graph's batch is padded: a padding row has state row -1 (it
+    resolves to -1 everywhere, gathers nothing and touches no hot state), position -1 (it
+    selects nothing) and writes its KV back over row 0 of the null block with the bytes
+    already there (it changes nothing). Only decode steps of one token per request replay;
+    a step with a prefill chunk runs the eager ``TinyDSA.forward``.
+
+    Capture needs CUDA; elsewhere the same fixed-shape step runs eagerly each time (what the
+    graph would replay: the CPU tests check it). ``captures``, ``replays``, ``eager_steps``
+    and ``padding_rows`` count what happened.
+    """
+
+    def __init__(self, model: TinyDSA, store: "SplitStore", batch: int) -> None:
+        c, worker = model.config, store.worker
+        self.model, self.store, self.batch = model, store, batch
+        self.device = dev = worker.device
+        self.sparse = [c.sparse_layer(i) for i in range(c.num_layers)]
+        written = self.sparse + [c.indexer_layer(i) for i in range(c.num_layers)
+                                 if c.is_leader(i)]
+        # The graph's inputs (persistent: the graph reads them where they are).
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.positions = torch.full((batch, 1), -1, dtype=torch.int64, device=dev)
+        self.state_rows = torch.full((batch,), -1, dtype=torch.int32, device=dev)
+        self.slots = {layer: torch.zeros(batch, dtype=torch.int64, device=dev)
+                      for layer in written}
+        self.valid = torch.zeros(batch, 1, dtype=torch.bool, device=dev)
+        self.graph: Any = None
+        self.logits: Optional[torch.Tensor] = None    # the graph's output, [batch, vocab]
+        self.captures = self.replays = self.eager_steps = self.padding_rows = 0
+
+    def __call__(self, requests: Sequence[Hashable], tokens: Sequence[Sequence[int]],
+                 starts: Sequence[int]) -> torch.Tensor:
+        """``[R, 1, vocab]`` logits of a decode step (``TinyDSA.forward``'s contract for one
+        token per request), after ``store.begin()`` applied the step's plan."""
+        R = len(requests)
+        if not 1 <= R <= self.batch or any(len(t) != 1 for t in tokens):
+            raise ValueError(f"a graph step takes 1..{self.batch} requests of one token "
+                             f"each, got {[len(t) for t in tokens]}.")
+        if self.device.type == "cuda" and self.graph is None:
+            self._capture()
+        self._fill(self.step_inputs(requests, tokens, starts))
+        self.padding_rows += self.batch - R
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+            logits = self.logits
+        else:
+            logits = self.forward()
+            self.eager_steps += 1
+        return logits[:R].unsqueeze(1).clone()
+
+    def step_inputs(self, requests: Sequence[Hashable], tokens: Sequence[Sequence[int]],
+                    starts: Sequence[int]) -> dict[str, Any]:
+        """The graph's inputs for a step (CPU tensors, ``batch`` rows, padding rows last):
+        ``tokens``, ``positions``, ``state_rows``, ``valid`` and ``slots`` (per written
+        layer, the device row of each request's new token; 0 for padding)."""
+        B, rows = self.batch, self.store._step_rows
+        inputs: dict[str, Any] = {
+            "tokens": torch.zeros(B, dtype=torch.int64),
+            "positions": torch.full((B, 1), -1, dtype=torch.int64),
+            "state_rows": torch.full((B,), -1, dtype=torch.int32),
+            "valid": torch.zeros(B, 1, dtype=torch.bool),
+            "slots": {layer: torch.zeros(B, dtype=torch.int64) for layer in self.slots}}
+        for r, (request, toks, start) in enumerate(zip(requests, tokens, starts)):
+            inputs["tokens"][r] = toks[0]
+            inputs["positions"][r, 0] = start
+            inputs["state_rows"][r] = rows["rows"][request]
+            inputs["valid"][r, 0] = True
+            for layer, slots in inputs["slots"].items():
+                slots[r] = int(rows["slots"][request][layer][0])
+        return inputs
+
+    def padding_inputs(self) -> dict[str, Any]:
+        """Inputs of a step whose every row is padding (what the warm-up before the capture
+        runs: it changes nothing)."""
+        return self.step_inputs([], [], [])
+
+    def _fill(self, inputs: dict[str, Any]) -> None:
+        for name in ("tokens", "positions", "state_rows", "valid"):
+            getattr(self, name).copy_(inputs[name])
+        for layer, slots in inputs["slots"].items():
+            self.slots[layer].copy_(slots)
+
+    def _capture(self) -> None:
+        """Warm the step (Triton compiles, persistent outputs sized) on padding rows only,
+        then capture it."""
+        self._fill(self.padding_inputs())
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.forward()
+        self.captures += 1
+
+    # ------------------------------------------------------------------ the captured step
+    def forward(self) -> torch.Tensor:
+        """The decode forward on the graph's inputs: ``[batch, vocab]`` logits. Fixed shapes
+        and no host sync: every value stays on the device."""
+        model, c, worker = self.model, self.model.config, self.store.worker
+        positions = self.positions
+        h = model.embed[self.tokens].unsqueeze(1)                   # [B, 1, D]
+        topk = rows = None
+        for i, w in enumerate(model.layers):
+            name = self.sparse[i]
+            x = _rms_norm(h, w["attn_norm"])
+            self._write(name, model.latent(w, x, positions))
+            if c.is_leader(i):
+                layer = c.indexer_layer(i)
+                self._write(layer, model.index_key(w, x, positions))
+                topk = model.select_topk(w, x, positions, self._history(layer))
+                rows = worker.resolve_rows(name, self.state_rows, topk)   # [B, 1, K]
+            assert topk is not None and rows is not None
+            kv = _read_rows_fixed(worker.device_cache(name), rows).view(torch.float32)
+            h = model.mlp(w, h + model._attention(w, x, positions, topk, kv))
+        return model.lm_head(_rms_norm(h, model.final_norm))[:, 0]
+
+    def _write(self, layer: str, rows: torch.Tensor) -> None:
+        """Store ``rows [B, 1, d]`` at the new tokens' device rows; a padding row writes the
+        bytes already at its row (row 0 of the null block) back."""
+        cache = self.store.worker.device_cache(layer)
+        B = cache.shape[1]
+        slots = self.slots[layer]
+        block, offset = slots // B, slots % B
+        data = rows[:, 0].contiguous().view(torch.uint8)
+        cache[block, offset] = torch.where(self.valid, data, cache[block, offset])
+
+    def _history(self, layer: str) -> torch.Tensor:
+        """``[B, T, dI]`` every request's indexer keys of positions ``0 .. T-1`` (``T``: the
+        block table's pages x block size), read through the worker's block table; zeros
+        past each request's position."""
+        worker = self.store.worker
+        cache = worker.device_cache(layer)
+        B = cache.shape[1]
+        table = worker.block_tables(layer)[self.state_rows.clamp(min=0).long()]
+        t = torch.arange(table.shape[1] * B, device=self.device)
+        blocks = table[:, t // B].long()                             # [B, T]
+        keys = cache[blocks, (t % B).expand_as(blocks)].view(torch.float32)
+        visible = t.view(1, -1) <= self.positions                    # [B, T]
+        return keys.masked_fill(~visible.unsqueeze(-1), 0.0)
+
+
 def dense_store_for(config: TinyDSAConfig, device: torch.device | str = "cpu") -> DenseStore:
     """A ``DenseStore`` with the model's layers (the same names as the runtime's)."""
     row_dims = {}
@@ -1046,7 +1239,8 @@ class DecodeResult:
 def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_size: int = 32,
                   max_running: Optional[int] = None, spec_tokens: int = 1,
                   drafts: Optional[dict[str, list[int]]] = None,
-                  rollback: bool = False) -> DecodeResult:
+                  rollback: bool = False,
+                  decode_step: Optional[Callable[..., torch.Tensor]] = None) -> DecodeResult:
     """Greedy decoding of ``workload`` through ``store`` (continuous batching).
 
     A request is admitted (``store.add`` with its prompt's token ids; it starts after the
@@ -1058,7 +1252,8 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
     the model disagrees with a draft, its choice is the step's last token and, with
     ``rollback``, the later drafts are dropped (``store.truncate`` before ``commit``: they
     are not durable yet), else ``DraftRejectedError``. ``DecodeResult.rejected_tokens``
-    counts them.
+    counts them. ``decode_step(requests, tokens, starts)``: runs a step in which every
+    request decodes one token instead of ``model.forward`` (``GraphDecode``).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
@@ -1092,8 +1287,12 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
         for request, tokens in zip(running, fed):
             store.append(request.request_id, len(tokens))
         store.begin()
-        logits = model.forward(store, [r.request_id for r in running], fed,
-                               [r.computed for r in running])
+        ids, starts = [r.request_id for r in running], [r.computed for r in running]
+        if decode_step is not None and all(len(tokens) == 1 and r.computed >= len(r.prompt)
+                                           for r, tokens in zip(running, fed)):
+            logits = decode_step(ids, fed, starts)
+        else:
+            logits = model.forward(store, ids, fed, starts)
         for r, (request, tokens) in enumerate(zip(running, fed)):
             rejected = request.accept(tokens, logits[r, :len(tokens)], rollback=rollback)
             if rejected:
@@ -1126,6 +1325,8 @@ class RunSpec:
     ``max_model_len``: the model's context (default: the preset's 1024 tokens).
     ``device_blocks``: the blocks requests may use (default: sized for the workload); the
     prefill staging region comes on top of them.
+    ``cuda_graph``: decode steps through a ``GraphDecode`` of ``max_running`` rows (a
+    ``SplitStore`` on one rank, one query token per step).
     """
 
     num_requests: int = 4
@@ -1145,6 +1346,7 @@ class RunSpec:
     device: str = "cpu"
     seed: int = 0
     max_model_len: Optional[int] = None
+    cuda_graph: bool = False
 
     @property
     def context(self) -> int:
@@ -1278,15 +1480,23 @@ def run(spec: RunSpec, store: KVStore,
         drafts = noisy_drafts(drafts, spec.draft_error, spec.model_config().vocab_size,
                               spec.seed)
     model = TinyDSA(spec.model_config(), seed=spec.seed, device=spec.device)
+    decode_step = None
+    if spec.cuda_graph:
+        if not isinstance(store, SplitStore) or not isinstance(store.link, LocalLink) \
+                or spec.spec_tokens != 1:
+            raise ValueError("cuda_graph decodes through the scheduler + worker pair on one "
+                             "rank (--store split, --tp 1), one query token per step.")
+        decode_step = store.graph = GraphDecode(model, store, spec.running)
     return greedy_decode(model, store, spec.workload(), chunk_size=spec.chunk_size,
                          max_running=spec.max_running, spec_tokens=spec.spec_tokens,
-                         drafts=drafts, rollback=spec.draft_error > 0)
+                         drafts=drafts, rollback=spec.draft_error > 0,
+                         decode_step=decode_step)
 
 
 def run_dense(spec: RunSpec) -> DecodeResult:
     """The reference: every row dense, every prompt token computed, one query token per
     decode step."""
-    plain = dataclasses.replace(spec, spec_tokens=1, draft_error=0.0)
+    plain = dataclasses.replace(spec, spec_tokens=1, draft_error=0.0, cuda_graph=False)
     return run(plain, dense_store_for(spec.model_config(), spec.device))
 
 
@@ -1449,7 +1659,16 @@ def _decode(spec: RunSpec, store: str, tp: int, drafts: Optional[dict[str, list[
     if store == "split":
         scheduler, worker = build_split(spec)
         with worker:
-            result = run(spec, SplitStore(worker, scheduler), drafts)
+            store = SplitStore(worker, scheduler)
+            result = run(spec, store, drafts)
+            graph = getattr(store, "graph", None)
+            if graph is not None:
+                how = (f"captured {graph.captures} time(s), replayed {graph.replays} times"
+                       if graph.captures else
+                       f"no CUDA on {worker.device}: the fixed-shape step ran eagerly "
+                       f"{graph.eager_steps} times")
+                print(f"decode steps at a fixed batch of {graph.batch}: {how}; "
+                      f"{graph.padding_rows} padding rows")
             return [("worker", result, dataclasses.asdict(worker.stats()),
                      dataclasses.asdict(scheduler.stats()))]
     with build_runtime(spec) as runtime:
@@ -1510,6 +1729,13 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                         help="tensor-parallel ranks (processes, gloo); > 1 needs --store split")
     parser.add_argument("--backend", choices=("torch", "triton", "auto"), default="torch")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="decode steps as a serving stack runs them: the decode forward "
+                             "(every index group's resolve_rows and gather inside) captured "
+                             "once in a CUDA graph of --max-running rows and replayed with a "
+                             "new plan each step, smaller batches padded (on a CPU the same "
+                             "fixed-shape step runs eagerly); --store split, --tp 1, one "
+                             "query token per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch CPU threads (default 1: the ops are small)")
@@ -1532,10 +1758,14 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                    offload_threshold_pages=args.offload_threshold_pages,
                    free_block_watermark=args.free_block_watermark,
                    backend=args.backend, device=args.device, seed=args.seed,
-                   max_model_len=args.max_model_len)
+                   max_model_len=args.max_model_len, cuda_graph=args.cuda_graph)
     try:
         if args.tp > 1 and args.store != "split":
             raise ValueError("--tp > 1 runs the scheduler + worker split (--store split).")
+        if args.cuda_graph and (args.store != "split" or args.tp > 1
+                                or spec.spec_tokens > 1):
+            raise ValueError("--cuda-graph runs the scheduler + worker pair on one rank "
+                             "(--store split, --tp 1), one query token per step.")
         workload = spec.workload()
         plan = plan_for_spec(spec, tensor_parallel_size=args.tp)
     except ValueError as exc:

@@ -234,19 +234,6 @@ class StepPlan:
                              f"{expected}.")
 
     @classmethod
-    def _of_parts(cls, **fields: object) -> "StepPlan":
-        """``StepPlan(**fields)`` for a sender that packed ``data`` from its counts
-        (``PlanBuilder``): when every field is plain (what ``_plain_copy`` accepts, the
-        data itself not copied) the plan is made without the constructor's general checks,
-        with its fields in the constructor's order; otherwise by the constructor."""
-        if cls is StepPlan and fields.keys() == _FIELD_ORDER.keys() \
-                and _plain_fields(fields) is not None:
-            plan = object.__new__(StepPlan)
-            plan.__dict__.update(zip(_FIELD_ORDER, map(fields.__getitem__, _FIELD_ORDER)))
-            return plan
-        return cls(**fields)
-
-    @classmethod
     def received(cls, plan: object, *, what: str = "apply") -> "StepPlan":
         """A private, checked copy of a plan from elsewhere, for a receiver that trusts
         nothing: ``ValueError`` naming the field unless ``plan`` is a well-formed
@@ -254,10 +241,6 @@ class StepPlan:
         object whose attributes anyone may have changed: unpickling skips the constructor's
         checks). The copy owns its data, so later changes to the sender's array do not reach
         it. ``what`` names the receiving call in the message."""
-        if cls is StepPlan and type(plan) is StepPlan:
-            copy = _plain_copy(plan)
-            if copy is not None:
-                return copy
         if not isinstance(plan, StepPlan):
             raise ValueError(f"{what} takes a StepPlan, got {type(plan).__name__}.")
         fields = {}
@@ -557,55 +540,10 @@ class StepPlan:
                              f"[0, {host_rows}].")
 
 
-#: The names of the int fields, in ``_INT_FIELDS`` order (``_plain_copy``, which relies
-#: on ``step`` being the only one whose smallest value is not 0: a test checks it).
-_INT_NAMES = tuple(name for name, _ in _INT_FIELDS)
-_INT32_DTYPE = np.dtype(np.int32)
-_ONLY_INT = {int}
-#: The constructor's fields in its order (``_of_parts``), as the keys of a dict.
-_FIELD_ORDER = dict.fromkeys(("step", "layout", "commit", "num_resets", "num_writes",
-                              "num_mirror", "num_resident", "num_lost", "released_pages",
-                              "num_invalidate", "data"))
-
-
 def _data_size(resets: int, writes: int, mirror: int, resident: int, lost: int,
                invalidate: int) -> int:
     """Entries of a plan's ``data`` for its section counts."""
     return resets + 2 * writes + mirror * (1 + resident) + 3 * lost + 3 * invalidate
-
-
-def _plain_fields(fields: dict) -> Optional[tuple[int, ...]]:
-    """The int fields of a plan's ``fields`` (by name) in ``_INT_FIELDS`` order when all
-    are plain: ``int`` fields inside their ranges, a ``bool`` commit, a 1-D native int32
-    array of the size its counts need (what the constructor accepts, without its general
-    checks); None for anything else (``KeyError`` for a missing field)."""
-    values = tuple(map(fields.__getitem__, _INT_NAMES))
-    commit, data = fields["commit"], fields["data"]
-    step, _, resets, writes, mirror, resident, lost, _, invalidate = values
-    if (set(map(type, values)) != _ONLY_INT or step < 1 or min(values) < 0
-            or max(values) > _INT64[1] or type(commit) is not bool
-            or type(data) is not np.ndarray or data.dtype is not _INT32_DTYPE
-            or data.ndim != 1 or (mirror and not resident)
-            or data.size != _data_size(resets, writes, mirror, resident, lost, invalidate)):
-        return None
-    return values
-
-
-def _plain_copy(plan: StepPlan) -> Optional[StepPlan]:
-    """``StepPlan.received``'s copy of a plan whose fields are all plain (``_plain_fields``).
-    None for any other plan: the caller takes the general path, which names what is
-    wrong."""
-    try:
-        fields = object.__getattribute__(plan, "__dict__")
-        values = _plain_fields(fields)
-    except (AttributeError, KeyError):
-        return None
-    if values is None:
-        return None
-    copy = object.__new__(StepPlan)
-    copy.__dict__.update(zip(_INT_NAMES, values), commit=fields["commit"],
-                         data=fields["data"].copy())
-    return copy
 
 
 def _distinct_in(values: np.ndarray, lo: int, hi: int) -> bool:

@@ -54,15 +54,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.kernels.direct_launch import DirectLaunch
-from hisparse_triton.kernels.launch_config import check_launch
+from hisparse_triton.kernels.launch_config import KernelLaunch, check_launch
 from hisparse_triton.ops.copy.contract import check_copy_args, table_alignment
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.tuning import CopyConfig, default_config, next_pow2, pow2_alignment
 
-__all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "LaunchShape", "copy_rows_kernel",
-           "device_guard", "gather_rows", "launch_copy", "launch_shape", "restore_pages",
-           "sm_count", "validate_pool"]
+__all__ = ["DEFAULT_SM_COUNT", "GRID_PROGRAMS_PER_SM", "BoundCopy", "LaunchShape",
+           "copy_launch", "copy_rows_kernel", "device_guard", "gather_rows", "launch_copy",
+           "launch_shape", "restore_pages", "sm_count", "validate_pool"]
 
 @triton.jit
 def copy_rows_kernel(
@@ -289,11 +288,23 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
     synchronise with the device. What depends only on the tables and the plan's shape (launch
     shape, word views, offsets, pool checks) is prepared once and cached on ``dst``.
     """
+    launch = copy_launch(dst, src, src_ids, dst_ids, counts, pages=pages, kernel=kernel,
+                         config=config)
+    if launch is not None:
+        with device_guard(src_ids):
+            launch()
+
+
+def copy_launch(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                counts: Optional[torch.Tensor], *, pages: bool, kernel: str,
+                config: Optional[CopyConfig] = None) -> Optional[KernelLaunch]:
+    """The launch ``launch_copy`` makes for these arguments (checked the same way), without
+    making it; None for an empty plan (nothing to launch)."""
     check_copy_args(dst, src, src_ids, dst_ids, counts, pages=pages)
     shape = src_ids.shape
     rows, cols = shape[-2], shape[-1]
     if rows == 0 or cols == 0:
-        return
+        return None
     device = src_ids.device
     dst.check_pool()
     src.check_pool()
@@ -302,28 +313,21 @@ def launch_copy(dst: RowTable, src: RowTable, src_ids: torch.Tensor, dst_ids: to
     prepared = dst.cached(key, lambda: _prepare(dst, src, device, rows, cols, pages=pages,
                                                 kernel=kernel, config=config))
     has_counts = counts is not None
-    with device_guard(src_ids):
-        copy_rows_kernel[prepared.grid](
-            *prepared.args,
-            src_ids, dst_ids, counts if has_counts else src_ids,
+    args = (*prepared.args, src_ids, dst_ids, counts if has_counts else src_ids,
             *_plan_strides(src_ids), *_plan_strides(dst_ids),
-            counts.stride(0) if has_counts else 0,
-            *prepared.sizes,
-            HAS_COUNTS=has_counts, **prepared.constexprs)
+            counts.stride(0) if has_counts else 0, *prepared.sizes)
+    return KernelLaunch(copy_rows_kernel, prepared.grid, args,
+                        dict(HAS_COUNTS=has_counts, **prepared.constexprs))
 
 
 class BoundCopy:
-    """A copy between two fixed tables whose plans are persistent tensors (a runtime's miss
-    plan in its resolve workspace): the checks and launch arguments of a plan are computed
-    once per plan tensors and kept, so a call is a dictionary lookup and the launch, made
-    through the compiled kernel's launcher after the first (``DirectLaunch``: no
-    ``JITFunction.run`` per call). ``bound(src_ids, dst_ids, counts)`` has the semantics of
-    ``launch_copy``.
-
-    ``bound.shaped(src_ids, dst_ids, counts)``: the same for plans that are NEW tensors every
-    call (a mirror's rows, views of a step's packed plan): bound once per plan *layout*
-    (shapes, strides, dtypes, device, whether there are counts), the tensors passed to the
-    direct launch as dynamic arguments.
+    """A copy between two fixed tables (a runtime's pools): ``bound(src_ids, dst_ids,
+    counts)`` has the semantics of ``launch_copy``, with the checks and launch arguments of a
+    plan *layout* (shapes, strides, dtypes, device, whether there are counts) computed on its
+    first call and kept, so a later call of that layout (the decode path's miss plan, a
+    mirror's rows: the same tensors or new ones every call) is a dictionary lookup and one
+    ``copy_rows_kernel[grid](...)`` launch (Triton's own launch path; under a CUDA graph
+    capture, the launch the graph records). ``shaped`` is the same call.
 
     ``programs_per_sm``: a per-SM budget of programs (0 = none: the config's grid, by
     default ``GRID_PROGRAMS_PER_SM`` per SM): the grid is capped at ``programs_per_sm x
@@ -340,88 +344,54 @@ class BoundCopy:
         self._dst, self._src = dst, src
         self._pages, self._kernel, self._config = pages, kernel, config
         self.programs_per_sm = programs_per_sm
-        self._calls: dict[tuple, tuple] = {}
-        self._shaped: dict[tuple, Optional[DirectLaunch]] = {}
+        self._calls: dict[tuple, Optional[tuple]] = {}
 
     @property
     def config(self) -> Optional[CopyConfig]:
         """The launch config given (None: ``tuning.default_config`` per launch)."""
         return self._config
 
-    def shaped(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-               counts: Optional[torch.Tensor] = None) -> None:
-        """``launch_copy`` semantics for plan tensors that change every call (see the class
-        docstring): the checks run once per layout, later calls launch directly."""
-        key = (src_ids.shape, src_ids.stride(), src_ids.dtype, src_ids.device,
-               dst_ids.shape, dst_ids.stride(), dst_ids.dtype, dst_ids.device,
-               None if counts is None else (counts.shape, counts.stride(), counts.dtype,
-                                            counts.device))
-        launch = self._shaped.get(key, False)
-        if launch is False or (launch is not None and launch.kernel is not copy_rows_kernel):
-            # (new layout, or a launch recorder replaced the kernel since: bind again)
-            grid, args, constexprs = self._prepare(src_ids, dst_ids, counts)[:3]
-            launch = None if grid is None else DirectLaunch(
-                copy_rows_kernel, grid, args, constexprs, dynamic=(4, 5, 6))
-            self._shaped[key] = launch
-        if launch is not None:
+    def __call__(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+                 counts: Optional[torch.Tensor] = None) -> None:
+        try:
+            key = (src_ids.shape, src_ids.stride(), src_ids.dtype, src_ids.device,
+                   dst_ids.shape, dst_ids.stride(), dst_ids.dtype, dst_ids.device,
+                   None if counts is None else (counts.shape, counts.stride(), counts.dtype,
+                                                counts.device))
+        except AttributeError:   # not tensors: the checks name what is wrong
+            key = None
+        call = self._calls.get(key, False)
+        if call is False:   # a new layout: checked, its launch prepared
+            call = self._prepare(src_ids, dst_ids, counts)
+            self._calls[key] = call
+        if call is not None:
+            grid, head, tail, constexprs = call
             with device_guard(src_ids):
-                launch(src_ids, dst_ids, counts if counts is not None else src_ids)
+                copy_rows_kernel[grid](*head, src_ids, dst_ids,
+                                       counts if counts is not None else src_ids,
+                                       *tail, **constexprs)
+
+    shaped = __call__
 
     def _prepare(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                 counts: Optional[torch.Tensor]) -> tuple:
+                 counts: Optional[torch.Tensor]) -> Optional[tuple]:
+        """``(grid, arguments before the plan, arguments after it, constexprs)`` of a plan
+        layout (None: an empty plan, nothing to launch); ``ValueError`` for bad arguments."""
         dst, src = self._dst, self._src
         check_copy_args(dst, src, src_ids, dst_ids, counts, pages=self._pages)
         rows, cols = src_ids.shape[-2], src_ids.shape[-1]
         if rows == 0 or cols == 0:
-            return (None, (), {}, src_ids, dst_ids, counts, None)
+            return None
         dst.check_pool()
         src.check_pool()
         prepared = _prepare(dst, src, src_ids.device, rows, cols, pages=self._pages,
                             kernel=self._kernel, config=self._config,
                             programs_per_sm=self.programs_per_sm)
         has_counts = counts is not None
-        args = (*prepared.args, src_ids, dst_ids, counts if has_counts else src_ids,
-                *_plan_strides(src_ids), *_plan_strides(dst_ids),
+        tail = (*_plan_strides(src_ids), *_plan_strides(dst_ids),
                 counts.stride(0) if has_counts else 0, *prepared.sizes)
-        return (prepared.grid, args, dict(HAS_COUNTS=has_counts, **prepared.constexprs),
-                src_ids, dst_ids, counts, None)
-
-    def _bound_call(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                    counts: Optional[torch.Tensor]) -> Optional[tuple]:
-        """The call bound to these very plan tensors (None before their first call)."""
-        call = self._calls.get((id(src_ids), id(dst_ids), id(counts)))
-        if call is None or call[3] is not src_ids or call[4] is not dst_ids \
-                or call[5] is not counts:
-            return None
-        return call
-
-    def direct_launch(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                      counts: Optional[torch.Tensor] = None) -> Optional[DirectLaunch]:
-        """The launch ``bound(src_ids, dst_ids, counts)`` makes once it is bound to these very
-        plan tensors and goes straight to the compiled launcher (its kernel still the
-        module's: no launch recorder replaced it): calling it (no arguments) is that copy.
-        None before the first call, for an empty plan, or off the direct path."""
-        call = self._bound_call(src_ids, dst_ids, counts)
-        launch = None if call is None else call[6]
-        if launch is None or not launch.bound or launch.kernel is not copy_rows_kernel:
-            return None
-        return launch
-
-    def __call__(self, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-                 counts: Optional[torch.Tensor] = None) -> None:
-        key = (id(src_ids), id(dst_ids), id(counts))
-        call = self._bound_call(src_ids, dst_ids, counts)
-        if call is None:
-            call = self._calls[key] = self._prepare(src_ids, dst_ids, counts)
-        grid, args, constexprs = call[:3]
-        if grid is not None:
-            launch = call[6]
-            if launch is None or launch.kernel is not copy_rows_kernel:
-                # (a launch recorder may have replaced the kernel since: rebind)
-                launch = DirectLaunch(copy_rows_kernel, grid, args, constexprs)
-                self._calls[key] = (*call[:6], launch)
-            with device_guard(src_ids):
-                launch()
+        return (prepared.grid, prepared.args, tail,
+                dict(HAS_COUNTS=has_counts, **prepared.constexprs))
 
 
 _NO_GUARD = nullcontext()

@@ -21,11 +21,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
-__all__ = ["MAX_WORKGROUP_LANES", "ThreadgroupSplitError", "check_launch", "check_memory_model",
-           "check_workgroup", "current_target", "resolve_launch_warps", "resolve_num_warps",
-           "target_override"]
+__all__ = ["MAX_WORKGROUP_LANES", "KernelLaunch", "ThreadgroupSplitError", "check_launch",
+           "check_memory_model", "check_workgroup", "current_target", "resolve_launch_warps",
+           "resolve_num_warps", "target_override"]
+
+
+class KernelLaunch(NamedTuple):
+    """One kernel launch as a launcher would make it: ``kernel[grid](*args, **kwargs)``
+    (``kwargs``: the constexprs and launch options). What ``resolve_launch`` and
+    ``copy_launch`` return without launching (the compile report compiles these)."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        """Launch it (on the current stream)."""
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
 #: Most threads (lanes) one CTA / workgroup may have, on CUDA and on HIP.
 MAX_WORKGROUP_LANES = 1024

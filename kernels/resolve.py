@@ -27,8 +27,8 @@ else 2,048-key tiles merged in scratch; int64 keys when ``(num_host_blocks * blo
 (``ops.resolve.variants.time_resolve_variants`` times them).
 The launcher validates shapes, dtypes and devices only; it never reads tensor values, so it is CUDA-graph capturable
 (with a workspace, a repeated call allocates nothing). ``BoundResolve`` (the runtime's decode
-path) launches through the compiled kernel's launcher after its first call
-(``kernels/direct_launch.py``).
+path) checks and prepares a call shape once and launches with ``kernel[grid](...)``, Triton's
+own launch path: the launch a CUDA graph captures.
 The warps come from ``kernels/launch_config.resolve_launch_warps`` (per warp size; HIP's
 limits checked). On AMD GPUs ``tl.debug_barrier()`` is a bare ``s_barrier``: the memory-model
 argument for the hand-offs is in ``kernels/resolve_sorted.py`` and docs/kernels.md.
@@ -42,7 +42,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from hisparse_triton.kernels import resolve_hash as _hash
-from hisparse_triton.kernels.direct_launch import DirectLaunch
 from hisparse_triton.kernels.gather import device_guard
 from hisparse_triton.kernels.resolve_hash import _resolve_hash_kernel
 from hisparse_triton.kernels.resolve_sorted import (  # noqa: F401 (jit helpers others reuse)
@@ -54,7 +53,7 @@ from hisparse_triton.ops.resolve.contract import (
     ResolveResult,
     check_resolve_args as _check_resolve_args,
 )
-from hisparse_triton.kernels.launch_config import resolve_launch_warps
+from hisparse_triton.kernels.launch_config import KernelLaunch, resolve_launch_warps
 from hisparse_triton.ops.resolve.workspace import (
     HASH_MAX_SLOTS,
     HASH_MAX_WIDTH,
@@ -67,7 +66,7 @@ from hisparse_triton.tuning import MAX_RESOLVE_WIDTH  # (torch-free home; see th
 
 __all__ = ["BoundResolve", "GATHER_SEARCH", "HASH_MAX_SLOTS", "HASH_MAX_WIDTH", "MAX_BLOCK_H",
            "MAX_RESOLVE_WIDTH", "MAX_SORT_WIDTH", "VARIANTS", "ResolveWorkspace", "resolve",
-           "resolve_variants", "restore_resolve_state"]
+           "resolve_launch", "resolve_variants", "restore_resolve_state"]
 
 #: Most keys sorted in registers by one program; wider rows are merged in scratch.
 MAX_SORT_WIDTH = 2048
@@ -193,17 +192,14 @@ def _kernel_args(launch: _Launch, topk: torch.Tensor, state_rows: torch.Tensor,
 class BoundResolve:
     """A resolve whose state tensors never change (a runtime's tables, hot state, counters
     and workspace): what depends only on them and on a call's shape (argument checks, launch
-    shape, strides, buffers) is done once per shape and kept, and the launch goes through the
-    compiled kernel's launcher after the first call (``DirectLaunch``: no ``JITFunction.run``
-    per call; it falls back to the normal launch path whenever a direct call would not be
-    exact), so a call on the decode path is a dictionary lookup and the launch.
+    shape, strides, buffers, the kernel's arguments) is done once per shape and kept, so a
+    call on the decode path is a dictionary lookup and one ``kernel[grid](...)`` launch
+    (Triton's own launch path; under a CUDA graph capture, the launch the graph records).
 
     ``bound(topk, state_rows, out)`` has the semantics of ``resolve(topk, state_rows,
     seq_lens, ..., counters=counters, out=out, workspace=workspace)``; a call of a new shape
     (or dtype, strides, device, ``out``) runs the full checks first. The state tensors must
-    keep their storage and shape (views of a runtime's persistent tables do). ``launches``
-    maps each bound call shape to its ``DirectLaunch`` (its ``direct_calls`` /
-    ``fallback_calls`` say which path ran).
+    keep their storage and shape (views of a runtime's persistent tables do).
     """
 
     def __init__(self, seq_lens: torch.Tensor, resident_blocks: torch.Tensor,
@@ -215,14 +211,10 @@ class BoundResolve:
                        lru)
         self._sizes = (block_size, num_device_blocks, num_host_blocks)
         self._counters, self._workspace = counters, workspace
-        self._calls: dict[tuple, list] = {}
-
-    @property
-    def launches(self) -> dict[tuple, Optional[DirectLaunch]]:
-        return {key: call[4] for key, call in self._calls.items()}
+        self._calls: dict[tuple, _BoundCall] = {}
 
     def _prepare(self, topk: torch.Tensor, state_rows: torch.Tensor,
-                 out: torch.Tensor) -> list:
+                 out: torch.Tensor) -> "_BoundCall":
         seq_lens, resident, host, hot, slot_rows, lru = self._state
         block_size, num_device_blocks, num_host_blocks = self._sizes
         counters, workspace = self._counters, self._workspace
@@ -236,48 +228,36 @@ class BoundResolve:
         result = ResolveResult(out, *bufs[1:5])
         args = _kernel_args(launch, topk, state_rows, self._state, out, bufs, counters,
                             (K, S, P, H, num_device_blocks, num_host_blocks))
-        return [R, launch, args, bufs, None, result]
+        return _BoundCall(R, launch, args[2:], bufs, result)
 
     def __call__(self, topk: torch.Tensor, state_rows: torch.Tensor,
                  out: torch.Tensor) -> ResolveResult:
-        return self.run(self.prepared(topk, state_rows, out), topk, state_rows)
-
-    def prepared(self, topk: torch.Tensor, state_rows: torch.Tensor,
-                 out: torch.Tensor) -> list:
-        """The bound call of this shape (checked and prepared on its first use): what
-        ``run`` takes. A caller that knows a later call has the same shape, dtypes, strides,
-        devices and ``out`` may keep it and ``run`` it again without this lookup."""
+        """Resolve ``topk [R, K]`` for ``state_rows [R] int32`` into ``out [R, K] int32``
+        (see the class docstring); returns the call's ``ResolveResult`` (views of the
+        workspace and ``out``)."""
         key = (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
                state_rows.dtype, state_rows.device, state_rows.stride(), id(out))
         call = self._calls.get(key)
-        if call is None or call[-1].rows is not out:
+        if call is None or call.result.rows is not out:
             call = self._calls[key] = self._prepare(topk, state_rows, out)
-        return call
-
-    def direct_launch(self, call: list) -> Optional[DirectLaunch]:
-        """The launch of the bound call ``call`` (from ``prepared``) when it goes straight to
-        the compiled launcher and its kernel is still the module's (no launch recorder
-        replaced it): ``launch(topk, state_rows)`` then does what ``run`` does besides
-        setting ``workspace.last`` to ``call``'s buffers (the caller's job). Else None."""
-        direct = call[4]
-        if direct is None or not direct.bound or direct.kernel is not _kernel_of(call[1]):
-            return None
-        return direct
-
-    def run(self, call: list, topk: torch.Tensor, state_rows: torch.Tensor) -> ResolveResult:
-        """Launch the bound call ``call`` (from ``prepared``) on ``topk`` and ``state_rows``,
-        which must match the shape, dtypes, strides and devices it was prepared for."""
-        R, launch, args, bufs, direct, result = call
-        self._workspace.last = bufs
-        if R:
-            kernel = _kernel_of(launch)
-            if direct is None or direct.kernel is not kernel:
-                # (first call, or a launch recorder replaced the kernel since: rebind)
-                direct = call[4] = DirectLaunch(kernel, (R,), args, launch.constexprs,
-                                                dynamic=(0, 1))
+        self._workspace.last = call.bufs
+        if call.rows:
+            launch = call.launch
             with device_guard(topk):
-                direct(topk, state_rows)
-        return result
+                _kernel_of(launch)[(call.rows,)](topk, state_rows, *call.args,
+                                                 **launch.constexprs)
+        return call.result
+
+
+class _BoundCall(NamedTuple):
+    """A call shape of a ``BoundResolve``: its rows, launch, the kernel's arguments after
+    ``topk`` and ``state_rows``, its workspace buffers and result (views of them)."""
+
+    rows: int
+    launch: _Launch
+    args: tuple
+    bufs: Any
+    result: ResolveResult
 
 
 def resolve_variants(K: int, H: int, block_size: int, num_host_blocks: int
@@ -366,11 +346,54 @@ def _resolve(
     ``variant`` (``"hash"`` / ``"sorted"``, default by shape: see the module docstring),
     ``probes`` (the hash kernel's insertion rounds before its sorted fallback) and ``hash_mul``
     (its hash multiplier; 0 sends every key to one entry: forced collisions)."""
-    R, K, S, P, _, H = _check_resolve_args(
-        topk, state_rows, seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
-        lru, block_size, num_device_blocks, num_host_blocks, counters, out, workspace)
+    state = (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows, lru)
+    dims = _check_resolve_args(topk, state_rows, *state, block_size, num_device_blocks,
+                               num_host_blocks, counters, out, workspace)
     if not topk.is_cuda:
         _check_backend(topk.device)
+    launch, result = _describe(dims, topk, state_rows, state, block_size, num_device_blocks,
+                               num_host_blocks, counters, out, workspace, sort_width, block_h,
+                               num_warps, gather_search, block_r, variant, probes, hash_mul)
+    if launch is not None:
+        with device_guard(topk):
+            launch()
+    return result
+
+
+def resolve_launch(topk: torch.Tensor, state_rows: torch.Tensor, seq_lens: torch.Tensor,
+                   resident_blocks: torch.Tensor, host_blocks: torch.Tensor,
+                   hot_blocks: torch.Tensor, slot_host_rows: torch.Tensor, lru: torch.Tensor,
+                   *, block_size: int, num_device_blocks: int, num_host_blocks: int,
+                   counters: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   workspace: Optional[ResolveWorkspace] = None, **knobs: Any
+                   ) -> tuple[Optional[KernelLaunch], ResolveResult]:
+    """The launch ``_resolve`` makes for these arguments (checked the same way; the launch
+    knobs of ``_resolve`` as keywords), without making it, and the result it would fill:
+    ``(None, result)`` for zero rows. Needs no GPU (the compile report compiles it)."""
+    state = (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows, lru)
+    dims = _check_resolve_args(topk, state_rows, *state, block_size, num_device_blocks,
+                               num_host_blocks, counters, out, workspace)
+    names = ("sort_width", "block_h", "num_warps", "gather_search", "block_r", "variant",
+             "probes", "hash_mul")
+    unknown = set(knobs) - set(names)
+    if unknown:
+        raise TypeError(f"resolve_launch: unknown keyword(s) {sorted(unknown)}")
+    values = dict(dict.fromkeys(names), block_r=256, **knobs)
+    return _describe(dims, topk, state_rows, state, block_size, num_device_blocks,
+                     num_host_blocks, counters, out, workspace,
+                     *(values[name] for name in names))
+
+
+def _describe(dims: tuple, topk: torch.Tensor, state_rows: torch.Tensor, state: tuple,
+              block_size: int, num_device_blocks: int, num_host_blocks: int,
+              counters: Optional[torch.Tensor], out: Optional[torch.Tensor],
+              workspace: Optional[ResolveWorkspace], sort_width: Optional[int],
+              block_h: Optional[int], num_warps: Optional[int], gather_search: Optional[bool],
+              block_r: int, variant: Optional[str], probes: Optional[int],
+              hash_mul: Optional[int]) -> tuple[Optional[KernelLaunch], ResolveResult]:
+    """``resolve_launch`` once the arguments are checked (``dims``: what the checks
+    returned)."""
+    R, K, S, P, _, H = dims
     has_counters = counters is not None
     launch = _launch(K, H, block_size, num_host_blocks, has_counters, sort_width, block_h,
                      num_warps, gather_search, block_r, variant, probes, hash_mul)
@@ -382,14 +405,10 @@ def _resolve(
     rows = out if out is not None else bufs.rows
     result = ResolveResult(rows, *bufs[1:5])
     if R == 0:
-        return result
-    args = _kernel_args(launch, topk, state_rows,
-                        (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows,
-                         lru), rows, bufs, counters,
+        return None, result
+    args = _kernel_args(launch, topk, state_rows, state, rows, bufs, counters,
                         (K, S, P, H, num_device_blocks, num_host_blocks))
     constexprs = launch.constexprs
     if workspace is None and launch.variant == "hash":  # a one-off table: the kernel clears it
         constexprs = {**constexprs, "CLEAN_FIRST": True}
-    with device_guard(topk):
-        _kernel_of(launch)[(R,)](*args, **constexprs)
-    return result
+    return KernelLaunch(_kernel_of(launch), (R,), args, constexprs), result

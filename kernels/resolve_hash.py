@@ -41,12 +41,13 @@ Phases (``bar.sync`` between them; state row ``st``; ``p`` = LRU position):
 5. Miss columns read their slot's device row; every column's row is stored once; stats,
    counters; the row's table entries are reset.
 
-Cost (``kernels/sass_model.py``, the compile report's ``model``): about 11.5 us per call at
-64 rows x top-k 2,048 x 4,096 slots, against 25 us for the sorted kernel. The model assumes
-``MODEL_ROUNDS`` (3) insertion rounds: a Python simulation of the parallel rounds on 2,048
-random or block-contiguous host rows at load 1/16 gives a median of 3 (p95 4, max 5 of 200
-rows); it counts the hash path only (``model_twin``: the fallback runs on overflow and
-corrupted states, and costs the sorted figure). Ordering: as the sorted kernel (``bar.sync``
+Cost (``hisparse_triton/compile/sass_model.py``, the compile report's ``model``): about
+11.5 us per call at 64 rows x top-k 2,048 x 4,096 slots, against 25 us for the sorted
+kernel. The model assumes 3 insertion rounds (``compile/loop_trips.py``, ``MODEL_ROUNDS``:
+a Python simulation of the parallel rounds on 2,048 random or block-contiguous host rows at
+load 1/16 gives a median of 3, p95 4, max 5 of 200 rows); it counts the hash path only
+(its model twin: the fallback runs on overflow and corrupted states, and costs the sorted
+figure). Ordering: as the sorted kernel (``bar.sync``
 orders the CTA's global accesses; every table word another thread wrote is read with a
 ``.cg`` load, from L2).
 """
@@ -60,7 +61,7 @@ from hisparse_triton.kernels.masks import _lanes
 from hisparse_triton.kernels.resolve_policy import _lru_replacement
 from hisparse_triton.kernels.resolve_sorted import _first_of_state, _padding_row, _sorted_row
 
-__all__ = ["EMPTY", "HASH_MUL", "MODEL_ROUNDS", "FIRST_ROUNDS", "LOOKUP", "PROBES"]
+__all__ = ["EMPTY", "HASH_MUL", "FIRST_ROUNDS", "LOOKUP", "PROBES"]
 
 #: A clean table word (every array of the table).
 EMPTY = -(2**31)
@@ -69,8 +70,6 @@ EMPTY = -(2**31)
 HASH_MUL = 0x9E3779B1
 #: Most insertion rounds before a row falls back to the sorted path.
 PROBES = 16
-#: Insertion rounds the model assumes (see the module docstring).
-MODEL_ROUNDS = 3
 #: Lookup probes issued together (one pass); ``rounds`` probes take ceil(rounds / LOOKUP)
 #: passes.
 LOOKUP = 3
@@ -317,24 +316,3 @@ def _resolve_hash_kernel(
     else:
         _padding_row(r64, rows_row, stride_out_c, miss_src_ptr, miss_dst_ptr, miss_count_ptr,
                      stats_ptr, touched_ptr, plan, K, SORT)
-
-
-def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
-    """Trip counts of the kernel's runtime loops for one launch (``kernels/sass_model.py``):
-    the last row's scan of earlier state rows, ``MODEL_ROUNDS`` insertion rounds, one pass of
-    4 lookup probes (the sorted fallback's loops do not run: the model twin has none)."""
-    values = dict(zip(kernel.arg_names, args))
-    values.update(kwargs)
-    rows = int(grid[0]) if grid else 1
-    return {
-        "for r0 in range(0, r, BLOCK_R)": -(-(rows - 1) // values["BLOCK_R"]),
-        "while (n_pend > 0) & (rounds < PROBES)": max(1, MODEL_ROUNDS
-                                                      - values["FIRST_ROUNDS"]),
-        "for d0 in range(0, rounds, LOOKUP)": -(-MODEL_ROUNDS // values["LOOKUP"]),
-    }
-
-
-def model_twin(kwargs: dict) -> dict:
-    """The launch keywords the compile report's model compiles: the hash path alone
-    (``FALLBACK=False``; the fallback runs only on overflow and costs the sorted figure)."""
-    return {**kwargs, "FALLBACK": False}

@@ -440,20 +440,3 @@ def _resolve_kernel(
     else:
         _padding_row(r64, rows_row, stride_out_c, miss_src_ptr, miss_dst_ptr, miss_count_ptr,
                      stats_ptr, touched_ptr, plan, K, SORT)
-
-def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
-    """Trip counts of the kernel's runtime loops for one launch (``kernels/sass_model.py``
-    maps them to the SASS back edges by source line): ``{for-statement text: trips}``, for
-    the slowest program (the last row, which scans every earlier state row)."""
-    names = list(kernel.arg_names)
-    values = dict(zip(names, args))
-    values.update(kwargs)
-    K, H = int(values["K"]), int(values["H"])
-    rows = int(grid[0]) if grid else 1
-    block_k, sort, block_h = values["BLOCK_K"], values["SORT"], values["BLOCK_H"]
-    return {
-        "for r0 in range(0, r, BLOCK_R)": -(-(rows - 1) // values["BLOCK_R"]),
-        "for h0 in range(0, H, BLOCK_H)": -(-H // block_h),
-        "for c0 in range(0, K, SORT)": -(-K // sort),
-        "in range(0, BLOCK_K, SORT)": block_k // sort,
-    }

@@ -15,6 +15,8 @@ The launcher reads no tensor values: CUDA-graph safe.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +27,10 @@ from hisparse_triton.integrations.vllm_checks import (
     checked,
 )
 from hisparse_triton.kernels.gather import device_guard
+from hisparse_triton.kernels.launch_config import KernelLaunch
 from hisparse_triton.kernels import vllm_residency
 
-__all__ = ["cp_gather_and_upconvert_fp8_kv_cache", "model_loop_trips"]
+__all__ = ["cp_gather_and_upconvert_fp8_kv_cache", "upconvert_launch"]
 
 _TOKENS = 16
 _BLOCK_B = 64
@@ -140,39 +143,42 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache, dst, block_table, workspace_
                                          batch_size: int, seq_starts=None, host_cache=None,
                                          host_row_ids=None, device_row_ids=None) -> None:
     """Triton ``cp_gather_and_upconvert_fp8_kv_cache`` (vLLM's argument order): one launch."""
+    launch = upconvert_launch(src_cache, dst, block_table, workspace_starts, batch_size,
+                              seq_starts, host_cache, host_row_ids, device_row_ids)
+    if launch is None:
+        return
+    if dst.device.type == "cuda":
+        if host_cache is not None:
+            vllm_residency._check_host_cache("cp_gather_and_upconvert_fp8_kv_cache",
+                                             host_cache, dst.device)
+    else:
+        vllm_residency._check_backend(dst.device)
+    with device_guard(dst):
+        launch()
+
+
+def upconvert_launch(src_cache, dst, block_table, workspace_starts, batch_size: int,
+                     seq_starts=None, host_cache=None, host_row_ids=None,
+                     device_row_ids=None) -> Optional[KernelLaunch]:
+    """The launch ``cp_gather_and_upconvert_fp8_kv_cache`` makes for these arguments (checked
+    as it checks them), without making it; None when there is nothing to copy."""
     T, batch, B, cache_rows, host_rows, num_mapped = checked(check_upconvert, (
         src_cache, dst, block_table, workspace_starts, batch_size, seq_starts, host_cache,
         host_row_ids, device_row_ids))
     check_upconvert_addresses(src_cache, dst)
     if T == 0 or batch == 0:
-        return
-    device = dst.device
-    if device.type == "cuda":
-        if host_cache is not None:
-            vllm_residency._check_host_cache("cp_gather_and_upconvert_fp8_kv_cache",
-                                             host_cache, device)
-    else:
-        vllm_residency._check_backend(device)
+        return None
     src8 = src_cache.view(torch.uint8)
     host8 = host_cache.view(torch.uint8) if host_cache is not None else src8
-    with device_guard(dst):
-        _upconvert_kernel[(-(-T // _TOKENS),)](
-            src8, src8.view(torch.int16), src8.view(torch.int32), host8,
+    args = (src8, src8.view(torch.int16), src8.view(torch.int32), host8,
             host8.view(torch.int16), host8.view(torch.int32), dst.view(torch.int16),
             block_table, block_table.stride(0), block_table.shape[1], workspace_starts,
             seq_starts if seq_starts is not None else workspace_starts,
             host_row_ids if host_row_ids is not None else workspace_starts,
             device_row_ids if device_row_ids is not None else workspace_starts,
             T, batch, cache_rows, host_rows, num_mapped, src8.stride(0), src8.stride(1),
-            dst.stride(0), B=B, TOKENS=_TOKENS, BLOCK_B=_BLOCK_B,
-            HAS_SEQ=seq_starts is not None, HAS_HOST=host_cache is not None,
-            HAS_DEV=device_row_ids is not None, num_warps=4)
-
-
-def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
-    """Trip counts of the kernel's runtime loop for one launch (``kernels/sass_model.py``):
-    the scan of ``workspace_starts`` in ``BLOCK_B`` requests."""
-    values = dict(zip(kernel.arg_names, args))
-    values.update(kwargs)
-    trips = -(-values["batch"] // values["BLOCK_B"])
-    return {"for q0 in range(0, batch, BLOCK_B)": max(1, trips)}
+            dst.stride(0))
+    kwargs = dict(B=B, TOKENS=_TOKENS, BLOCK_B=_BLOCK_B, HAS_SEQ=seq_starts is not None,
+                  HAS_HOST=host_cache is not None, HAS_DEV=device_row_ids is not None,
+                  num_warps=4)
+    return KernelLaunch(_upconvert_kernel, (-(-T // _TOKENS),), args, kwargs)

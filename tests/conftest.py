@@ -6,8 +6,14 @@ set here, at collection start.
 
 import os
 from pathlib import Path
+import sys
 
 import torch
+
+# The lab that measures the project (``bench/lab``, not installed) is imported as ``lab``.
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -17,7 +17,7 @@ import torch
 
 from hisparse_triton.commands.compile_report import _arch, _check
 from hisparse_triton.kernels import launch_config as lc
-from hisparse_triton.kernels.amd_report import amd_occupancy, asm_usage
+from hisparse_triton.compile.amd_report import amd_occupancy, asm_usage
 
 
 def _has_amd_backend() -> bool:
@@ -53,7 +53,7 @@ def _run_uninterpreted(code: str) -> dict:
 
 @needs_amd
 def test_gfx942_report_compiles_the_decode_resolve_without_spills():
-    from hisparse_triton.kernels.compile_report import report_in_subprocess
+    from hisparse_triton.compile.report import report_in_subprocess
 
     doc = report_in_subprocess("gfx942", groups=("resolve",), widths=(2048,), small_host=False)
     assert doc["schema"] == "hisparse-triton/compile-report"
@@ -78,16 +78,17 @@ def test_gfx942_report_compiles_the_decode_resolve_without_spills():
 def test_gfx942_report_of_the_copy_kernels_carries_the_cache_hints():
     doc = _run_uninterpreted("""
         import json
-        from hisparse_triton.kernels import backup, gather
-        from hisparse_triton.kernels.amd_report import AmdCompiler
-        from hisparse_triton.kernels.compile_report import _i32, _tables
+        from hisparse_triton.compile.amd_report import AmdCompiler
+        from hisparse_triton.compile.report import _i32, _tables
+        from hisparse_triton.kernels.gather import copy_launch
         from hisparse_triton.kernels.launch_config import target_override
-        from hisparse_triton.kernels.launches import record_launches
         compiler = AmdCompiler("gfx942")
-        with record_launches() as launches, target_override(compiler.target):
-            gather.gather_rows(*_tables(1, 656)[::-1], _i32(64, 2048), _i32(64, 2048), _i32(64))
+        with target_override(compiler.target):   # what gather_rows / backup_rows launch
             host, dev = _tables(1, 656)
-            backup.backup_rows(host, dev, _i32(64, 4), _i32(64, 4))
+            launches = [copy_launch(dev, host, _i32(64, 2048), _i32(64, 2048), _i32(64),
+                                    pages=False, kernel="gather"),
+                        copy_launch(host, dev, _i32(64, 4), _i32(64, 4), None, pages=False,
+                                    kernel="backup")]
         out = [dict(compiler.compile(l.kernel, l.args, dict(l.kwargs)), grid=list(l.grid))
                for l in launches]
         print(json.dumps(out))
@@ -110,18 +111,14 @@ def test_gfx942_compiles_the_vllm_fp8_upconvert_in_every_form():
     ``vllm`` group (one of the groups CI checks) holds all three launches."""
     doc = _run_uninterpreted("""
         import json
-        from hisparse_triton.kernels.amd_report import AmdCompiler
-        from hisparse_triton.kernels.compile_report import _vllm_calls
+        from hisparse_triton.compile.amd_report import AmdCompiler
+        from hisparse_triton.compile.report import _vllm_calls
         from hisparse_triton.kernels.launch_config import target_override
-        from hisparse_triton.kernels.launches import record_launches
         compiler = AmdCompiler("gfx942")
-        tag = [""]
-        with record_launches(tag=tag) as launches, target_override(compiler.target):
-            for what, call in _vllm_calls():
-                tag[0] = what
-                call()
+        with target_override(compiler.target):
+            launches = [(what, make()) for what, make in _vllm_calls()]
         print(json.dumps([dict(compiler.compile(l.kernel, l.args, dict(l.kwargs)),
-                               variant=l.tag) for l in launches]))
+                               variant=what) for what, l in launches]))
     """)
     assert [r["variant"] for r in doc] == ["vllm fp8 upconvert device rows",
                                            "vllm fp8 upconvert host rows",
@@ -232,7 +229,7 @@ def test_resolve_refuses_num_warps_hip_cannot_launch_and_leaves_state_unchanged(
 
 def test_copy_launchers_refuse_num_warps_hip_cannot_launch():
     from hisparse_triton.kernels import gather
-    from hisparse_triton.kernels.compile_report import _i32, _tables
+    from hisparse_triton.compile.report import _i32, _tables
     from hisparse_triton.tuning import CopyConfig
 
     host, dev = _tables(1, 132)
@@ -278,7 +275,7 @@ def test_a_launch_on_a_threadgroup_split_device_is_refused(monkeypatch):
 
 
 def test_the_compile_report_refuses_a_threadgroup_split_target():
-    from hisparse_triton.kernels.amd_report import AmdCompiler
+    from hisparse_triton.compile.amd_report import AmdCompiler
 
     with pytest.raises(lc.ThreadgroupSplitError):
         AmdCompiler("gfx942:tgsplit+")
@@ -291,7 +288,7 @@ def test_the_barrier_handoff_is_what_llvm_gives_for_workgroup_release_acquire():
     """``tl.debug_barrier()`` is a bare ``s_barrier``; LLVM lowers a workgroup-scope release
     fence + barrier + acquire fence (HIP's ``__syncthreads()``) to the same code without
     threadgroup split, and adds a store wait and an L1 invalidation with it."""
-    from hisparse_triton.kernels.amd_report import workgroup_handoff
+    from hisparse_triton.compile.amd_report import workgroup_handoff
 
     for arch in ("gfx942", "gfx950"):
         plain = workgroup_handoff(arch)

@@ -197,13 +197,13 @@ COMPILED_WIDTHS = (2048, 8192)
 @pytest.fixture(scope="module")
 def compiled_launches() -> list[dict]:
     """Every launch of the launchers at production shapes, compiled for sm_90 by
-    ``hisparse_triton.kernels.compile_report`` (PTX + cubin through the bundled ptxas; no GPU
+    ``hisparse_triton.compile.report`` (PTX + cubin through the bundled ptxas; no GPU
     needed): resolve at top-k 2048 and 8192, the copies at every row size and layer count.
     Two subprocesses without ``TRITON_INTERPRET`` (resolve, copy) run side by side; ~40 s on
     two cores with a cold Triton cache."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hisparse_triton.kernels import compile_report
+    from hisparse_triton.compile import report as compile_report
 
     try:
         import triton.backends.nvidia  # noqa: F401  (the bundled ptxas / cuobjdump)

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hisparse_triton import ops
 from hisparse_triton.ops import backends
-from hisparse_triton.kernels.launches import record_launches
+from lab.launches import record_launches
 from hisparse_triton.row_table import RowTable
 from test_resolve_reference import make_state, make_topk
 
@@ -151,8 +151,8 @@ def test_every_shape_fits_the_budget(R, K, H, layers):
 
 
 def test_host_cost_benchmark_runs_the_decode_call():
-    """The host-cost micro-benchmark (``benchmarks.host_cost``) times the two-launch call."""
-    from hisparse_triton.benchmarks.host_cost import resolve_host_cost
+    """The host-cost micro-benchmark (``lab.host_cost``) times the two-launch call."""
+    from lab.host_cost import resolve_host_cost
 
     cost = resolve_host_cost(batch=2, top_k=16, hot_slots=32, iters=3, repeats=2)
     assert cost["launches_per_call"] == 2 and cost["api"] == "workspace"

@@ -190,7 +190,7 @@ def test_triton_launchers_read_no_tensor_values(monkeypatch):
     """After a table's first use, the copy launcher and the resolve launcher never read a
     tensor value on the host (no ``.item()``, ``.tolist()``, ``bool(tensor)``, ``nonzero``,
     ...): on CUDA they neither synchronise nor break a CUDA-graph capture."""
-    from hisparse_triton.kernels.launches import record_launches
+    from lab.launches import record_launches
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors stand in for CUDA ones
     dst, src, s, d, c = _case()

@@ -370,7 +370,7 @@ def test_plan_prefill_compiles_without_graph_breaks() -> None:
 
 
 def test_the_launcher_reads_no_tensor_values(monkeypatch) -> None:
-    from hisparse_triton.kernels.launches import record_launches
+    from lab.launches import record_launches
     from test_ops import _SYNCING
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -294,7 +294,7 @@ def test_a_bound_that_fits_reads_nothing_on_the_host(monkeypatch) -> None:
     """With ``host_rows_bound <= capacity`` the call launches its kernels and returns
     without reading a tensor value (no sync: it may run on a side stream); without a
     bound it reads the device count once."""
-    from hisparse_triton.kernels.launches import record_launches
+    from lab.launches import record_launches
     from test_ops import _SYNCING
 
     run, (ids, state_rows, topk) = _offloaded("triton")

@@ -1,16 +1,13 @@
 """The hash resolve kernel (``kernels/resolve_hash.py``) vs ``reference.resolve``: bit-exact
 outputs and state, its forced-collision and overflow (sorted fallback) paths, the clean-table
-invariant, the shape dispatch, and ``BoundResolve``'s direct launches.
+invariant and the shape dispatch.
 
-Runs under ``TRITON_INTERPRET=1`` on CPU (conftest) and natively on CUDA; the direct-launch
-check compiles for sm_90 in a subprocess under the stand-in driver (skipped without ptxas).
+Runs under ``TRITON_INTERPRET=1`` on CPU (conftest) and natively on CUDA.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import textwrap
 
 import pytest
 import torch
@@ -18,7 +15,6 @@ import torch
 from hisparse_triton.kernels import resolve as kres
 from hisparse_triton.ops import ResolveWorkspace
 from hisparse_triton.ops.resolve.workspace import HASH_EMPTY, hash_table_width
-from compiled_run import run_compiled
 from test_resolve_kernel import pair, run_both
 from test_resolve_reference import (
     INT32_MAX,
@@ -201,83 +197,6 @@ def test_all_masked_and_all_resident_rows(kernel_device: torch.device) -> None:
     out = run_both(topk, torch.tensor([0, 1], dtype=torch.int32), k, r, what="masked", **HASH)
     assert out.stats[0].tolist() == [0, 0, 8] and out.stats[1].tolist() == [8, 0, 0]
     assert torch.equal(k.lru.cpu(), state.lru)  # untouched: nothing hit, nothing filled
-
-
-def test_bound_resolve_through_direct_launch_is_exact(kernel_device: torch.device) -> None:
-    """``BoundResolve`` (the runtime's decode path) through its ``DirectLaunch``: under the
-    interpreter every call takes the normal path (counted as fallbacks), results exact."""
-    state = make_state(num_states=3, pages=10, hot_slots=48, block_size=4, seed=31,
-                       resident_frac=0.2, null_frac=0.05, prefill=True)
-    k, r = pair(state, kernel_device)
-    counters = torch.zeros(3, dtype=torch.int64, device=kernel_device)
-    ws = ResolveWorkspace(kernel_device)
-    bound = kres.BoundResolve(*k.args(), **k.kwargs(), counters=counters, workspace=ws)
-    out = torch.empty(3, 32, dtype=torch.int32, device=kernel_device)
-    srows = torch.tensor([2, 0, 1], dtype=torch.int32)
-    topk = make_topk(state, [2, 0, 1], 32, 3, dup_frac=0.2)
-    for step in range(3):
-        got = bound(topk.to(kernel_device), srows.to(kernel_device), out)
-        want = run_reference(topk, srows, r)
-        assert got.rows is out
-        for name, a, b in zip(got._fields, got, want):
-            assert torch.equal(a.cpu(), b), f"bound step {step}: {name}"
-        topk = drift_topk(topk, state, [2, 0, 1], 90 + step, keep=0.5)
-    (direct,) = bound.launches.values()
-    assert direct.direct_calls + direct.fallback_calls == 3
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        assert direct.direct_calls == 0
-
-
-_STANDIN_CHECK = textwrap.dedent('''
-    import json, sys, torch
-    from hisparse_triton.kernels import resolve as kres
-    from hisparse_triton.kernels.standin_driver import standin_cuda_driver
-    from hisparse_triton.ops import ResolveWorkspace
-    sys.path.insert(0, sys.argv[1])
-    from test_resolve_reference import make_state, make_topk
-
-    state = make_state(num_states=3, pages=10, hot_slots=48, block_size=4, seed=31,
-                       prefill=True)
-    out = {}
-    counters = torch.zeros(3, dtype=torch.int64)
-    ws = ResolveWorkspace("cpu")
-    rows = torch.empty(3, 32, dtype=torch.int32)
-    srows = torch.tensor([2, 0, 1], dtype=torch.int32)
-    topk = make_topk(state, [2, 0, 1], 32, 3)
-    kres._check_backend = lambda device: None  # CPU tensors stand in for CUDA ones
-    with standin_cuda_driver() as launch:
-        kres.resolve(topk, srows, *state.args(), **state.kwargs(), counters=counters,
-                     out=rows, workspace=ws)  # the normal path
-        normal = launch.calls[-1]
-        bound = kres.BoundResolve(*state.args(), **state.kwargs(), counters=counters,
-                                  workspace=ws)
-        for _ in range(3):
-            bound(topk.clone(), srows.clone(), rows)  # new tensors each call: dynamic args
-        (direct,) = bound.launches.values()
-        out["paths"] = [direct.fallback_calls, direct.direct_calls]
-        calls = launch.calls[-3:]
-        out["same_grid"] = all(c.grid == normal.grid for c in calls)
-        out["same_len"] = all(len(c.args) == len(normal.args) for c in calls)
-        out["kernel"] = kres._launch(32, 48, 4, state.num_host_blocks, True).variant
-    print(json.dumps(out))
-''')
-
-
-def _ptxas() -> bool:
-    try:
-        from triton import knobs
-
-        return bool(knobs.nvidia.ptxas.path)
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _ptxas(), reason="needs Triton's ptxas (sm_90 compile)")
-def test_bound_resolve_launches_directly_under_the_standin_driver() -> None:
-    out = run_compiled(_STANDIN_CHECK)
-    assert out["kernel"] == "hash"
-    assert out["paths"] == [1, 2]  # the first call binds (normal path), then direct
-    assert out["same_grid"] and out["same_len"]
 
 
 def test_time_resolve_variants_checks_and_times_every_variant(kernel_device: torch.device

@@ -1,4 +1,4 @@
-"""The SASS issue-cycle model (kernels/sass_model.py) on small hand-written SASS, and once on
+"""The SASS issue-cycle model (hisparse_triton/compile/sass_model.py) on small hand-written SASS, and once on
 a compiled resolve kernel (skipped without ptxas)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from hisparse_triton.kernels import sass_model as sm
+from hisparse_triton.compile import sass_model as sm
 
 # cuobjdump -sass style: absolute branch targets, no line info.
 STRAIGHT = """
@@ -152,7 +152,7 @@ def _ptxas() -> bool:
 
 @pytest.mark.skipif(not _ptxas(), reason="needs Triton's ptxas / cuobjdump")
 def test_compiled_resolve_has_a_model():
-    from hisparse_triton.kernels.compile_report import report_in_subprocess
+    from hisparse_triton.compile.report import report_in_subprocess
 
     doc = report_in_subprocess(90, groups=("resolve",), widths=(2048,), small_host=False)
     rows = [r for r in doc["launches"] if r["variant"] == "resolve K=2048 H=4096 R=64"]

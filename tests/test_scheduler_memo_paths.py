@@ -1,9 +1,7 @@
 """The scheduler's memoised and packed decode paths against the general code (no torch).
 
-``RequestTable.batch`` keeps the last decode batch (its requests, state rows and which track
-token ids) while no request comes or goes; ``tracking_in_order`` keeps which ``in_order``
-requests track ids; ``PlanBuilder`` packs a plan's data in one go (``_packed``, the plan
-made by ``StepPlan._of_parts``) instead of ``StepPlan.build``; the coordinator gathers a
+``tracking_in_order`` keeps which ``in_order`` requests track ids; ``PlanBuilder`` packs a
+plan's data in one go (``_packed``) instead of ``StepPlan.build``; the coordinator gathers a
 batch's rows with one flat ``take``. Random workloads that repeat one batch (the same id
 objects, the way a serving loop decodes) must give the same results, errors, plans (byte
 for byte) and state as the one-by-one reference, also across failed and rolled-back calls;
@@ -150,7 +148,7 @@ def test_resident_rows_by_view_by_gather_and_one_manager_at_a_time_agree(config)
         [m.decode_rows(rows, positions) for m in d.paged]).tolist()
 
 
-# -- the batch memo -------------------------------------------------------------------------
+# -- a repeated batch -------------------------------------------------------------------------
 def _repeating_op(rng: random.Random, s, names: list[str], batches: list[list[str]]) -> tuple:
     """Mostly the same batch again (the very list, or a copy: the same id objects), with
     admissions, frees, appends, steps and failing calls in between."""
@@ -204,32 +202,6 @@ def test_a_repeated_batch_agrees_with_the_one_by_one_path(config):
         assert fast.stats() == slow.stats()
 
 
-def test_the_kept_batch_follows_the_requests_that_come_and_go():
-    s = make(max_num_seqs=3)
-    for rid in ("a", "b"):
-        s.add_request(rid, 5, 20)
-        s.append_slots(rid, 5)
-    batch = ["a", "b"]
-    kept = s._requests.batch(batch)
-    assert kept is not None and s._requests.batch(batch) is kept
-    assert s._requests.batch(list(batch)) is kept          # the same id objects
-    s.free_request("a")                                    # a leaves: forgotten
-    assert s._requests.batch(batch) is None
-    s.add_request("c", 3, 20)                              # row 0 again, another request
-    s.add_request("a", 7, 20)
-    again = s._requests.batch(batch)
-    assert again is not kept and again.reqs == [s._requests["a"], s._requests["b"]]
-    assert again.rows.tolist() == [s._requests["a"].row, s._requests["b"].row]
-    with pytest.raises(KeyError):                          # an admission rolled back
-        with s.journal.transaction():
-            s.free_request("c")
-            assert s._requests.batch(batch) is None or s._requests.batch(batch).reqs[0] \
-                is s._requests["a"]
-            raise KeyError("roll back")
-    assert s._requests.batch(batch).rows.tolist() == again.rows.tolist()
-    assert not s._requests.batch(batch).rows.flags.writeable
-
-
 def test_tracking_in_order_follows_admissions_with_token_ids():
     s = make(max_num_seqs=3)
     s.add_request("a", 5, 20)
@@ -255,32 +227,6 @@ def test_a_fault_anywhere_in_a_repeated_batch_changes_nothing(watermark):
         assert sweep(in_transaction(s, s.step), lambda: columns_state(s),
                      where=BATCH_PATHS) > 10
     s.check_invariants()
-
-
-# -- StepPlan._of_parts against the constructor --------------------------------------------
-_OF_PARTS = dict(step=3, layout=LAYOUT.fingerprint, commit=True, num_resets=1, num_writes=1,
-                 num_mirror=1, num_resident=1, num_lost=0, released_pages=2,
-                 num_invalidate=0)
-
-
-@pytest.mark.parametrize("change", [
-    {}, {"commit": False}, {"released_pages": np.int64(2)}, {"commit": np.bool_(True)},
-    {"step": 0}, {"released_pages": -1}, {"released_pages": 2**63}, {"num_resident": 0},
-    {"num_writes": 2}, {"data": np.zeros(5, np.int64)}, {"data": np.zeros((5, 1), np.int32)},
-    {"layout": 1.5}, {"commit": 1},
-])
-def test_of_parts_makes_the_plan_the_constructor_makes(change):
-    fields = {**_OF_PARTS, "data": np.arange(5, dtype=np.int32), **change}
-
-    def outcome(make):
-        try:
-            plan = make(**fields)
-        except ValueError as exc:
-            return str(exc)
-        return ([(k, type(v), v if k != "data" else v.tobytes()) for k, v in
-                 vars(plan).items()], plan.to_bytes())
-
-    assert outcome(StepPlan._of_parts) == outcome(StepPlan)
 
 
 # -- append_decode's per-layer dict ------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_split_gather_needs_a_process_group():
 def test_decode_checks_record_each_sections_error(monkeypatch):
     """``bench/gpu_check.py``'s decode checks: on CPU the GPU sections skip with a reason,
     the overlap step runs a smoke step, and a section that raises is recorded, not fatal."""
-    from hisparse_triton.benchmarks import decode_checks
+    from lab import decode_checks
 
     def broken(device, quick):
         raise RuntimeError("boom")

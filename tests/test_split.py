@@ -558,7 +558,7 @@ def test_resolve_rows_is_at_most_three_launches_and_no_torch_op(q):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hisparse_triton.kernels.launches import record_launches
+    from lab.launches import record_launches
 
     metadata_only = {"view", "_unsafe_view", "reshape", "as_strided", "alias", "expand",
                      "slice", "select", "unsqueeze", "squeeze"}   # no device work

@@ -563,3 +563,86 @@ def test_documented_example_command_runs(where, argv, request):
                                   f"{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
     if "--check" in argv.split():
         assert "check: tokens and logits bit-identical" in done.stdout, done.stdout[-1000:]
+
+
+# ------------------------------------------------------------------ decode under CUDA graphs
+def test_fixed_shape_decode_steps_are_bit_identical_with_padding(dense):
+    """``--cuda-graph`` on CPU: every decode step runs the step the graph would replay
+    (fixed batch of ``max_running`` rows; fewer running requests padded), bit-identical."""
+    spec = dataclasses.replace(SPEC, cuda_graph=True)
+    result, store, _, work = run_split(spec)
+    assert tiny_dsa.compare(dense, result) == []
+    graph = store.graph
+    assert graph.eager_steps > 0 and graph.padding_rows > 0 and graph.captures == 0
+    assert work.misses > 0
+
+
+@pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_fixed_shape_decode_steps_on_the_triton_backend_small():
+    spec = tiny_dsa.RunSpec(num_requests=3, max_running=2, num_layers=2,
+                            prompt_len_range=(70, 100), max_new_tokens=3,
+                            free_block_watermark=1.0, backend="triton", cuda_graph=True)
+    result, store, _, work = run_split(spec)
+    assert tiny_dsa.compare(tiny_dsa.run_dense(spec), result) == []
+    assert store.graph.padding_rows > 0 and work.misses > 0
+
+
+def test_graph_inputs_pad_a_smaller_batch_and_padding_changes_nothing():
+    spec = tiny_dsa.RunSpec(num_requests=2, max_running=3, num_layers=2,
+                            prompt_len_range=(40, 60), free_block_watermark=1.0)
+    scheduler, worker = tiny_dsa.build_split(spec)
+    with worker:
+        store = tiny_dsa.SplitStore(worker, scheduler)
+        model = tiny_dsa.TinyDSA(spec.model_config())
+        for rid in ("x", "y"):
+            store.add(rid, 40, 4)
+            store.append(rid, 40)
+        store.begin()
+        store.commit()
+        for rid in ("x", "y"):
+            store.append(rid, 1)
+        store.begin()
+        graph = tiny_dsa.GraphDecode(model, store, 3)
+        inputs = graph.step_inputs(["y", "x"], [[5], [7]], [40, 40])
+        rows = store._step_rows
+        assert inputs["tokens"].tolist() == [5, 7, 0]
+        assert inputs["positions"].view(-1).tolist() == [40, 40, -1]
+        assert inputs["state_rows"].tolist() == [rows["rows"]["y"], rows["rows"]["x"], -1]
+        assert inputs["valid"].view(-1).tolist() == [True, True, False]
+        for layer, slots in inputs["slots"].items():
+            assert slots.tolist() == [int(rows["slots"]["y"][layer][0]),
+                                      int(rows["slots"]["x"][layer][0]), 0]
+        # a step of padding rows only (the warm-up before a capture): rows -1, nothing moved
+        seen = []
+        resolve_rows = worker.resolve_rows
+
+        def recorded(leader, state_rows, topk, **kwargs):
+            out = resolve_rows(leader, state_rows, topk, **kwargs)
+            seen.append(out.clone())
+            return out
+
+        worker.resolve_rows = recorded
+        before = (worker._debug_snapshot(), worker.device_pool.tensor.clone(), worker.stats())
+        graph._fill(graph.padding_inputs())
+        graph.forward()
+        assert seen and all(bool((rows == -1).all()) for rows in seen)
+        assert before[0] == worker._debug_snapshot() and before[2] == worker.stats()
+        assert torch.equal(before[1], worker.device_pool.tensor)
+        store.commit()
+
+
+@pytest.mark.parametrize("argv", [["--cuda-graph", "--tp", "2"],
+                                  ["--cuda-graph", "--store", "facade"],
+                                  ["--cuda-graph", "--spec-tokens", "2"]])
+def test_cli_cuda_graph_needs_one_rank_of_the_split_store(capsys, argv):
+    assert tiny_dsa.main(argv) == 2
+    assert "--cuda-graph" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a CUDA graph capture)")
+def test_cli_cuda_graph_captures_once_and_replays_bit_identical(capsys):
+    assert tiny_dsa.main(["--device", "cuda", "--backend", "triton", "--cuda-graph",
+                          "--requests", "4", "--max-running", "3", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "captured 1 time(s), replayed" in out and "bit-identical" in out
+    assert " 0 padding rows" not in out

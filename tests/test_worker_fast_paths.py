@@ -1,20 +1,18 @@
 """The decode path's fast paths agree with the general code they stand in for.
 
-``StepPlan.received``'s copy of a plain plan (``_plain_copy``), ``StepPlan.check``'s
-vectorised test (``_tables_fit`` against the entry-by-entry ``_check_tables``), the mirror's
+``StepPlan.check``'s vectorised test (``_tables_fit`` against the entry-by-entry ``_check_tables``), the mirror's
 views of the packed plan (a gather per set, a view for a set of one resident group), the
 staging ring handing back its last upload and ``mirror(plan)``'s comparison of the data.
 """
 
 from __future__ import annotations
 
-import pickle
 
 import numpy as np
 import pytest
 import torch
 
-from hisparse_triton.step_plan import _INT_FIELDS, PlanLimits, StepPlan, TableLayout, _plain_copy
+from hisparse_triton.step_plan import PlanLimits, StepPlan, TableLayout
 from hisparse_triton.worker.mirror import HostMirror, MirrorSet
 from hisparse_triton.worker.tables import StagingRing, _same_values
 from worker_helpers import make_pair
@@ -35,77 +33,6 @@ def _plan(step: int = 1, *, resets=(), index=(), values=(), host=(), device=None
                           mirror_device_rows=device,
                           lost=np.zeros((0, 3)) if lost is None else lost,
                           invalidate=invalidate)
-
-
-def _general(plan: StepPlan) -> object:
-    """What the general path of ``received`` makes of ``plan``: the plan, or the message."""
-    try:
-        return StepPlan(**{name: object.__getattribute__(plan, name)
-                           for name in ("step", "layout", "commit", "num_resets",
-                                        "num_writes", "num_mirror", "num_resident",
-                                        "num_lost", "released_pages", "num_invalidate",
-                                        "data")})
-    except ValueError as exc:
-        return str(exc)
-
-
-def _received(plan: StepPlan) -> object:
-    try:
-        return StepPlan.received(plan)
-    except ValueError as exc:
-        return str(exc)
-
-
-def _forged(plan: StepPlan, **fields) -> StepPlan:
-    copy = pickle.loads(pickle.dumps(plan))
-    for name, value in fields.items():
-        object.__setattr__(copy, name, value)
-    return copy
-
-
-def test_only_the_step_field_has_a_floor_above_zero():
-    """What ``_plain_copy``'s range test assumes of the int fields (step >= 1, others >= 0)."""
-    assert [floor for _, floor in _INT_FIELDS] == [1] + [0] * (len(_INT_FIELDS) - 1)
-    assert _INT_FIELDS[0][0] == "step"
-
-
-def test_a_plain_plan_is_copied_by_the_fast_path():
-    plan = _plan(resets=[2], index=[3, 9], values=[5, 7], host=[4, 8],
-                 device=[[4, 5], [6, 7]])
-    copy = _plain_copy(plan)
-    assert copy is not None and type(copy) is StepPlan and copy == plan
-    assert vars(copy).keys() == vars(plan).keys()
-    assert all(type(getattr(copy, k)) is type(getattr(plan, k)) for k in vars(plan))
-    assert not np.shares_memory(copy.data, plan.data)
-    assert StepPlan.received(plan) == _general(plan)
-
-
-@pytest.mark.parametrize("fields", [
-    dict(step=np.int64(1)), dict(num_lost=np.int32(0)), dict(commit=np.bool_(False)),
-    dict(step=True), dict(step=0), dict(released_pages=-1), dict(layout=2**63),
-    dict(commit=1), dict(data=None), dict(data=[0, 1]), dict(num_writes=3),
-    dict(num_resident=0), dict(data_be=True), dict(data_2d=True), dict(data_i64=True),
-])
-def test_any_other_plan_takes_the_general_path(fields):
-    plan = _plan(index=[3, 9], values=[5, 7], host=[4], device=[[4], [5]])
-    if fields.pop("data_be", False):
-        fields["data"] = plan.data.astype(">i4")
-    if fields.pop("data_2d", False):
-        fields["data"] = plan.data.reshape(1, -1)
-    if fields.pop("data_i64", False):
-        fields["data"] = plan.data.astype(np.int64)
-    forged = _forged(plan, **fields)
-    assert _plain_copy(forged) is None
-    assert _received(forged) == _general(forged)
-
-
-def test_a_plan_missing_a_field_takes_the_general_path():
-    plan = _forged(_plan())
-    del plan.__dict__["released_pages"]          # the class default stands in for it
-    assert _plain_copy(plan) is None and _received(plan) == _general(plan)
-    del plan.__dict__["data"]
-    with pytest.raises(ValueError, match="has no 'data' field"):
-        StepPlan.received(plan)
 
 
 def _random_plan(rng: np.random.Generator) -> StepPlan:

@@ -1,5 +1,8 @@
 """The measurement library behind ``hisparse-triton bench`` (and ``tune``,
-``bench/gpu_check.py`` and the pytest-benchmark suites under ``bench/``).
+``bench/gpu_check.py`` and the pytest-benchmark suites under ``bench/``): what a user
+measures on their own GPU. What measures the project itself (host cost with stubbed
+launches, the stand-in driver, instruction counts, the decode checks) is the lab in
+``bench/lab/`` of a source checkout, not part of the package.
 
 What is measured (docs/benchmarking.md has the user's view):
 
@@ -17,8 +20,8 @@ Modules, one job each: ``registry`` (the ops every tool measures or tunes), ``se
 rotation, CUDA graphs), ``workloads`` (pools, plans, resolve state), ``figures`` (a measured
 point), ``transfers`` / ``resolve`` (the measurements), ``runner`` (``run_bench``),
 ``tuner`` (the launch-config search of ``tune``), ``targets``, ``report`` (the table),
-``plot``, ``progress``, ``host_cost`` / ``step_cost`` (the decode path's host and device
-cost).
+``plot``, ``progress``, ``decode_step`` (a whole decode step on a GPU, eager and replayed
+from a CUDA graph: ``bench --decode-step``).
 
 The names below are loaded on first use (PEP 562), so that importing a torch-free module of
 this package (``registry``, ``settings``, ``targets``, ``report``) does not import torch.

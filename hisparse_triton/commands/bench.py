@@ -113,32 +113,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "source rows / the torch reference")
     timing.add_argument("--no-graph", action="store_true",
                         help="skip the CUDA-graph replays of the Triton kernels")
-    timing.add_argument("--host", action="store_true",
-                        help="instead of the sweep: the host (Python) cost of the decode path "
-                             "with every kernel launch stubbed out, on CPU: one resolve_rows "
-                             "and a whole DeepSeek-V3.2-shaped decode step at batch 64 "
-                             "(bookkeeping + 61 index groups), with launches per step; then "
-                             "the same step with Triton's real Python launch path against a "
-                             "stand-in sm_90 driver, before (HISPARSE_TRITON_DIRECT_LAUNCH=0) "
-                             "and after (direct launches)")
     timing.add_argument("--no-overlap", action="store_true",
                         help="with --decode-step: skip the step with a stand-in compute kernel "
                              "per layer, serial vs side stream (gpu_check runs it in its "
                              "decode-checks step)")
-    timing.add_argument("--no-launch-path", action="store_true",
-                        help="with --host: skip the real-launch-path runs (they compile the "
-                             "kernels for sm_90 on first use, about a minute)")
-    timing.add_argument("--instructions", action="store_true",
-                        help="with --host: also count the instructions of a step, of one "
-                             "resolve_rows and of the bookkeeping under valgrind's callgrind "
-                             "(the launch path against the stand-in driver: deterministic "
-                             "where times move by tens of percent; needs valgrind, a few "
-                             "minutes)")
     timing.add_argument("--decode-step", action="store_true",
                         help="instead of the sweep (CUDA): a whole decode step of --preset "
                              "(default deepseek-v3.2-fp8) at --batch 64, every request on the "
-                             "host path: eager step time, the index groups' resolves replayed "
-                             "from one CUDA graph, misses and GB/s gathered per step")
+                             "host path: the eager step and the step with its decode forward "
+                             "replayed from a CUDA graph (host and device time of each), the "
+                             "resolves alone from the graph, misses and GB/s per step")
     add_threads_flag(timing, default=None,
                      help="torch CPU threads (default 1 when the sweep runs on the CPU, as "
                           "simulate: CPU figures swing with the machine's load when torch "
@@ -231,113 +215,15 @@ def resolve_device(name: str) -> Any:
     return torch.device(name)
 
 
-#: Host-cost targets: per ``resolve_rows`` (besides Triton's launch call), per eager decode
-#: step of DeepSeek-V3.2 at batch 64, and kernel launches per step (3 per index group).
-HOST_TARGETS = {"resolve_rows_us": 25.0, "step_ms": 3.0, "step_launches": 183}
-#: Target of the same step with Triton's real Python launch path included (issue 20).
-LAUNCH_PATH_TARGET_MS = 1.5
-
-
-def run_host(args: argparse.Namespace) -> int:
-    """``bench --host``: the decode path's host cost with the launches stubbed out."""
-    from hisparse_triton.benchmarks.host_cost import resolve_host_cost
-    from hisparse_triton.benchmarks.step_cost import decode_step_host_cost
-
-    set_torch_threads(args.threads or 1)
-    batch = args.batch[0] if args.batch else 64
-    top_k = args.top_k or 2048
-    hot = args.hot_slots or max(4096, 2 * top_k)
-    steps = 10 if args.quick else 40
-    ops_level = resolve_host_cost(batch, top_k, hot, iters=50 if args.quick else 200)
-    step = decode_step_host_cost(batch, steps, top_k=top_k, device_buffer_size=hot)
-    met = {name: step[name] <= limit for name, limit in HOST_TARGETS.items()}
-    lines = [
-        f"host cost, kernel launches stubbed (CPU): {step['geometry']}, batch {batch}",
-        f"  ops.resolve + ops.copy_rows   {ops_level['us_per_call']:8.1f} us per call "
-        f"({ops_level['launches_per_call']} launches)",
-        f"  worker.resolve_rows           {step['resolve_rows_us']:8.1f} us per call "
-        f"(target <= {HOST_TARGETS['resolve_rows_us']:g}; {step['resolve_rows_launches']} "
-        f"launches, {step['resolve_rows_torch_ops']} torch ops)",
-        f"  bookkeeping per step          {step['bookkeeping_ms']:8.3f} ms (append_decode + "
-        f"step + apply + mirror; the in-process facade: {step['facade_bookkeeping_ms']:.3f} ms)",
-        f"  whole eager decode step       {step['step_ms']:8.3f} ms (target <= "
-        f"{HOST_TARGETS['step_ms']:g}); {step['step_launches']} kernel launches (target <= "
-        f"{HOST_TARGETS['step_launches']}), {step['step_torch_ops']} torch ops",
-    ]
-    launch_path: dict = {}
-    if not args.no_launch_path:
-        from hisparse_triton.benchmarks.step_cost import launch_path_host_cost
-
-        lines.append("host cost with Triton's real Python launch path (JITFunction.run or "
-                     "direct launches) against a STAND-IN sm_90 driver on CPU: real compiles, "
-                     "each launch's tensor addresses read, nothing launched:")
-        # after_bare: the stand-in's Python emulation of the C launcher's pointer
-        # address reads left out (Triton's Python launch path alone)
-        for label, direct, reads in (("before", False, True), ("after", True, True),
-                                     ("after_bare", True, False)):
-            try:
-                launch_path[label] = launch_path_host_cost(batch, steps, top_k=top_k,
-                                                           device_buffer_size=hot,
-                                                           direct=direct,
-                                                           read_addresses=reads)
-            except Exception as exc:  # the stubbed numbers above still stand
-                launch_path[label] = {"error": str(exc)[-500:]}
-                lines.append(f"  {label}: failed: {str(exc)[-200:]}")
-                continue
-            r = launch_path[label]
-            how = "direct launches" if direct else "JITFunction.run per launch"
-            if not reads:
-                how += ", no emulated address reads"
-            lines.append(
-                f"  {label:10s} ({how}"
-                f"): step {r['step_ms']:.3f} ms (target <= {LAUNCH_PATH_TARGET_MS:g}), "
-                f"worker.resolve_rows {r['resolve_rows_us']:.1f} us, bookkeeping "
-                f"{r['bookkeeping_ms']:.3f} ms, {r['step_launches']} launches")
-    counts = _host_instructions(batch, top_k, hot, lines) if args.instructions else {}
-    print("\n".join(lines), file=report_stream(args.json))
-    if args.json:
-        doc = {"ops": ops_level, "step": step, "targets": HOST_TARGETS, "met": met}
-        if launch_path:
-            doc["launch_path"] = dict(launch_path, target_step_ms=LAUNCH_PATH_TARGET_MS)
-        if counts:
-            doc["instructions"] = counts
-        write_json(json_document("bench-host", 1, doc), args.json)
-    return 0
-
-
-def _host_instructions(batch: int, top_k: int, hot: int, lines: list[str]) -> dict:
-    """``bench --host --instructions``: instructions per unit of the step with Triton's
-    launch path against the stand-in driver (``benchmarks.instructions``), and of the step
-    without the stand-in's emulated address reads; appends the report's lines."""
-    from hisparse_triton.benchmarks.instructions import count_instructions
-
-    lines.append("instructions (callgrind; direct launches, stand-in sm_90 driver):")
-    counts: dict = {}
-    for label, unit, mode in (("step", "step", "standin"),
-                              ("resolve_rows", "resolve_rows", "standin"),
-                              ("bookkeeping", "bookkeeping", "standin"),
-                              ("step_bare", "step", "standin_bare")):
-        try:
-            counts[label] = count_instructions(unit, launches=mode, batch=batch, top_k=top_k,
-                                               device_buffer_size=hot)
-        except Exception as exc:  # the times above still stand
-            counts[label] = {"error": str(exc)[-500:]}
-            lines.append(f"  {label}: failed: {str(exc)[-200:]}")
-            continue
-        note = ", no emulated address reads" if mode == "standin_bare" else ""
-        lines.append(f"  {label:13s} {counts[label]['instructions']:>12,d} instructions per "
-                     f"{unit}{note}")
-    return counts
-
-
 def run_decode_step(args: argparse.Namespace) -> int:
-    """``bench --decode-step``: a whole decode step on the GPU (``step_cost``)."""
-    from hisparse_triton.benchmarks.step_cost import decode_step_device
+    """``bench --decode-step``: a whole decode step on the GPU (``benchmarks.decode_step``)."""
+    from hisparse_triton.benchmarks.decode_step import decode_step_device, overlap_step
 
     device = resolve_device(args.device)
     if device.type != "cuda":
         raise ValueError("--decode-step times kernels: it needs a CUDA device "
-                         "(`bench --host` measures the host side on any machine).")
+                         "(bench/host_cost.py in a source checkout measures the host side "
+                         "on any machine).")
     result = decode_step_device(batch=args.batch[0] if args.batch else 64,
                                 prompt_len=4096 if not args.quick else 2560,
                                 steps=6 if args.quick else 12,
@@ -345,8 +231,6 @@ def run_decode_step(args: argparse.Namespace) -> int:
     if args.json:  # the eager figures are kept even if the overlap runs are cut short
         write_json(json_document("bench-decode-step", 1, result), args.json)
     if not args.no_overlap:
-        from hisparse_triton.benchmarks.decode_checks import overlap_step
-
         try:  # the same step with a stand-in compute kernel, without and with the side stream
             result["overlap"] = overlap_step(device, args.quick,
                                              batch=args.batch[0] if args.batch else 64)
@@ -355,11 +239,15 @@ def run_decode_step(args: argparse.Namespace) -> int:
     lines = [f"decode step: {result['preset']}, batch {result['batch']}, {result['prompt_len']}"
              f"-token histories, {result['index_groups']} index groups, every request on the "
              f"host path (locality {result['locality']})",
-             f"  eager step: {result['eager_step_device_ms']} ms on the device, "
-             f"{result['eager_step_host_ms']} ms on the host; {result['misses_per_step']:.0f} "
-             f"misses, {result['h2d_bytes_per_step'] / 2**20:.1f} MiB gathered per step "
-             f"({result.get('h2d_gbps_in_step')} GB/s over the step)",
-             f"  one CUDA graph of every index group's resolve_rows: "
+             f"  host time per step: eager {result['eager_step_host_ms']} ms, graph-replayed "
+             f"{result.get('graph_step_host_ms')} ms (the decode forward from one CUDA "
+             f"graph; plan, apply and mirror eager)",
+             f"  device time per step: eager {result['eager_step_device_ms']} ms, "
+             f"graph-replayed {result.get('graph_step_device_ms')} ms; "
+             f"{result['misses_per_step']:.0f} misses, "
+             f"{result['h2d_bytes_per_step'] / 2**20:.1f} MiB gathered per step "
+             f"({result.get('h2d_gbps_in_step')} GB/s over the eager step)",
+             f"  every index group's resolve_rows alone from the graph: "
              f"{result.get('graph_resolves_ms')} ms per step, "
              f"{result.get('graph_resolve_us_per_group')} us per index group"]
     for key, figures in sorted((result.get("overlap") or {}).items()):
@@ -378,8 +266,6 @@ def run_decode_step(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write ``--json`` / ``--plot``."""
-    if args.host:
-        return run_host(args)
     if args.decode_step:
         return run_decode_step(args)
     if args.plot:

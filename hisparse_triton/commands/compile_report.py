@@ -1,8 +1,8 @@
 """``hisparse-triton compile-report``: compile every kernel launch the runtime can make for
 an NVIDIA (``sm_90``) or AMD (``gfx942``) architecture, on any machine (no GPU), and print
 registers, spills, shared memory / LDS, instruction count and occupancy per launch
-(``hisparse_triton.kernels.compile_report`` explains every column). Also
-``python -m hisparse_triton.kernels.compile_report``."""
+(``hisparse_triton.compile.report`` explains every column). Also
+``python -m hisparse_triton.compile.report``."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call([sys.executable, "-m", "hisparse_triton", "compile-report",
                                 *_flags(args)], env=env)
-    from hisparse_triton.kernels.compile_report import (
+    from hisparse_triton.compile.report import (
         RESOLVE_WIDTHS,
         compile_report,
         format_report,
@@ -119,7 +119,7 @@ def _flags(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hisparse_triton.kernels.compile_report ...``: the same command."""
+    """``python -m hisparse_triton.compile.report ...``: the same command."""
     from hisparse_triton.cli import main as cli_main
 
     return cli_main(["compile-report", *(sys.argv[1:] if argv is None else argv)])

@@ -161,27 +161,8 @@ class Capacity:
         reclaim, _ = self.fit(sum(counts), req.request_id, new_len - req.seq_len)
         return new_len, counts, reclaim
 
-    def decode_batch(self, request_ids: Sequence[Hashable]) -> Optional[list[Request]]:
-        """The batch's requests, each counted for one more token (errors as
-        ``append_slots``, in batch order), when all their new blocks fit as they are; None
-        when an id comes twice or a reclaim is needed (append one request after the
-        other)."""
-        try:
-            if len(set(request_ids)) != len(request_ids):
-                return None
-        except TypeError:   # an unhashable id: the one-by-one path reports it
-            return None
-        reqs, needed = [], 0
-        for request_id in request_ids:
-            req = self.requests.get(request_id, "append_decode")
-            req.check_append(1, self.max_num_batched_tokens)
-            if not self.devices.starts_no_page(req.seq_len):
-                needed += sum(self.devices.count_new_blocks(req, req.seq_len + 1))
-            reqs.append(req)
-        return reqs if needed <= self.available_device_blocks else None
-
     def plain_decode(self, request_ids: Sequence[Hashable]) -> Optional[DecodeCount]:
-        """``decode_batch`` for the common decode step, counted over the batch at once:
+        """The common decode step (``append_decode``), counted over the batch at once:
         distinct live ids, each request under its reservation and
         ``max_num_batched_tokens``, none whose token brings or closes a token-id chain
         (added with ``token_ids``, its chain open), every started page's blocks fitting.

@@ -168,7 +168,7 @@ class PlanBuilder:
         if invalidate:
             parts.append(_triples(invalidate).reshape(-1))
         data = np.concatenate(parts, dtype=np.int32, casting="unsafe")
-        return StepPlan._of_parts(
+        return StepPlan(
             step=self.step + 1, layout=self.layout.fingerprint, commit=commit,
             num_resets=r, num_writes=w, num_mirror=host_rows.size,
             num_resident=device_rows.shape[0], num_lost=len(lost),

@@ -12,7 +12,7 @@ whole batch at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter, is_
+from operator import attrgetter
 from typing import Hashable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -212,10 +212,8 @@ def state_rows_of(reqs: Sequence[Request]) -> np.ndarray:
 
 
 class Batch(NamedTuple):
-    """Distinct live requests named by a batch's ids (``RequestTable.batch``, which keeps the
-    last one while no request comes or goes). Read only."""
+    """Distinct live requests named by a batch's ids (``RequestTable.batch``). Read only."""
 
-    ids: tuple[Hashable, ...]   # the ids as given, in batch order
     reqs: list[Request]         # their requests, in batch order
     rows: np.ndarray            # [R] int64 their state rows (not writeable)
     tracking: list[int]         # batch indices of the requests added with token ids
@@ -278,7 +276,6 @@ class RequestTable:
         #: The live requests' lengths, reservations and host blocks by state row.
         self.columns = RequestColumns(max_num_seqs, host_width)
         self._order: Optional[tuple[list[Request], np.ndarray]] = None   # in_order()
-        self._batch: Optional[Batch] = None   # the last batch(), while no request comes or goes
         self._tracking: Optional[tuple[Optional[np.ndarray]]] = None   # tracking_in_order()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() -> lowest row
 
@@ -322,13 +319,12 @@ class RequestTable:
         return self._order
 
     def _reorder(self) -> None:
-        """A request came or went: ``in_order`` and ``batch`` are built anew (after an undo
-        too)."""
+        """A request came or went: ``in_order`` is built anew (after an undo too)."""
         self._forget_order()
         self._journal.record(self._forget_order)
 
     def _forget_order(self) -> None:
-        self._order = self._batch = self._tracking = None
+        self._order = self._tracking = None
 
     def tracking_in_order(self) -> Optional[np.ndarray]:
         """``[n] bool``: which of the ``in_order`` requests were added with token ids; None
@@ -346,13 +342,7 @@ class RequestTable:
 
     def batch(self, request_ids: Sequence[Hashable]) -> Optional[Batch]:
         """The ``Batch`` of ``request_ids`` (a list or tuple) when they are distinct, hashable
-        and live, else None. The last one is kept while no request comes or goes, and handed
-        back for the very same id objects (compared by identity: a request's row and token-id
-        tracking never change while it lives)."""
-        last = self._batch
-        if last is not None and len(last.ids) == len(request_ids) \
-                and all(map(is_, last.ids, request_ids)):
-            return last
+        and live, else None."""
         try:
             if len(set(request_ids)) != len(request_ids):
                 return None
@@ -363,10 +353,7 @@ class RequestTable:
             return None
         rows = state_rows_of(reqs)
         rows.flags.writeable = False
-        batch = Batch(tuple(request_ids), reqs, rows,
-                      self.columns.tracks_ids[rows].nonzero()[0].tolist())
-        self._batch = batch
-        return batch
+        return Batch(reqs, rows, self.columns.tracks_ids[rows].nonzero()[0].tolist())
 
     @property
     def num_free_rows(self) -> int:

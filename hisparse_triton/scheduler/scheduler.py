@@ -28,7 +28,7 @@ reuses the longest cached prefix; models with sliding-window layers get no hits)
 The decode step runs over the batch at once: a plain ``append_decode`` (one token each, no
 token ids, the started pages fitting; ``Capacity.plain_decode``) and ``step()`` read and
 write the requests' lengths as numpy columns by state row (``requests.RequestColumns``);
-anything else takes the general path, one request after the other.
+anything else takes the general path, one request after the other (``append_slots``).
 Chunked prefill: with ``max_num_batched_tokens`` set, a request may not have more tokens
 appended since its last plan than that (``UncommittedTokensError``: step first).
 
@@ -64,7 +64,6 @@ from hisparse_triton.scheduler.requests import (
     RequestTable,
     check_id_list,
     int_at_least,
-    state_rows_of,
 )
 from hisparse_triton.scheduler.residency import ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
@@ -272,26 +271,14 @@ class HiSparseScheduler(SchedulerQueries):
         if count is not None:
             return self._by_layer(self._append_plain_decode(count))
         per_request = self._requests.decode_token_ids(request_ids, token_ids)
-        reqs = self.capacity.decode_batch(request_ids)
-        if reqs is None:   # one id twice or a reclaim: one request after the other
-            columns = []
-            with self.journal.transaction():
-                for request_id, ids in zip(request_ids, per_request):
-                    self._request(request_id, "append_decode")
-                    columns.append([int(rows[0])
-                                    for rows in self.append_group_rows(request_id, 1, ids)])
-            table = np.array(columns, dtype=np.int64).reshape(len(columns), -1).T
-        else:
-            devices = self.devices
-            new_ids = [req.new_token_ids(1, ids) for req, ids in zip(reqs, per_request)]
-            rows = state_rows_of(reqs)
-            positions = np.fromiter((r.seq_len for r in reqs), dtype=np.int64,
-                                    count=len(reqs))
-            for req, ids in zip(reqs, new_ids):
-                new_len = req.seq_len + 1
-                self._grow(req, new_len, None if devices.starts_no_page(req.seq_len)
-                           else devices.count_new_blocks(req, new_len), ids)
-            table = devices.decode_rows(rows, positions)
+        columns = []   # the general path: one request after the other, all or nothing
+        with self.journal.transaction():
+            for request_id, ids in zip(request_ids, per_request):
+                self._request(request_id, "append_decode")
+                columns.append([int(rows[0])
+                                for rows in self.append_group_rows(request_id, 1, ids)])
+        table = np.array(columns, dtype=np.int64).reshape(len(columns),
+                                                          len(self._group_layers)).T
         return self._by_layer(table)
 
     def _append_plain_decode(self, count: DecodeCount) -> np.ndarray:

@@ -6,12 +6,14 @@ empty), ``lru [S, H]`` (slot ids, least recently used first) and ``counters [3] 
 plan's resets clear every group's rows with one write. ``HotCache.resolve`` is the decode
 call: ONE resolve launch (rows, the miss plan, the counters) and ONE gather launch of the
 misses into the hot rows of all of the group's layers; on the Triton backend both are bound
-once to the group's fixed tensors (``BoundResolve`` / ``BoundCopy``), so a call is a lookup
-and two launches. When the gather raises, the resolve is undone (hot state and counters).
+to the group's fixed tensors (``BoundResolve`` / ``BoundCopy``: checks and launch arguments
+once per shape), so a call is its shape checks, two lookups and two ``kernel[grid](...)``
+launches, and the same two launches are what a CUDA graph captures. When the gather raises,
+the resolve is undone (hot state and counters).
 
 Every call the worker makes into ``hisparse_triton.ops`` or ``hisparse_triton.kernels`` is in
 this module: ``kernel_backend``, ``new_workspace``, ``validate_tables``, ``copy_rows``,
-``MirrorCopy`` (the mirror's copies, direct launches on Triton), ``launch_config_source``
+``MirrorCopy`` (the mirror's copies, bound per table pair on Triton), ``launch_config_source``
 and ``HotCache``.
 """
 
@@ -95,7 +97,7 @@ def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: to
 def split_copy(backend: str, device: torch.device):
     """The copy a ``SplitGather`` runs: ``copy_rows(dst, src, src_rows, dst_rows, counts)``
     on the worker's backend (``kernel_backend(backend, device)``); on Triton through a
-    ``MirrorCopy`` (direct launches bound per table pair and plan layout)."""
+    ``MirrorCopy`` (a ``BoundCopy`` per table pair)."""
     kernel = kernel_backend(backend, device)
     copier = MirrorCopy(kernel)
 
@@ -154,10 +156,10 @@ class StreamRows(NamedTuple):
 class MirrorCopy:
     """``copy_rows(dst, src, src_rows, dst_rows, counts=None, *, backend)`` for plans that
     are new tensors every call (the mirror's rows: views of a step's packed plan). On the
-    Triton backend, outside tracing, each table pair gets a ``BoundCopy`` and its
-    ``shaped`` call: checks and launch arguments once per plan layout, then direct launches
-    (no ``JITFunction.run`` per step); otherwise ``ops.copy_rows``. ``kernel``: the
-    worker's resolved backend (``"triton"`` or ``"torch"``)."""
+    Triton backend, outside tracing, each table pair gets a ``BoundCopy``: checks and launch
+    arguments once per plan layout, then one ``kernel[grid](...)`` launch per call;
+    otherwise ``ops.copy_rows``. ``kernel``: the worker's resolved backend (``"triton"`` or
+    ``"torch"``)."""
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
@@ -182,7 +184,7 @@ class MirrorCopy:
             kernel = "backup" if dst.pool.is_cpu and not src.pool.is_cpu else "gather"
             entry = self._bound[key] = (dst, src, BoundCopy(dst, src, pages=False,
                                                             kernel=kernel))
-        entry[2].shaped(src_rows, dst_rows, counts)
+        entry[2](src_rows, dst_rows, counts)
 
 
 def launch_config_source(kernel: str, device: torch.device) -> str:
@@ -286,25 +288,6 @@ class HotState:
         self.slot_host_rows[:, rows] = slots
 
 
-class _DirectCall(NamedTuple):
-    """A bound resolve call on the direct path: its launches and what they write."""
-
-    pair: object                # ``DirectPair``: the resolve, then the gather of its misses
-    bufs: tuple                 # the workspace buffers of the call (``workspace.last``)
-    result: object              # the call's ``ResolveResult`` (views of ``bufs``)
-
-
-class _KeptLaunches(NamedTuple):
-    """``HotCache._direct_launches``' answer for one bound call, and what it holds for (the
-    bound gather it was looked up in is dropped with it: ``HotCache._bind_gathers``)."""
-
-    call: list                  # the bound resolve call (``BoundResolve.prepared``)
-    launches: Optional[_DirectCall]  # the answer (None: not on the direct path)
-    generation: int             # ``kernels.launches.generation()`` then
-    recorders: ModuleType       # ``hisparse_triton.kernels.launches``
-    retry: bool                 # look a None answer up again next time
-
-
 class HotCache:
     """One index group's hot cache (see the module docstring).
 
@@ -347,16 +330,9 @@ class HotCache:
         self.sizes = dict(block_size=block_size, num_device_blocks=num_device_blocks,
                           num_host_blocks=num_host_blocks)
         self.device = seq_lens.device
-        #: the CUDA device index the launches must run on (None off CUDA)
-        self._device_index = self.device.index if self.device.type == "cuda" else None
         self.rows_out: Optional[torch.Tensor] = None   # [R, K] the last call's rows
         self.rows_view: Optional[torch.Tensor] = None  # it, in the shape returned
         self._ops = load_ops()
-        #: ``(shape key, bound call)`` of the last eager call, whose checks ``resolve_fast``
-        #: skips for a call of the same shapes, dtypes, strides and devices.
-        self._fast: Optional[tuple] = None
-        #: ``_direct_launches``' answer and what it holds for
-        self._launches: Optional[_KeptLaunches] = None
         self.bound = self.bound_gather = None
         if kernel == "triton":
             from hisparse_triton.kernels.resolve import BoundResolve
@@ -376,7 +352,6 @@ class HotCache:
                              programs_per_sm=self.gather_programs_per_sm)
 
         self.bound_gather = bound(self.device_table, self.host_table)
-        self._launches = None   # the direct pair holds the gather it was bound with
         if self.split_tables is not None:
             self._split_gathers = tuple(bound(dev, host) for dev, host in self.split_tables)
 
@@ -469,77 +444,8 @@ class HotCache:
             self._events = (ready, leader, followers)
         return self._events
 
-    def resolve_fast(self, state_rows: object, topk: object) -> Optional[torch.Tensor]:
-        """``resolve(state_rows, topk)`` without its argument checks when the last call was
-        eager with the same shapes, dtypes, strides and devices (the checks read nothing
-        else: no tensor value): the decode path's repeated call. None when it does not
-        apply (the caller then takes the checked path): another shape, a tensor subclass,
-        tracing or a dispatch mode, a torch backend, a split gather."""
-        fast = self._fast
-        if fast is None or topk.__class__ is not torch.Tensor \
-                or state_rows.__class__ is not torch.Tensor:
-            return None
-        if (topk.shape, topk.dtype, topk.device, topk.stride(), state_rows.shape,
-                state_rows.dtype, state_rows.device, state_rows.stride()) != fast[0] \
-                or not self._ops.plain_dispatch():
-            return None
-        call = fast[1]
-        direct = self._direct_launches(call)
-        if direct is None:
-            result = None
-            try:
-                result = self.bound.run(call, topk, state_rows)
-                self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
-            except BaseException:  # undo the resolve: hot state and counters
-                self._undo(state_rows, result, None)
-                raise
-            return self.rows_view
-        # both bound to the compiled launchers: what the two calls above do
-        pair = direct.pair
-        self.workspace.last = direct.bufs
-        try:
-            if self._device_index is not None \
-                    and torch.cuda.current_device() != self._device_index:
-                with torch.cuda.device(self._device_index):
-                    pair(topk, state_rows)
-            else:
-                pair(topk, state_rows)
-        except BaseException:  # undo the resolve (when it ran): hot state and counters
-            self._undo(state_rows, direct.result if pair.stage else None, None)
-            raise
-        return self.rows_view
-
-    def _direct_launches(self, call: list) -> Optional["_DirectCall"]:
-        """The direct pair of the bound call ``call`` (resolve, then the gather of its miss
-        plan, both straight to their compiled launchers) with the workspace buffers and
-        result it stands for; None when it is not on the direct path. Kept per (call,
-        bound gather) and looked up again whenever a launch recorder replaced or restored
-        the kernels since (``kernels.launches.generation``)."""
-        kept = self._launches
-        if kept is None or kept.call is not call or kept.retry \
-                or kept.generation != kept.recorders.generation():
-            kept = self._launches = self._bind_launches(call)
-        return kept.launches
-
-    def _bind_launches(self, call: list) -> "_KeptLaunches":
-        """``_direct_launches``' answer for ``call``, looked up in the bound resolve and
-        gather, with what it holds for."""
-        from hisparse_triton.kernels import launches as recorders
-        from hisparse_triton.kernels.direct_launch import DirectPair, direct_launch_enabled
-
-        kept = _KeptLaunches(call, None, recorders.generation(), recorders, False)
-        resolve_launch = self.bound.direct_launch(call)
-        result = call[5]
-        gather_launch = None if resolve_launch is None else self.bound_gather.direct_launch(
-            result.miss_src, result.miss_dst, result.miss_count)
-        if gather_launch is None:   # bound on a next normal launch, if direct launches are on
-            return kept._replace(retry=direct_launch_enabled())
-        return kept._replace(launches=_DirectCall(
-            DirectPair(resolve_launch, gather_launch), call[3], result))
-
     def _resolve(self, state_rows: torch.Tensor, topk: torch.Tensor, *, split: bool,
                  events: Optional[tuple] = None) -> torch.Tensor:
-        self._fast = None   # set again below by an eager call that may be repeated unchecked
         shape = tuple(topk.shape)
         if topk.dim() == 3:  # Q draft tokens' selections resolve as one union per request
             topk = topk.reshape(shape[0], shape[1] * shape[2])
@@ -568,8 +474,7 @@ class HotCache:
             # workspace's plain tensors too, so the gather needs no second check)
             eager = self.bound is not None and ops.is_eager((topk, state_rows))
             if eager:
-                call = self.bound.prepared(topk, state_rows, out)
-                result = self.bound.run(call, topk, state_rows)
+                result = self.bound(topk, state_rows, out)
             else:
                 result = ops.resolve(
                     topk, state_rows, self.seq_lens, self.resident_table, self.host_blocks,
@@ -586,10 +491,6 @@ class HotCache:
                 self._gather_split(result, events)
             elif self.bound_gather is not None and (eager or ops.is_eager((result.miss_src,))):
                 self.bound_gather(result.miss_src, result.miss_dst, result.miss_count)
-                if eager and len(shape) == 2:   # the same shapes may skip every check next
-                    self._fast = ((topk.shape, topk.dtype, topk.device, topk.stride(),
-                                   state_rows.shape, state_rows.dtype, state_rows.device,
-                                   state_rows.stride()), call)
             else:
                 ops.copy_rows(self.device_table, self.host_table, result.miss_src,
                               result.miss_dst, result.miss_count, backend=self.kernel)

@@ -340,10 +340,9 @@ class HiSparseWorker(WorkerViews):
         same request; the tensor is the
         index group's persistent output, overwritten by its next resolve. Misses are
         gathered host -> device into the hot rows of all of the index group's layers in one
-        launch; counters accumulate on the device; fixed shapes, no host sync (CUDA-graph
-        friendly). Only shapes are checked, and a call whose tensors have the shapes, dtypes,
-        strides and devices of this index group's previous eager call skips even those
-        checks (``HotCache.resolve_fast``: the decode path's repeated call).
+        launch; counters accumulate on the device; fixed shapes, persistent outputs, no host
+        sync, no allocation after the first call of a shape: capturable in a CUDA graph
+        (docs/runtime.md, "Decode under CUDA graphs"). Only shapes are checked.
 
         ``stream`` (side-stream mode): the resolve and the gathers run on ``stream`` (a
         ``torch.cuda.Stream`` of this device; ``torch.cpu.Stream`` on a CPU worker) after the
@@ -354,13 +353,7 @@ class HiSparseWorker(WorkerViews):
         events, no host sync: CUDA-graph capturable. On CPU the events are no-ops
         (``HostEvent``) and the result is the same as without a stream.
         """
-        if self._closed:
-            self._check_open()
-        cache = self._index_groups.get(leader_layer)
-        if cache is not None and stream is None:   # a shape checked before: no checks
-            rows = cache.resolve_fast(state_rows, topk)
-            if rows is not None:
-                return rows
+        self._check_open()
         cache = self._index_group(leader_layer)
         self.check_topk(topk)
         return cache.resolve(state_rows, topk, stream=stream)

@@ -1,4 +1,4 @@
-"""The vLLM-op cost benchmark (``hisparse_triton.benchmarks.vllm_ops``): its argument sets are
+"""The vLLM-op cost benchmark (``lab.vllm_ops``): its argument sets are
 valid calls in vLLM's layout, the host-cost run makes one launch per op call, and a CUDA
 graph captures a decode step's calls (GPU only)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_triton.benchmarks import vllm_ops
+from lab import vllm_ops
 from hisparse_triton.integrations import vllm as plugin
 from hisparse_triton.integrations import vllm_reference
 

@@ -90,8 +90,8 @@ class StandInLaunch:
     signature with one C-level ``itemgetter``, ``_pointer_picker``; every argument where
     there is no signature), and charges nothing for the scalars: an argument tuple that
     holds only plain scalars (ints, floats, bools, strings, None) is checked once and then
-    remembered by identity (a tuple of scalars never comes to hold a tensor), as a direct
-    launch passes the same tuple of addresses every call (``kernels.direct_launch``). The
+    remembered by identity (a tuple of scalars never comes to hold a tensor; a caller that
+    launches with addresses may pass the same tuple every call). The
     check of a new tuple, and the reads, are as cheap as Python allows (a C-level type
     scan; ``isinstance`` only for what is not a plain tensor: it costs about 0.1 us through
     torch's metaclass, which the C launcher never pays). Like ``cuLaunchKernel``, the C
@@ -312,7 +312,7 @@ def standin_cuda_driver(arch: int = 90, *, record: bool = True,
 
 def _drop_device_caches() -> None:
     """Forget every kernel compiled for the stand-in (Triton keys its caches by device)."""
-    from hisparse_triton.kernels.launches import kernel_modules
+    from lab.launches import kernel_modules
     from triton.runtime.jit import JITFunction
 
     for module in kernel_modules():

@@ -1,8 +1,8 @@
-"""The AMD half of the compile report: compile recorded launches for ``gfx90a`` / ``gfx942`` /
+"""The AMD half of the compile report: compile the launchers' launches for ``gfx90a`` / ``gfx942`` /
 ``gfx950`` (wave64 CDNA GPUs) on any machine and read their resource use from the AMDGPU
 assembly Triton's AMD backend produces (``kernel.asm["amdgcn"]``, no GPU, no ROCm install).
 
-``kernels.compile_report`` records the launches (the same variants as for NVIDIA) and hands
+``compile.report`` collects the launches (the same variants as for NVIDIA) and hands
 each to ``AmdCompiler``; this module only knows the AMD side. Per launch:
 
 - ``vgprs`` (architectural + accumulation registers per lane as allocated, ``.vgpr_count``),
@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from hisparse_triton.kernels.target_compiler import TargetCompiler
+from hisparse_triton.compile.target_compiler import TargetCompiler
 
 __all__ = ["AMD_ARCH_LIMITS", "AmdCompiler", "amd_occupancy", "asm_usage", "format_amd_report",
            "is_amd_arch", "workgroup_handoff"]
@@ -132,7 +132,7 @@ def asm_usage(asm: str) -> dict[str, Any]:
 
 
 class AmdCompiler(TargetCompiler):
-    """Compiles recorded launches for one AMD target (``"gfx942"``; ``TargetCompiler``):
+    """Compiles launches for one AMD target (``"gfx942"``; ``TargetCompiler``):
     registers, spills, LDS and occupancy from the amdgcn assembly. Same interface as
     ``compile_report``'s NVIDIA compiler."""
 

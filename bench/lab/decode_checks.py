@@ -4,10 +4,10 @@ never loses the others.
 
 Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
 
-- ``launch_path``: host microseconds per launch of the decode gather through its direct
-  launch (``BoundCopy``) and through Triton's normal path (``launch_copy``:
-  ``JITFunction.run`` per call), and of the bound resolve (whatever path ``BoundResolve``
-  takes) against ``ops.resolve``; CUDA only (the CPU figure is ``bench --host``'s);
+- ``launch_path``: host microseconds per eager launch of the decode gather through its
+  bound launch (``BoundCopy``: checks once per plan layout) and through ``launch_copy``
+  (checks every call), and of the bound resolve (``BoundResolve``) against ``ops.resolve``;
+  all of them ``kernel[grid](...)`` launches; CUDA only;
 - ``resolve_variants``: device microseconds of one resolve at R = 1, 8, 64 x K = 2048 x
   H = 4096 at two miss rates, for every variant ``kernels.resolve.resolve_variants`` lists
   (the shape's dispatch, hash, sorted), each checked against the reference first;
@@ -16,22 +16,20 @@ Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
   stream=)``), and with the gather grid uncapped vs capped (``gather_programs_per_sm``);
 - ``split_gather``: needs 2 or more GPUs (skipped with the reason otherwise): two ranks
   (NCCL) split every gather of a step and exchange the rows, against both pulling all;
-- ``vllm_ops``: ``benchmarks.vllm_ops.device_time`` (the vLLM plugin's ops).
+- ``vllm_ops``: ``lab.vllm_ops.device_time`` (the vLLM plugin's ops).
 
-    python -m hisparse_triton.benchmarks.decode_checks --device cuda --json OUT.json
+    PYTHONPATH=bench python -m lab.decode_checks --device cuda --json OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 __all__ = ["SECTIONS", "run_checks"]
@@ -59,11 +57,12 @@ def _host_us(fn: Callable[[], Any], device: torch.device, n: int) -> float:
 
 # ----------------------------------------------------------------------------- launch path
 def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Host us per launch: direct vs normal, gather and resolve (see the module docstring)."""
+    """Host us per eager launch: bound vs checked every call, gather and resolve (see the
+    module docstring)."""
     if device.type != "cuda":
-        return {"skipped": "host cost on CPU: `bench --host` (stand-in driver)"}
+        return {"skipped": "host cost on CPU: bench/host_cost.py (stand-in driver)"}
     from hisparse_triton import ops
-    from hisparse_triton.benchmarks.host_cost import _state, _tables
+    from lab.host_cost import _state, _tables
     from hisparse_triton.kernels import gather
 
     n = 200 if quick else 1000
@@ -76,8 +75,8 @@ def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
     counts = torch.full((R,), 32, dtype=torch.int32, device=device)
     bound = gather.BoundCopy(dev, host, pages=False, kernel="gather")
     out: dict[str, Any] = {
-        "gather_direct_us": _host_us(lambda: bound(src, dst, counts), device, n),
-        "gather_normal_us": _host_us(lambda: gather.launch_copy(
+        "gather_bound_us": _host_us(lambda: bound(src, dst, counts), device, n),
+        "gather_checked_us": _host_us(lambda: gather.launch_copy(
             dev, host, src, dst, counts, pages=False, kernel="gather"), device, n),
     }
     state = {k: v.to(device) for k, v in _state(R, K, 4096, 64).items()}
@@ -96,8 +95,9 @@ def launch_path(device: torch.device, quick: bool) -> dict[str, Any]:
     out["resolve_ops_us"] = _host_us(lambda: ops.resolve(
         *args, **sizes, workspace=ws, out=rows, counters=counters, backend="triton"),
         device, n)
-    out["note"] = ("host time per launch, best of 3 x n calls with one sync after; the "
-                   "direct figure is what the decode path pays per gather")
+    out["note"] = ("host time per eager launch, best of 3 x n calls with one sync after; "
+                   "the bound figures are what an eager decode step pays per launch (a "
+                   "CUDA-graph replay pays none of it)")
     return out
 
 
@@ -151,83 +151,12 @@ def resolve_variants(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- overlap
-def overlap_step(device: torch.device, quick: bool, *, batch: int = 64,
-                 prompt_len: int = 4096, layers: Optional[int] = None,
-                 compute_n: int = 2048) -> dict[str, Any]:
-    """A decode step with a stand-in compute kernel per index group, with and without the
-    side-stream mode, with and without a gather grid budget (module docstring). On CPU a
-    small smoke run (exactness of the modes is tested in tests/test_side_stream.py)."""
-    from hisparse_triton.presets import build_kv_cache_spec, get_preset
-    from hisparse_triton.runtime import HiSparseRuntime
-    from hisparse_triton.workload import TopkTrace, plan_for_workload
+def overlap_step(device: torch.device, quick: bool, **kwargs: Any) -> dict[str, Any]:
+    """``hisparse_triton.benchmarks.decode_step.overlap_step`` (``bench --decode-step``'s
+    serial vs side-stream step)."""
+    from hisparse_triton.benchmarks.decode_step import overlap_step as step
 
-    cuda = device.type == "cuda"
-    if not cuda:
-        batch, prompt_len, layers, compute_n = 2, 256, layers or 2, 64
-    geometry = get_preset("deepseek-v3.2-fp8")
-    spec = build_kv_cache_spec(geometry, num_layers=layers)
-    top_k = geometry.index_topk if cuda else 64
-    steps = 3 if quick else 6
-    max_len = prompt_len + 2 * (2 * steps + 2) + 64
-    plan = plan_for_workload(spec, max_model_len=max_len, num_requests=batch, topk=top_k,
-                             device_buffer_size=2 * top_k, prompt_len=prompt_len)
-    a = torch.randn(compute_n, compute_n, device=device,
-                    dtype=torch.bfloat16 if cuda else torch.float32)
-    results: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "top_k": top_k,
-                               "compute": f"one {compute_n}^2 matmul per index group"}
-    rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch,
-                         device=device, backend="triton" if cuda else "torch",
-                         free_block_watermark=1.0)
-    try:
-        ids = [f"r{i}" for i in range(batch)]
-        for rid in ids:
-            rt.add_request(rid, prompt_len, max_len - prompt_len)
-            rt.append_slots(rid, prompt_len)
-            rt.commit()
-        sched, worker = rt.scheduler, rt.worker
-        leaders = sched.leaders
-        trace = TopkTrace(top_k, 0.87, seed=0)
-        state_rows = torch.from_numpy(sched.state_rows(ids)).to(device)
-        side = torch.cuda.Stream(device) if cuda else torch.cpu.Stream()
-
-        def step(overlap: bool) -> float:
-            topk = {leader: torch.from_numpy(np.stack([
-                trace.next((rid, leader), prompt_len) for rid in ids]).astype(
-                    np.int32)).to(device) for leader in leaders}
-            sched.append_decode(ids)
-            step_plan = sched.step()
-            worker.apply(step_plan)
-            _sync(device)
-            start = time.perf_counter()
-            for leader in leaders:
-                if overlap:
-                    got = worker.resolve_rows(leader, state_rows, topk[leader], stream=side)
-                    b = a @ a             # the layer's work that needs no gathered row
-                    for layer in got.events:
-                        got.wait(layer)   # attention reads the rows after this
-                else:
-                    worker.resolve_rows(leader, state_rows, topk[leader])
-                    b = a @ a
-                del b
-            worker.mirror(step_plan)
-            _sync(device)
-            return (time.perf_counter() - start) * 1e3
-
-        for budget in (0, 4):
-            worker.set_gather_programs_per_sm(budget)
-            for mode in (False, True):
-                step(mode)  # warm: binds, compiles
-            serial = [step(False) for _ in range(steps)]
-            overlapped = [step(True) for _ in range(steps)]
-            results[f"budget{budget}"] = {
-                "gather_programs_per_sm": budget,
-                "step_ms_serial": round(statistics.median(serial), 3),
-                "step_ms_side_stream": round(statistics.median(overlapped), 3)}
-    finally:
-        rt.close()
-    results["note"] = ("wall ms per step, synchronised; budget 0 = the copy kernel's own "
-                       "grid (32 programs per SM), 4 = the default decode budget")
-    return results
+    return step(device, quick, **kwargs)
 
 
 # ----------------------------------------------------------------------------- split gather
@@ -239,10 +168,13 @@ def split_gather(device: torch.device, quick: bool) -> dict[str, Any]:
     if count < 2:
         return {"skipped": f"needs 2 or more GPUs, this machine has {count} (the split "
                            f"gather is exact on CPU: tests/test_tensor_parallel.py)"}
+    import os
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "hisparse_triton.benchmarks.split_bench"],
-                          capture_output=True, text=True, timeout=150)
+    from lab import child_env
+
+    proc = subprocess.run([sys.executable, "-m", "lab.split_bench"], capture_output=True,
+                          text=True, timeout=150, env=child_env(dict(os.environ)))
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -250,10 +182,10 @@ def split_gather(device: torch.device, quick: bool) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- vLLM ops
 def vllm_ops(device: torch.device, quick: bool) -> dict[str, Any]:
-    """``benchmarks.vllm_ops.device_time`` (CUDA)."""
+    """``lab.vllm_ops.device_time`` (CUDA)."""
     if device.type != "cuda":
         return {"skipped": "device timing needs CUDA"}
-    from hisparse_triton.benchmarks import vllm_ops as vo
+    from lab import vllm_ops as vo
 
     return vo.device_time(device, rep_ms=40 if quick else 100)
 

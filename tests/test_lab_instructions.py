@@ -1,4 +1,4 @@
-"""``benchmarks.instructions``: instruction counts of the decode step by callgrind, the
+"""``lab.instructions``: instruction counts of the decode step by callgrind, the
 difference of two repeat counts per unit (the counted runs replaced by a fake here; one real
 run under valgrind is marked slow)."""
 
@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from hisparse_triton.benchmarks import instructions
-from hisparse_triton.benchmarks.instructions import _collected, count_instructions
+from lab import instructions
+from lab.instructions import _collected, count_instructions
 
 
 def _fake_runner(per_call: int, fixed: int, groups: int = 3):
@@ -31,10 +31,9 @@ def test_the_count_is_the_difference_of_two_repeat_counts_per_unit():
     job, env = jobs[0]
     assert job["callable"] == "split_step" and job["step"]["launches"] == "standin"
     assert job["step"]["steps"] == 7 and job["step"]["batch"] == 4
-    assert env["HISPARSE_TRITON_DIRECT_LAUNCH"] == "1" and "TRITON_INTERPRET" not in env
+    assert "TRITON_INTERPRET" not in env
     off, jobs = _fake_runner(per_call=1, fixed=0)
-    count_instructions("bookkeeping", runner=off, direct=False, launches="stubbed")
-    assert jobs[0][1]["HISPARSE_TRITON_DIRECT_LAUNCH"] == "0"
+    count_instructions("bookkeeping", runner=off, launches="stubbed")
     assert jobs[0][0]["callable"] == "bookkeeping"
 
 
@@ -75,11 +74,11 @@ def test_a_real_count_of_a_small_step(request):
 
 
 def test_bench_host_reports_the_counts(monkeypatch, tmp_path, capsys):
-    """``bench --host --instructions``: a line and a JSON entry per unit (counts faked; a
-    failing count is reported, the times still stand)."""
+    """``bench/host_cost.py --instructions``: a line and a JSON entry per unit (counts faked;
+    a failing count is reported, the times still stand)."""
     import json
 
-    from hisparse_triton.cli import main
+    from host_cost import main
 
     def fake(unit, *, launches, **sizes):
         if launches == "standin_bare":
@@ -88,8 +87,8 @@ def test_bench_host_reports_the_counts(monkeypatch, tmp_path, capsys):
                                                "bookkeeping": 1_000_000}[unit]}
     monkeypatch.setattr(instructions, "count_instructions", fake)
     out = tmp_path / "host.json"
-    code = main(["bench", "--host", "--quick", "--no-launch-path", "--instructions", "--batch",
-                 "4", "--top-k", "64", "--hot-slots", "128", "--json", str(out)])
+    code = main(["--quick", "--no-launch-path", "--instructions", "--batch", "4", "--top-k",
+                 "64", "--hot-slots", "128", "--json", str(out)])
     assert code == 0
     report = capsys.readouterr()
     text = report.out + report.err

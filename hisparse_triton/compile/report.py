@@ -1,14 +1,17 @@
 """Compile every kernel launch the runtime can make for an NVIDIA or AMD GPU, on any machine.
 
-    python -m hisparse_triton.kernels.compile_report --arch sm_90|gfx942 [--json PATH|-]
+    python -m hisparse_triton.compile.report --arch sm_90|gfx942 [--json PATH|-]
+    hisparse-triton compile-report --arch sm_90|gfx942 [--json PATH|-]    # the same
 
 (AMD targets ``gfx90a`` / ``gfx942`` / ``gfx950``: the same variants and schema, with the
-vendor fields ``kernels.amd_report`` documents; the NVIDIA fields follow.)
+vendor fields ``compile.amd_report`` documents; the NVIDIA fields follow.)
 
-No GPU is needed: the report runs the real launchers (``kernels.resolve.resolve``,
-``kernels.gather.gather_rows`` / ``restore_pages``, ``kernels.backup.backup_rows`` /
-``spill_pages``) on CPU tensors of production shapes with every ``@triton.jit`` kernel replaced
-by a recorder, then compiles each recorded launch for the chosen architecture with Triton's own
+No GPU is needed: the report asks the real launchers what they would launch
+(``kernels.resolve.resolve_launch``: the runtime's resolve with counters and a workspace;
+``kernels.gather.copy_launch``: the row / page copies of ``gather_rows`` / ``restore_pages``
+/ ``backup_rows`` / ``spill_pages``, each with its default config) on CPU tensors of
+production shapes, nothing launched, then compiles each launch for the chosen architecture
+with Triton's own
 launch-time specialisation (the binder a real launch uses: ints equal to 1 become constants,
 pointers and ints divisible by 16 get the divisibility hint) and the ``ptxas`` / ``cuobjdump``
 that ship with Triton. For each launch it prints:
@@ -22,7 +25,7 @@ that ship with Triton. For each launch it prints:
   256, 1 KB of shared memory reserved per CTA), ``limited_by`` naming the binding limit; 0
   means the kernel cannot launch (e.g. shared memory over the per-CTA limit);
 - ``grid``: the grid the launcher asked for;
-- ``model``: the issue-cycle model of the SASS (``kernels/sass_model.py``: issue, ALU and
+- ``model``: the issue-cycle model of the SASS (``compile/sass_model.py``: issue, ALU and
   shared/LSU cycles per row, dependent-load latency, barriers; ``us_per_call`` at 1, 8, 64
   and 132 rows at the H200 clock); a stated model, not a timing;
 - ``store_widths`` (the PTX global store widths, e.g. ``.v4.b32`` = 16 bytes) and
@@ -52,9 +55,8 @@ import sys
 import tempfile
 from typing import Any, Callable, Optional, Sequence
 
-from hisparse_triton.kernels import sass_model
-from hisparse_triton.kernels.launches import record_launches
-from hisparse_triton.kernels.target_compiler import TargetCompiler
+from hisparse_triton.compile import sass_model
+from hisparse_triton.compile.target_compiler import TargetCompiler
 
 __all__ = ["ARCH_LIMITS", "GROUPS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main",
            "occupancy", "report_in_subprocess"]
@@ -110,30 +112,27 @@ def _i32(*shape: int):
 
 
 def _resolve_calls(widths: Sequence[int], small_host: bool = True
-                   ) -> list[tuple[str, Callable[[], None]]]:
+                   ) -> list[tuple[str, Callable[[], Any]]]:
+    """``(variant, make)`` of every resolve variant: ``make()`` returns the launch the
+    runtime's resolve makes (``kernels.resolve.resolve_launch``: counters, a workspace)."""
     import torch
 
     from hisparse_triton.kernels import resolve as kres
+    from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
 
-    params = inspect.signature(kres.resolve).parameters
     calls = []
 
     def call(R: int, K: int, H: int, host_blocks: int, S: int = 0, P: int = 128,
-             B: int = _BLOCK, device_blocks: int = 100_000) -> Callable[[], None]:
-        def run() -> None:
+             B: int = _BLOCK, device_blocks: int = 100_000) -> Callable[[], Any]:
+        def make() -> Any:
             states = S or R + 8
-            extra = {}
-            if "counters" in params:  # the runtime accumulates counters in the kernel
-                extra["counters"] = torch.zeros(3, dtype=torch.int64)
-            if "workspace" in params:  # and calls with a workspace (the hash kernel's table)
-                from hisparse_triton.ops.resolve.workspace import ResolveWorkspace
-
-                extra["workspace"] = ResolveWorkspace("cpu")
-            kres.resolve(_i32(R, K), _i32(R), _i32(states), _i32(states, P),
-                         _i32(states, P), _i32(states, -(-H // B)), _i32(states, H),
-                         _i32(states, H), block_size=B, num_device_blocks=device_blocks,
-                         num_host_blocks=host_blocks, **extra)
-        return run
+            launch, _ = kres.resolve_launch(
+                _i32(R, K), _i32(R), _i32(states), _i32(states, P), _i32(states, P),
+                _i32(states, -(-H // B)), _i32(states, H), _i32(states, H), block_size=B,
+                num_device_blocks=device_blocks, num_host_blocks=host_blocks,
+                counters=torch.zeros(3, dtype=torch.int64), workspace=ResolveWorkspace("cpu"))
+            return launch
+        return make
 
     for K in widths:
         for H in (h for h in RESOLVE_SLOTS if h >= K):
@@ -163,18 +162,23 @@ def _tables(L: int, row_bytes: int, blocks: int = 4, lead: int = 4096):
     return host, dev
 
 
-def _copy_calls() -> list[tuple[str, Callable[[], None]]]:
-    from hisparse_triton.kernels import backup, gather
+def _copy_calls() -> list[tuple[str, Callable[[], Any]]]:
+    """``(variant, make)`` of every row / page copy variant: ``make()`` returns the launch
+    the launchers make (``kernels.gather.copy_launch``, with each launcher's default
+    config: ``gather_rows``, ``backup_rows``, ``restore_pages``, ``spill_pages``)."""
+    from hisparse_triton.kernels.gather import copy_launch
 
     kinds = {
         # a resolve miss plan of 64 requests x top-k 2048 (per-layer plans for followers)
-        "gather": lambda h, d, L: gather.gather_rows(d, h, _i32(64, 2048), _i32(64, 2048),
-                                                     _i32(64)),
+        "gather": lambda h, d, L: copy_launch(d, h, _i32(64, 2048), _i32(64, 2048),
+                                              _i32(64), pages=False, kernel="gather"),
         # the write-through of one decode step: a few new rows per request
-        "backup": lambda h, d, L: backup.backup_rows(h, d, _i32(64, 4), _i32(64, 4)),
-        "restore": lambda h, d, L: gather.restore_pages(d, h, _i32(64, 16), _i32(64, 16),
-                                                        _i32(64)),
-        "spill": lambda h, d, L: backup.spill_pages(h, d, _i32(8, 16), _i32(8, 16)),
+        "backup": lambda h, d, L: copy_launch(h, d, _i32(64, 4), _i32(64, 4), None,
+                                              pages=False, kernel="backup"),
+        "restore": lambda h, d, L: copy_launch(d, h, _i32(64, 16), _i32(64, 16), _i32(64),
+                                               pages=True, kernel="restore"),
+        "spill": lambda h, d, L: copy_launch(h, d, _i32(8, 16), _i32(8, 16), None,
+                                             pages=True, kernel="spill"),
     }
     calls = []
     for row in ROW_BYTES:
@@ -189,19 +193,19 @@ def _copy_calls() -> list[tuple[str, Callable[[], None]]]:
     return calls
 
 
-def _vllm_calls() -> list[tuple[str, Callable[[], None]]]:
-    """The vLLM plugin's FP8 up-convert gather (``kernels/vllm_fp8.py``) of an 8,192-token
-    prefill workspace for 64 requests: from the device cache, and on the staging path from
-    host rows, with and without device rows."""
+def _vllm_calls() -> list[tuple[str, Callable[[], Any]]]:
+    """``(variant, make)`` of the vLLM plugin's FP8 up-convert gather (``kernels/vllm_fp8.py``)
+    of an 8,192-token prefill workspace for 64 requests: from the device cache, and on the
+    staging path from host rows, with and without device rows (``upconvert_launch``)."""
     import torch
 
-    from hisparse_triton.kernels import vllm_fp8
+    from hisparse_triton.kernels.vllm_fp8 import upconvert_launch
 
     T, batch, blocks = 8192, 64, 2048
     pages = T // batch // _BLOCK
 
-    def call(host: bool, device_rows: bool) -> Callable[[], None]:
-        def run() -> None:
+    def call(host: bool, device_rows: bool) -> Callable[[], Any]:
+        def make() -> Any:
             src = torch.empty(blocks, _BLOCK, 656, dtype=torch.uint8)
             dst = torch.empty(T, 576, dtype=torch.bfloat16)
             kw = {}
@@ -210,21 +214,21 @@ def _vllm_calls() -> list[tuple[str, Callable[[], None]]]:
                           host_row_ids=_i32(1, batch * pages * _BLOCK))
                 if device_rows:
                     kw["device_row_ids"] = _i32(1, batch * pages * _BLOCK)
-            vllm_fp8.cp_gather_and_upconvert_fp8_kv_cache(
-                src, dst, _i32(batch, pages), _i32(batch), batch, None, **kw)
-        return run
+            return upconvert_launch(src, dst, _i32(batch, pages), _i32(batch), batch, None,
+                                    **kw)
+        return make
 
     return [("vllm fp8 upconvert device rows", call(False, False)),
             ("vllm fp8 upconvert host rows", call(True, False)),
             ("vllm fp8 upconvert host+device rows", call(True, True))]
 
 
-def _gather_i64_sizes() -> None:
+def _gather_i64_sizes() -> Any:
     """A gather whose pools have more than 2**31 rows and bytes per block (meta tensors: no
     memory), so the launch passes those sizes as 64-bit ints."""
     import torch
 
-    from hisparse_triton.kernels import gather
+    from hisparse_triton.kernels.gather import copy_launch
     from hisparse_triton.row_table import RowTable
 
     meta, page = torch.device("meta"), _BLOCK * 656
@@ -235,7 +239,8 @@ def _gather_i64_sizes() -> None:
     dev = RowTable(torch.empty(4 * stride, dtype=torch.uint8, device=meta), [0], 656, _BLOCK,
                    stride, 4 * _BLOCK)
     plan = torch.zeros(64, 2048, dtype=torch.int32, device=meta)
-    gather.gather_rows(dev, host, plan, plan, torch.zeros(64, dtype=torch.int32, device=meta))
+    return copy_launch(dev, host, plan, plan, torch.zeros(64, dtype=torch.int32, device=meta),
+                       pages=False, kernel="gather")
 
 
 # ------------------------------------------------------------------------------ compiling
@@ -279,7 +284,7 @@ def _ptx_accesses(ptx: str) -> dict[str, Any]:
 
 
 class _Compiler(TargetCompiler):
-    """Compiles recorded launches for one NVIDIA architecture (``TargetCompiler``): registers
+    """Compiles launches for one NVIDIA architecture (``TargetCompiler``): registers
     and spills from the cubin, its SASS for the cost model, PTX accesses, occupancy."""
 
     def __init__(self, arch: int):
@@ -319,7 +324,7 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_report needs the compiled kernels: unset TRITON_INTERPRET "
                            "(or call report_in_subprocess).")
-    from hisparse_triton.kernels import amd_report
+    from hisparse_triton.compile import amd_report
 
     amd = amd_report.is_amd_arch(arch)
     if not amd and arch not in ARCH_LIMITS:
@@ -332,21 +337,19 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
     calls = (_resolve_calls(widths, small_host) if "resolve" in groups else []) \
         + (_copy_calls() if "copy" in groups else []) \
         + (_vllm_calls() if "vllm" in groups else [])
-    tag = ["?"]
-    with record_launches(tag=tag) as launches, _planned_for(compiler):
-        for what, call in calls:
-            tag[0] = what
-            call()
-    # Compile with the kernel modules restored (kernels call their jit helpers by name).
+    with _planned_for(compiler):   # the launchers plan for the target (warp size, limits)
+        launches = [(what, make()) for what, make in calls]
     records: list[dict[str, Any]] = []
-    for launch in launches:
+    for what, launch in launches:
+        if launch is None:
+            continue
         name = launch.kernel.fn.__name__
         if progress is not None:
-            progress(f"{launch.tag}: {name}")
+            progress(f"{what}: {name}")
         info = compiler.compile(launch.kernel, launch.args, dict(launch.kwargs))
-        record = {"variant": launch.tag, "kernel": name, "grid": _grid(launch.grid),
+        record = {"variant": what, "kernel": name, "grid": _grid(launch.grid),
                   **{k: v for k, v in info.items() if k != "_sass"}}
-        if info.get("_sass"):  # the issue-cycle model (kernels/sass_model.py; NVIDIA only)
+        if info.get("_sass"):  # the issue-cycle model (compile/sass_model.py; NVIDIA only)
             twin = sass_model.model_twin(launch.kernel, dict(launch.kwargs))
             sass = info["_sass"] if twin is None else \
                 compiler.compile(launch.kernel, launch.args, twin).get("_sass", info["_sass"])
@@ -360,7 +363,7 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
 
 
 def _planned_for(compiler: Any):
-    """The launchers plan for the compiler's target (warp size, limits) while recording."""
+    """The launchers plan for the compiler's target (warp size, limits) while their launches are made."""
     from hisparse_triton.kernels.launch_config import target_override
 
     return target_override(compiler.target)
@@ -377,7 +380,7 @@ def report_in_subprocess(arch: int | str = 90, *, groups: Sequence[str] = GROUPS
     """``compile_report`` in a fresh interpreter without ``TRITON_INTERPRET`` (usable from
     tests that run the kernels in the interpreter). Returns the JSON document."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "hisparse_triton.kernels.compile_report",
+    cmd = [sys.executable, "-m", "hisparse_triton.compile.report",
            f"--arch={arch_flag(arch)}",
            "--json", "-", "--kernels", ",".join(groups),
            "--widths", ",".join(str(w) for w in widths)] + ([] if small_host
@@ -390,7 +393,7 @@ def report_in_subprocess(arch: int | str = 90, *, groups: Sequence[str] = GROUPS
 
 def format_report(payload: dict[str, Any]) -> str:
     if payload.get("vendor") == "amd":
-        from hisparse_triton.kernels.amd_report import format_amd_report
+        from hisparse_triton.compile.amd_report import format_amd_report
 
         return format_amd_report(payload)
     head = (f"{'variant':<40} {'kernel':<28} {'grid':<14} {'warps':>5} {'regs':>4} "

@@ -12,8 +12,8 @@ stand-in launch); what it does not: time (cache misses, frequency, other load). 
 figures of one tree against another, not against time targets.
 
 Needs ``valgrind`` and ``callgrind_control`` on the PATH; a run at DeepSeek-V3.2 structure
-takes about a minute per repeat count on two cores. ``bench --host --instructions`` prints
-the counts beside the times.
+takes about a minute per repeat count on two cores. ``bench/host_cost.py --instructions``
+prints the counts beside the times.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ UNITS = {"step": ("split_step", None), "resolve_rows": ("resolves", "groups"),
 
 _CHILD = """
 import json, os, subprocess, sys
-from hisparse_triton.benchmarks.step_cost import decode_step
+from lab.step_cost import decode_step
 job = json.loads(sys.argv[1])
 with decode_step(**job["step"]) as step:
     unit = getattr(step, job["callable"])
@@ -90,14 +90,13 @@ def _run_child(job: dict, env: dict, timeout: float) -> tuple[int, dict]:
 
 
 def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
-                       launches: str = "standin", direct: bool = True,
+                       launches: str = "standin",
                        timeout: float = 1800, runner: Optional[Callable[..., Any]] = None,
                        **step_kwargs: Any) -> dict[str, Any]:
     """Instructions per ``unit`` (``UNITS``) of the decode step, counted by callgrind (see
     the module docstring). ``repeats``: the two repeat counts whose difference is taken;
     ``launches``: the launch mode (``step_cost._launch_mode``: ``"standin"``,
-    ``"standin_bare"``, ``"stubbed"``); ``direct``: direct launches on
-    (``$HISPARSE_TRITON_DIRECT_LAUNCH``); ``step_kwargs``: ``step_cost.decode_step``'s sizes
+    ``"standin_bare"``, ``"stubbed"``); ``step_kwargs``: ``step_cost.decode_step``'s sizes
     (``batch``, ``top_k``, ``layers``, ...). ``runner`` replaces the counted run (tests).
     Returns a JSON-able dict; ``ValueError`` for a bad unit or repeats, ``RuntimeError``
     when valgrind is missing or a run fails."""
@@ -112,8 +111,9 @@ def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
                                "on the PATH.")
         runner = _run_child
     callable_name, per = UNITS[unit]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["HISPARSE_TRITON_DIRECT_LAUNCH"] = "1" if direct else "0"
+    from lab import child_env
+
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     step = dict(step_kwargs, launches=launches)
     step.setdefault("steps", high + 2)   # room for every counted step's tokens
     if runner is _run_child:
@@ -124,7 +124,7 @@ def count_instructions(unit: str = "step", *, repeats: tuple[int, int] = (2, 6),
                              timeout)
         counts.append(count)
     divisor = (high - low) * (info["groups"] if per == "groups" else 1)
-    return {"unit": unit, "launches": launches, "direct": direct,
+    return {"unit": unit, "launches": launches,
             "instructions": round((counts[1] - counts[0]) / divisor),
             "repeats": list(repeats), "collected": counts, "index_groups": info["groups"],
             "step": {k: v for k, v in step.items() if k != "launches"},

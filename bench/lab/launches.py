@@ -14,17 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, NamedTuple
 
-__all__ = ["Launch", "generation", "kernel_modules", "record_launches"]
-
-#: Bumped whenever ``record_launches`` replaces the kernels or puts them back: a caller that
-#: keeps a kernel's bound launch compares it to know that the kernel is still the module's.
-_generation = 0
-
-
-def generation() -> int:
-    """How many times the kernel modules' kernels were replaced or restored so far (see
-    ``_generation``)."""
-    return _generation
+__all__ = ["Launch", "kernel_modules", "record_launches"]
 
 
 class Launch(NamedTuple):
@@ -72,7 +62,6 @@ def record_launches(*, cpu_as_cuda: bool = True, tag: list[str] | None = None,
     """
     from triton.runtime.jit import KernelInterface
 
-    global _generation
     launches: list[Launch] = []
     tag = tag if tag is not None else [""]
     saved = []
@@ -84,10 +73,8 @@ def record_launches(*, cpu_as_cuda: bool = True, tag: list[str] | None = None,
         if cpu_as_cuda and hasattr(module, "_check_backend"):
             saved.append((module, "_check_backend", module._check_backend))
             module._check_backend = lambda device: None
-    _generation += 1
     try:
         yield launches
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
-        _generation += 1

@@ -53,6 +53,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from hisparse_triton.compile.loop_trips import LOOP_TRIPS, MODEL_TWINS
+
 __all__ = ["BAR_CYCLES", "CLOCK_HZ", "Instr", "MEM_LATENCY", "SMS", "classify", "loop_lines",
            "launch_model", "model_sass", "model_twin", "parse_sass", "sass_of_cubin"]
 
@@ -456,22 +458,27 @@ def _module_of(kernel: Any) -> Any:
     return sys.modules.get(getattr(fn, "__module__", ""), None)
 
 
+def _name_of(kernel: Any) -> str:
+    return getattr(getattr(kernel, "fn", kernel), "__name__", "")
+
+
 def model_twin(kernel: Any, kwargs: dict) -> Optional[dict]:
     """The launch keywords to compile for the model instead of the launch's own, when the
-    kernel's module has ``model_twin(kwargs)`` (a kernel whose rare path, e.g. a fallback,
-    is compiled out for the model: the model counts the common path); else None."""
-    twin = getattr(_module_of(kernel), "model_twin", None)
+    kernel has a twin in ``loop_trips.MODEL_TWINS`` (a kernel whose rare path, e.g. a
+    fallback, is compiled out for the model: the model counts the common path); else
+    None."""
+    twin = MODEL_TWINS.get(_name_of(kernel))
     return None if twin is None else twin(kwargs)
 
 
 def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequence[int],
                  num_warps: int, ctas_per_sm: int) -> dict[str, Any]:
     """The compile report's ``model`` field of one launch: the model of ``sass`` with the loop
-    trips the kernel's module states for these launch arguments (its
-    ``model_loop_trips(kernel, args, kwargs, grid) -> {for-statement text: trips}``, when it
-    has one, matched against the lines of every source file the SASS line info names),
-    ``us_per_call`` at ``MODEL_ROWS`` and at the launch's own grid."""
-    trips_of = getattr(_module_of(kernel), "model_loop_trips", None)
+    trips ``loop_trips.LOOP_TRIPS`` states for the kernel and these launch arguments
+    (``{for-statement text: trips}``, when it has an entry, matched against the lines of
+    every source file the SASS line info names), ``us_per_call`` at ``MODEL_ROWS`` and at
+    the launch's own grid."""
+    trips_of = LOOP_TRIPS.get(_name_of(kernel))
     lines: dict = {}
     if trips_of is not None:  # every source file the SASS names: the jit helpers' loops too
         trips = trips_of(kernel, args, kwargs, grid)

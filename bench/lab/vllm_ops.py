@@ -12,8 +12,8 @@ and the launches per call. ``device_time()`` (CUDA): each op's device time by
 ``triton.testing.do_bench``, the resolve at a chosen miss ratio (its hot state restored
 before every call, that copy timed alone and subtracted).
 
-    python -m hisparse_triton.benchmarks.vllm_ops --host            # JSON on stdout
-    python -m hisparse_triton.benchmarks.vllm_ops --device cuda     # on a GPU
+    PYTHONPATH=bench python -m lab.vllm_ops --host            # JSON on stdout
+    PYTHONPATH=bench python -m lab.vllm_ops --device cuda     # on a GPU
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _stubbed_launches() -> Iterator[list]:
     are accepted as if on CUDA and the ops pick the Triton backend."""
     from triton.runtime.jit import KernelInterface
 
-    from hisparse_triton.kernels.launches import _Recorder
+    from lab.launches import _Recorder
 
     launches: list = []
     saved = []

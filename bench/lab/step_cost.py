@@ -4,7 +4,7 @@ What a serving stack's CPU pays per decode step at DeepSeek-V3.2 structure (61 s
 layers, every layer an index-group leader, the planner's 6 resident + 6 hot groups, block 64,
 top-k 2048, a 4096-row hot buffer) and batch 64, measured on CPU tensors that stand in for
 CUDA ones, with every Triton launch replaced by a counting stand-in
-(``kernels.launches.record_launches``), so what is left is the runtime's own Python:
+(``lab.launches.record_launches``), so what is left is the runtime's own Python:
 
 - ``bookkeeping``: ``scheduler.append_decode`` + ``scheduler.step()`` + ``worker.apply`` +
   ``worker.mirror`` (the stack's path through the two halves), and the facade's
@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -37,8 +37,8 @@ GEOMETRY = ModelGeometry(name="dsv32-structure", description="DeepSeek-V3.2 stru
                          num_layers=61, mla_head_size=64, mla_dtype="uint8",
                          max_model_len=163_840, indexer_head_size=13)
 
-__all__ = ["GEOMETRY", "DecodeStep", "decode_step", "decode_step_device",
-           "decode_step_host_cost", "launch_path_host_cost"]
+__all__ = ["GEOMETRY", "DecodeStep", "decode_step", "decode_step_host_cost",
+           "launch_path_host_cost"]
 
 
 class _OpCounter(TorchDispatchMode):
@@ -93,16 +93,17 @@ class _Counted:
 @contextmanager
 def _standin_launches(read_addresses: bool = True) -> Iterator[_Counted]:
     """Triton's real Python launch path against the stand-in sm_90 driver
-    (``kernels.standin_driver``): real compiles, ``JITFunction.run`` (or the direct launches
-    bound from it) per launch, the C launch replaced by a counting stand-in. The launchers
+    (``lab.standin_driver``): real compiles, ``JITFunction.run`` per launch, the C
+    launch replaced by a counting stand-in. The launchers
     accept CPU tensors as CUDA ones (their backend checks are lifted in the block). Needs a
     process whose kernels were imported without ``TRITON_INTERPRET=1``. ``read_addresses``:
     the stand-in's emulation of the C launcher's address reads
     (``StandInLaunch``)."""
     from triton.runtime.jit import JITFunction
 
-    from hisparse_triton.kernels import gather, launches
-    from hisparse_triton.kernels.standin_driver import standin_cuda_driver
+    from hisparse_triton.kernels import gather
+    from lab import launches
+    from lab.standin_driver import standin_cuda_driver
     from hisparse_triton.ops import backends
 
     if os.environ.get("TRITON_INTERPRET") == "1" or not isinstance(
@@ -133,7 +134,7 @@ def _launch_mode(mode: str) -> Iterator[Any]:
     address reads (Triton's Python launch path alone). Yields a ``len()``-able,
     ``clear()``-able launch count."""
     if mode == "stubbed":
-        from hisparse_triton.kernels.launches import record_launches
+        from lab.launches import record_launches
 
         with _interpreter_env(), record_launches(store=False) as launches:
             yield launches
@@ -235,8 +236,7 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
 
     ``launches``: ``"stubbed"`` (every Triton launch a counting stand-in: the runtime's own
     Python only) or ``"standin"`` (Triton's real Python launch path against the stand-in
-    sm_90 driver, direct launches where bound: ``$HISPARSE_TRITON_DIRECT_LAUNCH=0`` turns
-    them off; needs a fresh process, see ``launch_path_host_cost``) or ``"standin_bare"``
+    sm_90 driver; needs a fresh process, see ``launch_path_host_cost``) or ``"standin_bare"``
     (the same without the stand-in's Python emulation of the C launcher's address reads)."""
     mode = launches
     with decode_step(batch, steps, top_k=top_k, device_buffer_size=device_buffer_size,
@@ -278,28 +278,25 @@ def decode_step_host_cost(batch: int = 64, steps: int = 40, *, top_k: int = 2048
 _LAUNCH_PATHS = {
     "stubbed": lambda: "stubbed (counting stand-ins: the runtime's own Python only)",
     "standin": lambda: ("Triton's Python launch path against the stand-in sm_90 driver "
-                        "(real compiles, C launch not run), direct launches "
-                        + ("on" if os.environ.get("HISPARSE_TRITON_DIRECT_LAUNCH", "1") != "0"
-                           else "off (HISPARSE_TRITON_DIRECT_LAUNCH=0)")),
+                        "(real compiles, JITFunction.run per launch, C launch not run)"),
 }
 _LAUNCH_PATHS["standin_bare"] = lambda: (_LAUNCH_PATHS["standin"]() + "; the stand-in's "
                                          "emulated address reads left out")
 
 _SUBPROCESS = """
 import json, sys
-from hisparse_triton.benchmarks.step_cost import decode_step_host_cost
+from lab.step_cost import decode_step_host_cost
 kwargs = json.loads(sys.argv[1])
 mode = kwargs.pop("launches")
 print(json.dumps(decode_step_host_cost(launches=mode, **kwargs)))
 """
 
 
-def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = True,
+def launch_path_host_cost(batch: int = 64, steps: int = 40, *,
                           read_addresses: bool = True, timeout: float = 1800,
                           **kwargs: Any) -> dict[str, Any]:
     """``decode_step_host_cost(launches="standin")`` in a fresh Python process (its kernels
-    imported without ``TRITON_INTERPRET``), with direct launches on (``direct``) or off
-    (``HISPARSE_TRITON_DIRECT_LAUNCH=0``: every launch through ``JITFunction.run``). The
+    imported without ``TRITON_INTERPRET``): every launch through ``JITFunction.run``. The
     first run compiles the kernels for sm_90 (Triton's disk cache keeps them).
     ``read_addresses=False``: launch mode ``"standin_bare"`` (the stand-in does not emulate
     the C launcher's address reads: Triton's Python launch path alone).
@@ -308,8 +305,9 @@ def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = Tr
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["HISPARSE_TRITON_DIRECT_LAUNCH"] = "1" if direct else "0"
+    from lab import child_env
+
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     args = json.dumps(dict(batch=batch, steps=steps,
                            launches="standin" if read_addresses else "standin_bare", **kwargs))
     proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, args], env=env,
@@ -317,113 +315,3 @@ def launch_path_host_cost(batch: int = 64, steps: int = 40, *, direct: bool = Tr
     if proc.returncode != 0:
         raise RuntimeError(f"the launch-path measurement failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def decode_step_device(batch: int = 64, prompt_len: int = 4096, steps: int = 12, *,
-                       preset: str = "deepseek-v3.2-fp8", layers: Optional[int] = None,
-                       locality: float = 0.87, distinct_steps: int = 6,
-                       device: str = "cuda") -> dict[str, Any]:
-    """A whole decode step of a preset on a device (real rows, real kernels): every running
-    request offloaded (``free_block_watermark=1.0``: the host path), top-k from a locality
-    trace (``locality`` of each selection repeated from the previous step's).
-
-    Times, per step: the eager step (bookkeeping + one ``resolve_rows`` per index group +
-    the mirror) on the device clock and on the host clock, and the index groups' resolves
-    captured in ONE CUDA graph and replayed (CUDA only). Also misses and bytes gathered per
-    step. On a CPU device (the Triton interpreter) only a smoke run makes sense.
-    """
-    from hisparse_triton.presets import get_preset
-    from hisparse_triton.runtime import HiSparseRuntime
-    from hisparse_triton.workload import TopkTrace, plan_for_workload
-
-    geometry = get_preset(preset)
-    spec = build_kv_cache_spec(geometry, num_layers=layers)
-    top_k = geometry.index_topk
-    max_len = prompt_len + steps * (distinct_steps + 4) + 64
-    plan = plan_for_workload(spec, max_model_len=max_len, num_requests=batch, topk=top_k,
-                             device_buffer_size=2 * top_k, prompt_len=prompt_len)
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    rt = HiSparseRuntime(plan.kv_cache_config, plan.config, max_num_seqs=batch, device=dev,
-                         backend="triton", free_block_watermark=1.0)
-    try:
-        scheduler, worker = rt.scheduler, rt.worker
-        ids = [f"r{i}" for i in range(batch)]
-        for rid in ids:
-            rt.add_request(rid, prompt_len, max_len - prompt_len)
-            rt.append_slots(rid, prompt_len)      # the prompt's KV bytes do not matter here
-            rt.commit()
-        leaders = scheduler.leaders
-        trace = TopkTrace(top_k, locality, seed=0)
-        selections = [{leader: torch.from_numpy(np.stack([
-            trace.next((rid, leader), prompt_len) for rid in ids]).astype(np.int32)).to(dev)
-            for leader in leaders} for _ in range(distinct_steps)]
-        state_rows = torch.from_numpy(scheduler.state_rows(ids)).to(dev)
-
-        def sync() -> None:
-            if cuda:
-                torch.cuda.synchronize(dev)
-
-        def eager_step(topk: dict) -> None:
-            scheduler.append_decode(ids)
-            step_plan = scheduler.step()
-            worker.apply(step_plan)
-            for leader in leaders:
-                worker.resolve_rows(leader, state_rows, topk[leader])
-            worker.mirror(step_plan)
-
-        for i in range(2):  # compile and warm
-            eager_step(selections[i % distinct_steps])
-        sync()
-        before = worker.stats()
-        host, device_ms = [], []
-        for i in range(steps):
-            topk = selections[i % distinct_steps]
-            sync()
-            start = time.perf_counter()
-            if cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                begin.record()
-            eager_step(topk)
-            host.append(time.perf_counter() - start)
-            if cuda:
-                end.record()
-                sync()
-                device_ms.append(begin.elapsed_time(end))
-        after = worker.stats()
-        result: dict[str, Any] = {
-            "preset": preset, "batch": batch, "prompt_len": prompt_len, "top_k": top_k,
-            "device_buffer_size": 2 * top_k, "index_groups": len(leaders), "steps": steps,
-            "locality": locality,
-            "eager_step_host_ms": round(1e3 * statistics.median(host), 3),
-            "eager_step_device_ms": round(statistics.median(device_ms), 3) if cuda else None,
-            "misses_per_step": (after.misses - before.misses) / steps,
-            "h2d_bytes_per_step": (after.h2d_bytes - before.h2d_bytes) / steps,
-        }
-        if cuda and device_ms:
-            result["h2d_gbps_in_step"] = round(
-                result["h2d_bytes_per_step"] / (result["eager_step_device_ms"] * 1e6), 2)
-            static = {leader: selections[0][leader].clone() for leader in leaders}
-            graph = torch.cuda.CUDAGraph()
-            sync()
-            with torch.cuda.graph(graph):
-                for leader in leaders:
-                    worker.resolve_rows(leader, state_rows, static[leader])
-            replay = []
-            for i in range(steps):
-                for leader in leaders:
-                    static[leader].copy_(selections[(i + 1) % distinct_steps][leader])
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                begin.record()
-                graph.replay()
-                end.record()
-                sync()
-                replay.append(begin.elapsed_time(end))
-            result["graph_resolves_ms"] = round(statistics.median(replay), 3)
-            result["graph_resolve_us_per_group"] = round(
-                1e3 * statistics.median(replay) / len(leaders), 2)
-        return result
-    finally:
-        rt.close()

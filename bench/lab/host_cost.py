@@ -1,18 +1,18 @@
 """Host (Python) cost of one decode-path resolve: ``ops.resolve`` + ``ops.copy_rows``.
 
-The Triton launches are replaced by counting stand-ins (``kernels.launches.record_launches``),
+The Triton launches are replaced by counting stand-ins (``lab.launches.record_launches``),
 so what is timed is everything the wrappers do on the host besides Triton's own launch call:
 argument checks, output / scratch allocation, launch-shape arithmetic, backend dispatch (plus
 the stand-in's own call, well under a microsecond). It runs on CPU
 tensors (they stand in for CUDA ones; no GPU needed) and reports microseconds per call and
 the number of kernel launches one call makes.
 
-    from hisparse_triton.benchmarks.host_cost import resolve_host_cost
+    from lab.host_cost import resolve_host_cost
     resolve_host_cost(batch=64, top_k=2048, hot_slots=4096)   # DeepSeek-V3.2 decode shape
 
 Triton's own launch path (binding, specialisation, cache lookup, its Python launcher) is
-measured by ``step_cost.launch_path_host_cost`` against the stand-in sm_90 driver, with and
-without direct launches; ``bench --host`` reports both.
+measured by ``step_cost.launch_path_host_cost`` against the stand-in sm_90 driver;
+``bench/host_cost.py`` reports both.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def resolve_host_cost(batch: int = 64, top_k: int = 2048, hot_slots: int = 4096,
     "resolve_us", "copy_us", "launches_per_call", "api", shape...}``.
     """
     from hisparse_triton import ops
-    from hisparse_triton.kernels.launches import record_launches
+    from lab.launches import record_launches
 
     state = _state(batch, top_k, hot_slots, block_size)
     dev, host = _tables(layers, row_bytes, block_size)

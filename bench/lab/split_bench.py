@@ -6,7 +6,7 @@ per row); then times (device ms, CUDA events, median) the plain gather of every 
 rank against ``SplitGather.gather`` (1/N over each rank's link + the NCCL all_gather) at
 ``fraction`` 0.25 and 1, and checks that the hot rows are the same bytes.
 
-    python -m hisparse_triton.benchmarks.split_bench     # prints one JSON line (rank 0)
+    PYTHONPATH=bench python -m lab.split_bench     # prints one JSON line (rank 0)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compile recorded kernel launches for one GPU target, on any machine (no GPU needed).
+"""Compile kernel launches for one GPU target, on any machine (no GPU needed).
 
 ``TargetCompiler`` specialises a launch the way Triton's launch-time binder does (ints equal
 to 1 become constants, pointers and ints divisible by 16 get the divisibility hint), refuses a
@@ -20,7 +20,7 @@ __all__ = ["TargetCompiler"]
 
 
 class TargetCompiler(abc.ABC):
-    """Compiles recorded launches for ``target`` (a ``triton.backends.compiler.GPUTarget``);
+    """Compiles launches for ``target`` (a ``triton.backends.compiler.GPUTarget``);
     identical specialisations once. Subclasses read the compiled kernel in ``usage``."""
 
     def __init__(self, target: Any) -> None:
