@@ -51,7 +51,7 @@ import tempfile
 from typing import Any, Callable, Optional, Sequence
 
 from hisparse_triton.kernels import sass_model
-from hisparse_triton.kernels.launches import record_launches
+from hisparse_triton.kernels.launches import kernel_modules, record_launches
 from hisparse_triton.kernels.target_compiler import TargetCompiler
 
 __all__ = ["ARCH_LIMITS", "RESOLVE_WIDTHS", "arch_flag", "compile_report", "main", "occupancy",
@@ -273,9 +273,11 @@ def _grid(grid: Any) -> list[int]:
 def compile_report(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", "copy"),
                    widths: Sequence[int] = RESOLVE_WIDTHS, small_host: bool = True,
                    progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
-    """Record and compile every launch of ``groups`` (``"resolve"``, ``"copy"``); resolve at
-    the top-k ``widths`` (plus, with ``small_host``, a host pool small enough for int32 sort
-    keys). ``arch``: ``90`` (``sm_90``) ... or an AMD target ``"gfx942"`` (``amd_report``).
+    """Record and compile every launch of ``groups`` (``"resolve"``, ``"copy"``,
+    ``"integrations"``: the variants of the kernel modules with ``report_variants()``);
+    resolve at the top-k ``widths`` (plus, with ``small_host``, a host pool small enough for
+    int32 sort keys). ``arch``: ``90`` (``sm_90``) ... or an AMD target ``"gfx942"``
+    (``amd_report``).
     Returns the report payload (``{"arch", "vendor", "warp_size", "triton", "launches"}``,
     AMD adds ``"limits"``).
 
@@ -297,6 +299,9 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = ("resolve", 
     compiler = amd_report.AmdCompiler(arch) if amd else _Compiler(arch)
     calls = (_resolve_calls(widths, small_host) if "resolve" in groups else []) \
         + (_copy_calls() if "copy" in groups else [])
+    if "integrations" in groups:  # the serving-stack kernels list their own variants
+        calls += [call for module in kernel_modules() if hasattr(module, "report_variants")
+                  for call in module.report_variants()]
     tag = ["?"]
     with record_launches(tag=tag) as launches, _planned_for(compiler):
         for what, call in calls:

@@ -54,9 +54,9 @@ class _Recorder:
 
 def kernel_modules() -> list[Any]:
     """The modules that define the Triton kernels."""
-    from hisparse_triton.kernels import backup, gather, prefill, resolve
+    from hisparse_triton.kernels import backup, gather, prefill, resolve, sglang_swap_in
 
-    return [resolve, gather, backup, prefill]
+    return [resolve, gather, backup, prefill, sglang_swap_in]
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""SGLang 0.5.23's HiSparse swap-in in SGLang's own state layout: ``load_cache_to_device_buffer_mla``
-(one resolve launch, then one copy launch) and ``copy_cache_planned_mla`` (one copy launch).
+"""SGLang 0.5.23's HiSparse swap-in in SGLang's own state layout:
+``load_cache_to_device_buffer_mla`` (one resolve launch, then one copy launch) and
+``copy_cache_planned_mla`` (one copy launch).
 
 Semantics: ``hisparse_triton.integrations.sglang_reference`` (the torch model these kernels
 match bit for bit); this module says how the device computes them.
@@ -45,7 +46,7 @@ values: CUDA-graph safe.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -59,10 +60,15 @@ from hisparse_triton.kernels.gather import (
     sm_count,
     validate_pool,
 )
-from hisparse_triton.kernels.launch_config import check_launch, resolve_launch_warps
+from hisparse_triton.kernels.launch_config import (
+    check_launch,
+    current_target,
+    resolve_launch_warps,
+)
 from hisparse_triton.kernels.resolve_sorted import _lower_bound  # noqa: F401 (jit helper)
 
-__all__ = ["MAX_TOP_K", "copy_cache_planned_mla", "load_cache_to_device_buffer_mla"]
+__all__ = ["MAX_TOP_K", "copy_cache_planned_mla", "load_cache_to_device_buffer_mla",
+           "model_loop_trips", "report_variants"]
 
 #: Largest ``num_top_k`` one ``tl.sort`` handles (DeepSeek-V3.2 / GLM-5 select 2,048).
 MAX_TOP_K = 2048
@@ -188,10 +194,10 @@ def _swap_in_resolve_kernel(
             m = tl.cumsum(miss.to(tl.int32), axis=0) - 1
             n_miss = tl.sum(miss.to(tl.int32), axis=0)
             take = miss & (m < n_evict)
-            slot = tl.load(evict_row + tl.where(take, m, 0), mask=take, other=-1,
-                           cache_modifier=".cg")
-            sok = take & (slot >= 0) & (slot < width)
-            at = tl.where(sok, slot, 0).to(tl.int64)
+            victim = tl.load(evict_row + tl.where(take, m, 0), mask=take, other=-1,
+                             cache_modifier=".cg")
+            sok = take & (victim >= 0) & (victim < width)
+            at = tl.where(sok, victim, 0).to(tl.int64)
             loc = tl.load(dbl_row + at * stride_dbl_c, mask=sok, other=-1)
             tl.store(dbt_row + at * stride_dbt_c, t, mask=sok)
             tl.store(out_at, tl.where(served, hit_loc, tl.where(take, loc, -1)),
@@ -291,7 +297,7 @@ _SHAPES: dict[tuple, _ResolveShape] = {}
 
 def _resolve_shape(device: torch.device, batch: int, K: int, H: int, context: int,
                    block_h: Optional[int]) -> _ResolveShape:
-    key = (device, batch, K, H, context, block_h)
+    key = (device, current_target(device), batch, K, H, context, block_h)
     shape = _SHAPES.get(key)
     if shape is None:
         W = max(16, _pow2(K))
@@ -423,3 +429,59 @@ def copy_cache_planned_mla(*, miss_src, miss_dst, miss_count, num_real_reqs, hos
         _check_backend(miss_src.device)
     _launch_copy(miss_src, miss_dst, miss_count, num_real_reqs, host_cache, device_buffer,
                  item_size_bytes, g.rows, g.columns, g.host_rows, g.device_rows)
+
+
+# ------------------------------------------------------------------- the compile report
+
+
+def report_variants() -> list[tuple[str, Callable[[], None]]]:
+    """This module's launches in the compile report's ``integrations`` group
+    (``kernels.compile_report``), run on CPU tensors of production shapes: the swap-in's
+    resolve at top-k 2,048 with 4,096 slots (DeepSeek-V3.2 / GLM-5), 1 and 64 rows, a
+    163,840-token context (int32 sort keys) and a 4M-token one (int64 keys); its copy of
+    656-byte (fp8) and 1,152-byte (bf16) rows."""
+    K, H = 2048, 4096
+    i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)  # noqa: E731
+    pool = lambda item: torch.zeros(4096, item, dtype=torch.uint8)  # noqa: E731
+
+    def resolve(rows: int, context: int) -> Callable[[], None]:
+        def run() -> None:
+            states = rows + 8
+            load_cache_to_device_buffer_mla(
+                i32(rows, K), i32(states, H + 64),
+                torch.zeros(states, 1, dtype=torch.int64).expand(states, context),
+                i32(states, H + 64), pool(656), pool(656), i32(rows, K),
+                torch.zeros(rows, dtype=torch.int64), i32(rows),
+                torch.zeros(states, H, dtype=torch.int16), 656, K, H, page_size=1,
+                block_size=960, num_real_reqs=i32(1),
+                miss_src=torch.zeros(rows, K, dtype=torch.int64), miss_dst=i32(rows, K),
+                miss_count=i32(rows), skip_io=True)
+        return run
+
+    def copy(item: int) -> Callable[[], None]:
+        def run() -> None:
+            copy_cache_planned_mla(
+                miss_src=torch.zeros(64, K, dtype=torch.int64), miss_dst=i32(64, K),
+                miss_count=i32(64), num_real_reqs=i32(1), host_cache=pool(item),
+                device_buffer=pool(item), item_size_bytes=item)
+        return run
+
+    return [(f"sglang swap-in K={K} H={H} R={rows} context={context}", resolve(rows, context))
+            for rows in (1, 64) for context in (163_840, 1 << 22)] \
+        + [(f"sglang swap-in copy {item}B R=64", copy(item)) for item in (656, 1152)]
+
+
+def model_loop_trips(kernel, args: tuple, kwargs: dict, grid) -> dict[str, int]:
+    """Trip counts of the kernels' runtime loops for one launch (``kernels/sass_model.py``
+    maps them to the SASS back edges by source line): ``{for-statement text: trips}``; the
+    copy's for its busiest program."""
+    values = dict(zip(kernel.arg_names, args))
+    values.update(kwargs)
+    if "BLOCK_H" in values:
+        return {"for h0 in range(0, H, BLOCK_H)": -(-int(values["H"]) // values["BLOCK_H"])}
+    programs = int(grid[0]) if grid else 1
+    return {
+        "for item in range(tl.program_id(0), num_items, tl.num_programs(0))":
+            -(-int(values["num_items"]) // programs),
+        "for w0 in range(0, row_words, CHUNK)": -(-int(values["row_words"]) // values["CHUNK"]),
+    }

@@ -58,11 +58,11 @@ def test_dsv4_replay_and_wide_top_k_run_sglangs_own(monkeypatch):
                         lambda **kw: calls.append(("copy", kw)))
     monkeypatch.setitem(plugin._ORIGINALS, "load_cache_to_device_buffer_mla",
                         lambda *args: calls.append(("swap", args)))
+    i32 = torch.zeros(1, 1, dtype=torch.int32)
     plugin.copy_cache_planned_mla(
-        miss_src=torch.zeros(1, 1, dtype=torch.int64), miss_dst=torch.zeros(1, 1, dtype=torch.int32),
-        miss_count=torch.zeros(1, dtype=torch.int32), num_real_reqs=torch.ones(1, dtype=torch.int32),
-        host_cache=torch.zeros(1), device_buffer=torch.zeros(1), item_size_bytes=4,
-        is_dsv4_layout=True)
+        miss_src=torch.zeros(1, 1, dtype=torch.int64), miss_dst=i32, miss_count=i32[0],
+        num_real_reqs=i32[0], host_cache=torch.zeros(1), device_buffer=torch.zeros(1),
+        item_size_bytes=4, is_dsv4_layout=True)
     assert calls[0][0] == "copy" and calls[0][1]["is_dsv4_layout"] is True
     monkeypatch.setenv("HISPARSE_TRITON_BACKEND", "triton")
     top_k = torch.zeros(1, plugin.MAX_TOP_K + 1, dtype=torch.int32)
