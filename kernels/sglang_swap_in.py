@@ -52,7 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_triton.integrations.sglang_checks import check_copy_planned, check_swap_in
+from hisparse_triton.integrations.sglang_checks import (
+    MAX_TOP_K,
+    check_copy_planned,
+    check_swap_in,
+)
 from hisparse_triton.integrations.vllm_checks import checked
 from hisparse_triton.kernels.gather import (
     GRID_PROGRAMS_PER_SM,
@@ -70,8 +74,6 @@ from hisparse_triton.kernels.resolve_sorted import _lower_bound  # noqa: F401 (j
 __all__ = ["MAX_TOP_K", "copy_cache_planned_mla", "load_cache_to_device_buffer_mla",
            "model_loop_trips", "report_variants"]
 
-#: Largest ``num_top_k`` one ``tl.sort`` handles (DeepSeek-V3.2 / GLM-5 select 2,048).
-MAX_TOP_K = 2048
 #: Most LRU positions handled per step (the rank packing needs < 2**16).
 MAX_BLOCK_H = 4096
 _COLS = 8

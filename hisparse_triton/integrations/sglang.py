@@ -38,6 +38,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from hisparse_triton.integrations import sglang_reference
+from hisparse_triton.integrations.sglang_checks import MAX_TOP_K
 from hisparse_triton.ops.backends import select_backend
 
 __all__ = ["MAX_TOP_K", "NOT_REPLACED", "REPLACED", "SGLANG_VERSION", "TARGET_MODULE",
@@ -50,32 +51,29 @@ logger = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 #: The module that defines the replaced functions.
 TARGET_MODULE = "sglang.kernels.ops.kvcache.hisparse"
+
+
+def _signature(kind: str, required: tuple[str, ...], defaults: tuple[tuple[str, Any], ...]
+               ) -> tuple[tuple[str, str, Any], ...]:
+    return tuple((name, kind, inspect.Parameter.empty) for name in required) \
+        + tuple((name, kind, default) for name, default in defaults)
+
+
 #: Replaced functions -> SGLang 0.5.23's parameters: (name, kind, default) in order.
 REPLACED: dict[str, tuple[tuple[str, str, Any], ...]] = {
-    "load_cache_to_device_buffer_mla": tuple(
-        (name, "POSITIONAL_OR_KEYWORD", default) for name, default in (
-            ("top_k_tokens", inspect.Parameter.empty),
-            ("device_buffer_tokens", inspect.Parameter.empty),
-            ("host_cache_locs", inspect.Parameter.empty),
-            ("device_buffer_locs", inspect.Parameter.empty),
-            ("host_cache", inspect.Parameter.empty),
-            ("device_buffer", inspect.Parameter.empty),
-            ("top_k_device_locs", inspect.Parameter.empty),
-            ("req_pool_indices", inspect.Parameter.empty),
-            ("seq_lens", inspect.Parameter.empty),
-            ("lru_slots", inspect.Parameter.empty),
-            ("item_size_bytes", inspect.Parameter.empty),
-            ("num_top_k", inspect.Parameter.empty),
-            ("hot_buffer_size", inspect.Parameter.empty),
-            ("page_size", 1), ("block_size", 256), ("num_real_reqs", None),
-            ("miss_src", None), ("miss_dst", None), ("miss_count", None), ("skip_io", False))),
-    "copy_cache_planned_mla": tuple(
-        (name, "KEYWORD_ONLY", default) for name, default in (
-            ("miss_src", inspect.Parameter.empty), ("miss_dst", inspect.Parameter.empty),
-            ("miss_count", inspect.Parameter.empty), ("num_real_reqs", inspect.Parameter.empty),
-            ("host_cache", inspect.Parameter.empty), ("device_buffer", inspect.Parameter.empty),
-            ("item_size_bytes", inspect.Parameter.empty), ("num_blocks", 4),
-            ("block_size", 1024), ("is_dsv4_layout", False), ("skip_io", False))),
+    "load_cache_to_device_buffer_mla": _signature(
+        "POSITIONAL_OR_KEYWORD",
+        ("top_k_tokens", "device_buffer_tokens", "host_cache_locs", "device_buffer_locs",
+         "host_cache", "device_buffer", "top_k_device_locs", "req_pool_indices", "seq_lens",
+         "lru_slots", "item_size_bytes", "num_top_k", "hot_buffer_size"),
+        (("page_size", 1), ("block_size", 256), ("num_real_reqs", None), ("miss_src", None),
+         ("miss_dst", None), ("miss_count", None), ("skip_io", False))),
+    "copy_cache_planned_mla": _signature(
+        "KEYWORD_ONLY",
+        ("miss_src", "miss_dst", "miss_count", "num_real_reqs", "host_cache", "device_buffer",
+         "item_size_bytes"),
+        (("num_blocks", 4), ("block_size", 1024), ("is_dsv4_layout", False),
+         ("skip_io", False))),
 }
 #: SGLang's HiSparse functions this plugin leaves to SGLang, and why.
 NOT_REPLACED = {
@@ -84,8 +82,6 @@ NOT_REPLACED = {
     "load_cache_to_device_buffer_dsv4_mla": "DeepSeek-V4's page-padded C4 layout",
     "load_blocks_to_device_buffer_mha": "MiniMax M3's block-selected MHA swap-in",
 }
-#: Largest ``num_top_k`` the Triton resolve handles (larger ones run on SGLang's kernel).
-MAX_TOP_K = 2048
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _REGISTERED: list[bool] = []

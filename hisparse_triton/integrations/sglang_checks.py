@@ -19,11 +19,14 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["CopyGeometry", "MAX_HOT_BUFFER", "SwapInGeometry", "check_copy_planned",
-           "check_swap_in"]
+__all__ = ["CopyGeometry", "MAX_HOT_BUFFER", "MAX_TOP_K", "SwapInGeometry",
+           "check_copy_planned", "check_swap_in"]
 
 #: Largest hot buffer: LRU entries are int16 slot numbers.
 MAX_HOT_BUFFER = 32767
+#: Largest ``num_top_k`` the Triton resolve sorts in one ``tl.sort`` (DeepSeek-V3.2 / GLM-5
+#: select 2,048); larger ones run on SGLang's own kernel (the torch model has no limit).
+MAX_TOP_K = 2048
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
