@@ -250,9 +250,10 @@ def _copy_planned_kernel(
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         row = item % R
         c = (item // R) * COLS + col_offs
-        real = row < rows
-        count = tl.minimum(tl.maximum(tl.load(cnt_ptr + row, mask=real, other=0), 0), C)
-        live = real & (c < count)
+        # row < R <= the counts' length: the load is in bounds; a padding row's count (stale)
+        # is read and replaced by 0.
+        count = tl.minimum(tl.maximum(tl.load(cnt_ptr + row), 0), C)
+        live = c < tl.where(row < rows, count, 0)
         cc = c.to(tl.int64)
         src = tl.load(_row_of(src_ptr, row, stride_src) + cc * stride_src_c, mask=live,
                       other=-1)
