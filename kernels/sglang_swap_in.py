@@ -70,6 +70,7 @@ from hisparse_triton.kernels.launch_config import (
     resolve_launch_warps,
 )
 from hisparse_triton.kernels.resolve_sorted import _lower_bound  # noqa: F401 (jit helper)
+from hisparse_triton.ops.backends import select_backend
 
 __all__ = ["MAX_TOP_K", "copy_cache_planned_mla", "load_cache_to_device_buffer_mla",
            "model_loop_trips", "report_variants"]
@@ -275,12 +276,8 @@ def _copy_planned_kernel(
 
 
 def _check_backend(device: torch.device) -> None:
-    import os
-
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"the SGLang swap-in Triton kernels need CUDA tensors (got "
-                           f"{device}), or TRITON_INTERPRET=1 set before import to run on "
-                           "the CPU")
+    """Refuse CPU tensors outside the interpreter (``BackendUnavailableError``)."""
+    select_backend("triton", device)
 
 
 def _pow2(n: int) -> int:
