@@ -69,6 +69,7 @@ from hisparse_triton.kernels.launch_config import (
     current_target,
     resolve_launch_warps,
 )
+from hisparse_triton.kernels.lru_order import lru_positions
 from hisparse_triton.kernels.resolve_sorted import _lower_bound  # noqa: F401 (jit helper)
 from hisparse_triton.ops.backends import select_backend
 
@@ -222,13 +223,8 @@ def _swap_in_resolve_kernel(
                 hit = pm & (tl.load(hit_row + p, mask=pm, other=0, cache_modifier=".cg") != 0)
                 ev = pm & ~hit
                 slot = tl.load(old_row + p, mask=pm, other=-1, cache_modifier=".cg")
-                both = tl.cumsum(ev.to(tl.int32) + (hit.to(tl.int32) << 16), axis=0)
-                erank = ev_carry + (both & 0xFFFF) - 1
-                hrank = hit_carry + (both >> 16) - 1
-                ev_carry += tl.sum(ev.to(tl.int32), axis=0)
-                hit_carry += tl.sum(hit.to(tl.int32), axis=0)
-                new_pos = tl.where(ev, tl.where(erank < filled, n_evict - filled + erank,
-                                                erank - filled), n_evict + hrank)
+                new_pos, ev_carry, hit_carry = lru_positions(ev, hit, ev_carry, hit_carry,
+                                                             filled, n_evict)
                 ok = pm & (new_pos >= 0) & (new_pos < H)
                 tl.store(lru_row + tl.where(ok, new_pos, 0).to(tl.int64) * stride_lru_c,
                          slot.to(tl.int16), mask=ok)
