@@ -46,6 +46,7 @@ values: CUDA-graph safe.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -71,7 +72,6 @@ from hisparse_triton.kernels.launch_config import (
 )
 from hisparse_triton.kernels.lru_order import lru_positions
 from hisparse_triton.kernels.resolve_sorted import _lower_bound  # noqa: F401 (jit helper)
-from hisparse_triton.ops.backends import select_backend
 
 __all__ = ["MAX_TOP_K", "copy_cache_planned_mla", "load_cache_to_device_buffer_mla",
            "model_loop_trips", "report_variants"]
@@ -272,8 +272,11 @@ def _copy_planned_kernel(
 
 
 def _check_backend(device: torch.device) -> None:
-    """Refuse CPU tensors outside the interpreter (``BackendUnavailableError``)."""
-    select_backend("triton", device)
+    """Refuse CPU tensors outside Triton's interpreter."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"the SGLang swap-in Triton kernels need CUDA tensors (got "
+                           f"{device}), or TRITON_INTERPRET=1 set before import to run on "
+                           "the CPU")
 
 
 def _pow2(n: int) -> int:
