@@ -41,6 +41,11 @@ step that cannot start inside the budget is recorded as skipped):
    replay, torch reference);
 4. ``tune``: 656 B rows, gather and backup, 1 and 4 layers (``--quick`` grid), into
    ``$OUT/tuning-cache.json`` (the user's cache is not touched);
+   ``sglang-swap-in`` (not in ``--quick``; alone: ``--only sglang-swap-in``): SGLang 0.5.23's
+   swap-in in SGLang's layout (``hisparse_triton.benchmarks.sglang_swap_in``) at 64 x 2048 x
+   4096, 656 B rows, miss ratios 0.134 and 1: ours (swap-in, resolve alone, CUDA-graph replay,
+   follower replay) against SGLang's JIT kernel when SGLang is importable and its JIT builds
+   (else skipped with the reason), and whether the two agree bit for bit;
 5. ``bench-tuned``: step 2's gather / backup figures again with the tuned cache;
 6. the rest of the sweep while the budget lasts: 656 B page copies, 656 B small transfers
    (the torch backend too), resolve at other batch sizes, 132 and 1152 B rows.
@@ -121,6 +126,7 @@ STEPS = (
     Step("tune", "tune",
          ("--row-bytes", "656", "--kernel", "rows", "--layers", "1,4", "--quick"), 110,
          ("--row-bytes", "656", "--kernel", "rows", "--layers", "1", "--quick"), 30),
+    Step("sglang-swap-in", "sglang", ("--miss-ratios", "0.134,1"), 60),
     Step("bench-tuned", "bench",
          (*TARGET_ROWS, "--ops", "rows", "--methods", "triton,contiguous",
           "--miss-ratios", "1,0.067"), 60),
@@ -329,6 +335,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"{decode.get('graph_resolve_us_per_group')} us per index group "
                      f"(target <= 15); {decode.get('h2d_gbps_in_step')} GB/s gathered")
     lines += decode_check_lines(report)
+    lines += sglang_lines(report)
     bench = report.get("bench")
     if bench:
         lines += _ceilings(bench)
@@ -375,6 +382,33 @@ def decode_check_lines(report: dict[str, Any]) -> list[str]:
             figures = {k: v for k, v in section.items()
                        if k not in ("note", "wall_s") and not isinstance(v, (list, str))}
             lines.append(f"  decode-checks {name}: {json.dumps(figures)[:300]}")
+    return lines
+
+
+def sglang_lines(report: dict[str, Any]) -> list[str]:
+    """Summary lines of the sglang-swap-in step: ours against SGLang's JIT kernel."""
+    result = ((report.get("steps", {}).get("sglang-swap-in") or {}).get("result") or {})
+    lines = []
+    for run in result.get("runs", []):
+        head = f"  sglang swap-in miss {run.get('miss_ratio')}:"
+        if "error" in run or "skipped" in run:
+            lines.append(f"{head} {run.get('error') or 'skipped: ' + run['skipped']}"[:160])
+            continue
+        t, theirs = run.get("times", {}), run.get("sglang", {})
+        graph = run.get("graph", {})
+        line = (f"{head} ours {t.get('ours_swap_in_us')} us (resolve "
+                f"{t.get('ours_resolve_only_us')}, graph {graph.get('replay_us')}"
+                f"{'' if graph.get('exact', True) else ' NOT EXACT'}, replay "
+                f"{t.get('ours_replay_us')})")
+        if "skipped" in theirs:
+            line += f"; SGLang skipped ({theirs['skipped'][:80]})"
+        else:
+            exact = all((theirs.get("exact") or {"?": False}).values())
+            line += (f"; SGLang {theirs.get('sglang_swap_in_us')} us (resolve "
+                     f"{theirs.get('sglang_resolve_only_us')}, replay "
+                     f"{theirs.get('sglang_replay_us')}); "
+                     f"{'bit-exact' if exact else 'DIFFERENT: ' + json.dumps(theirs.get('exact'))}")
+        lines.append(line)
     return lines
 
 
@@ -477,6 +511,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                           env={"PYTHONPATH": os.pathsep.join(
                               p for p in (str(ROOT / "bench"), os.environ.get("PYTHONPATH"))
                               if p)})
+            record["result"] = _load_json(target)
+        elif step.kind == "sglang":
+            record = _run([sys.executable, "-m", "hisparse_triton.benchmarks.sglang_swap_in",
+                           "--device", "cuda", *flags, "--json", str(target)], log, limit)
             record["result"] = _load_json(target)
         elif step.kind == "decode":
             record = _run(cli + ["bench", *flags, "--json", str(target)], log, limit)

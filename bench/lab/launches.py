@@ -45,10 +45,11 @@ class _Recorder:
 
 def kernel_modules() -> list[Any]:
     """The modules that define the Triton kernels."""
-    from hisparse_triton.kernels import (backup, gather, prefill, resolve, vllm_fp8, vllm_gather,
-                                         vllm_residency)
+    from hisparse_triton.kernels import (backup, gather, prefill, resolve, sglang_swap_in,
+                                         vllm_fp8, vllm_gather, vllm_residency)
 
-    return [resolve, gather, backup, prefill, vllm_residency, vllm_gather, vllm_fp8]
+    return [resolve, gather, backup, prefill, vllm_residency, vllm_gather, vllm_fp8,
+            sglang_swap_in]
 
 
 @contextlib.contextmanager

@@ -50,9 +50,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--arch", type=_arch, default=90,
                         help="target: sm_80 / sm_90 (default) / sm_100, or AMD gfx90a / gfx942 "
                              "/ gfx950")
-    parser.add_argument("--kernels", default="resolve,copy,vllm",
+    parser.add_argument("--kernels", default="resolve,copy,vllm,sglang",
                         help="comma-separated groups: resolve, copy, vllm (the vLLM plugin's "
-                             "FP8 up-convert); default all")
+                             "FP8 up-convert), sglang (the SGLang plugin's swap-in and copy); "
+                             "default all")
     parser.add_argument("--widths", type=_ints, default=None,
                         help="resolve top-k widths (default 2048..32768, every width the config accepts)")
     parser.add_argument("--no-small-host", dest="small_host", action="store_false",
@@ -66,9 +67,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton compile-report``."""
     groups = [g for g in args.kernels.split(",") if g]
-    bad = [g for g in groups if g not in ("resolve", "copy", "vllm")]
+    from hisparse_triton.compile.report import GROUPS
+
+    bad = [g for g in groups if g not in GROUPS]
     if bad:
-        raise ValueError(f"--kernels: unknown group(s) {bad}; expected resolve, copy, vllm")
+        raise ValueError(f"--kernels: unknown group(s) {bad}; expected {', '.join(GROUPS)}")
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter hides the compiled kernels
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call([sys.executable, "-m", "hisparse_triton", "compile-report",

@@ -64,6 +64,25 @@ def upconvert_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any) -> dict[s
     return {"for q0 in range(0, batch, BLOCK_B)": max(1, trips)}
 
 
+def sglang_resolve_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any
+                         ) -> dict[str, int]:
+    """``_swap_in_resolve_kernel`` (``kernels/sglang_swap_in.py``): its LRU tiles."""
+    values = _values(kernel, args, kwargs)
+    return {"for h0 in range(0, H, BLOCK_H)": -(-int(values["H"]) // values["BLOCK_H"])}
+
+
+def sglang_copy_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any) -> dict[str, int]:
+    """``_copy_planned_kernel`` (``kernels/sglang_swap_in.py``): the busiest program's items
+    (a grid-stride loop) and the chunks of one row."""
+    values = _values(kernel, args, kwargs)
+    programs = int(grid[0]) if grid else 1
+    return {
+        "for item in range(tl.program_id(0), num_items, tl.num_programs(0))":
+            -(-int(values["num_items"]) // programs),
+        "for w0 in range(0, row_words, CHUNK)": -(-int(values["row_words"]) // values["CHUNK"]),
+    }
+
+
 def hash_resolve_twin(kwargs: dict) -> dict:
     """The hash resolve's model twin: the hash path alone (``FALLBACK=False``; the fallback
     runs only on overflow and costs the sorted figure)."""
@@ -75,6 +94,8 @@ LOOP_TRIPS: dict[str, Callable[[Any, tuple, dict, Any], dict[str, int]]] = {
     "_resolve_kernel": sorted_resolve_trips,
     "_resolve_hash_kernel": hash_resolve_trips,
     "_upconvert_kernel": upconvert_trips,
+    "_swap_in_resolve_kernel": sglang_resolve_trips,
+    "_copy_planned_kernel": sglang_copy_trips,
 }
 #: Model twins per kernel function name (see the module docstring).
 MODEL_TWINS: dict[str, Callable[[dict], dict]] = {

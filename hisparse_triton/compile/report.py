@@ -39,7 +39,8 @@ and every size 1 (Triton specialises ints equal to 1 into constants);
 the row / page copies at 132 B (indexer), 656 B (fp8 MLA) and 1,152 B (bf16 MLA) rows for 1,
 4 and 61 layers, a gather over tables only 2- or 1-byte aligned (int16 / uint8 words) and one
 over pools with more than 2**31 rows (64-bit size arguments); group ``vllm``: the vLLM plugin's
-FP8 up-convert gather from device rows, host rows and both. Identical specialisations are
+FP8 up-convert gather from device rows, host rows and both; group ``sglang``: the SGLang
+plugin's swap-in resolve and its planned copy. Identical specialisations are
 compiled once. The JSON document
 (``--json``) has the schema ``hisparse-triton/compile-report`` version 1.
 """
@@ -78,7 +79,7 @@ RESOLVE_SLOTS = (4096, 8192, 16384, 32768)
 ROW_BYTES = (132, 656, 1152)
 LAYERS = (1, 4, 61)
 #: The launch groups: resolve, the row / page copies, the vLLM plugin's FP8 up-convert.
-GROUPS = ("resolve", "copy", "vllm")
+GROUPS = ("resolve", "copy", "vllm", "sglang")
 _BLOCK = 64
 _BIG_HOST_BLOCKS = 1_000_000  # 64M host rows: production host pools (int64 sort keys)
 _SMALL_HOST_BLOCKS = 4_096    # 256K host rows
@@ -223,6 +224,47 @@ def _vllm_calls() -> list[tuple[str, Callable[[], Any]]]:
             ("vllm fp8 upconvert host+device rows", call(True, True))]
 
 
+def _sglang_calls() -> list[tuple[str, Callable[[], Any]]]:
+    """``(variant, make)`` of the SGLang plugin's kernels (``kernels/sglang_swap_in.py``) at
+    production shapes: the swap-in's resolve at top-k 2,048 with 4,096 slots (DeepSeek-V3.2 /
+    GLM-5), 1 and 64 rows, a 163,840-token context (int32 sort keys) and a 4M-token one
+    (int64 keys); its copy of 656-byte (fp8) and 1,152-byte (bf16) rows."""
+    import torch
+
+    from hisparse_triton.kernels import sglang_swap_in as sglang
+
+    K, H = 2048, 4096
+
+    def pool(item: int) -> Any:
+        return torch.zeros(4096, item, dtype=torch.uint8)
+
+    def resolve(rows: int, context: int) -> Callable[[], Any]:
+        def make() -> Any:
+            states = rows + 8
+            launch, _ = sglang.swap_in_launches(
+                _i32(rows, K), _i32(states, H + 64),
+                torch.zeros(states, 1, dtype=torch.int64).expand(states, context),
+                _i32(states, H + 64), pool(656), pool(656), _i32(rows, K),
+                torch.zeros(rows, dtype=torch.int64), _i32(rows),
+                torch.zeros(states, H, dtype=torch.int16), 656, K, H, page_size=1,
+                block_size=960, num_real_reqs=_i32(1),
+                miss_src=torch.zeros(rows, K, dtype=torch.int64), miss_dst=_i32(rows, K),
+                miss_count=_i32(rows), skip_io=True)
+            return launch
+        return make
+
+    def copy(item: int) -> Callable[[], Any]:
+        def make() -> Any:
+            return sglang.planned_copy_launch(
+                torch.zeros(64, K, dtype=torch.int64), _i32(64, K), _i32(64), _i32(1),
+                pool(item), pool(item), item, 64, K, 4096, 4096)
+        return make
+
+    return [(f"sglang swap-in K={K} H={H} R={rows} context={context}", resolve(rows, context))
+            for rows in (1, 64) for context in (163_840, 1 << 22)] \
+        + [(f"sglang swap-in copy {item}B R=64", copy(item)) for item in (656, 1152)]
+
+
 def _gather_i64_sizes() -> Any:
     """A gather whose pools have more than 2**31 rows and bytes per block (meta tensors: no
     memory), so the launch passes those sizes as 64-bit ints."""
@@ -336,7 +378,8 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
     compiler = amd_report.AmdCompiler(arch) if amd else _Compiler(arch)
     calls = (_resolve_calls(widths, small_host) if "resolve" in groups else []) \
         + (_copy_calls() if "copy" in groups else []) \
-        + (_vllm_calls() if "vllm" in groups else [])
+        + (_vllm_calls() if "vllm" in groups else []) \
+        + (_sglang_calls() if "sglang" in groups else [])
     with _planned_for(compiler):   # the launchers plan for the target (warp size, limits)
         launches = [(what, make()) for what, make in calls]
     records: list[dict[str, Any]] = []
