@@ -29,6 +29,11 @@ from hisparse_triton.commands.flags import (
     add_top_k_flag,
     set_torch_threads,
 )
+from hisparse_triton.commands.verdict_flags import (
+    add_verdict_flags,
+    given_verdict_flags,
+    verdict_settings,
+)
 from hisparse_triton.commands.output import (
     add_json_flag,
     json_document,
@@ -163,6 +168,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "at most half of them)")
     add_progress_flag(report)
     add_json_flag(report, "the report")
+    judge = parser.add_argument_group(
+        "live verdict (--verdict: the advise model fed with the run's observed miss rate)")
+    judge.add_argument("--verdict", action="store_true",
+                       help="end the report with the live verdict: the run's counters "
+                            "sampled after every decode step, the steady-state miss rate "
+                            "after --warmup-steps decode steps (default: the first quarter) "
+                            "fed to the advise model: estimated throughput against keeping "
+                            "every layer on the GPU, and the setting advise would pick")
+    add_verdict_flags(judge, link_flag=False)
     return parser
 
 
@@ -323,6 +337,9 @@ def format_report(r: dict[str, Any]) -> str:
                      f"dense copy, leaders and followers)")
     else:
         lines.append("verify: off")
+    verdict = r.get("verdict")
+    if verdict:
+        lines.append(verdict["text"])
     rec = r.get("record")
     if rec:
         lines.append(f"recorded: {rec['records']} top-k selections ({rec['requests']} requests, "
@@ -349,6 +366,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         workload = "locality" if args.locality is not None else "calibrated"
     if args.locality is not None and workload != "locality":
         raise ValueError(f"--locality applies to --workload locality, not {workload}.")
+    judge = given_verdict_flags(args)
+    if judge and not args.verdict:
+        raise ValueError(f"{', '.join(judge)} set the live verdict's model: add --verdict.")
+    verdict = (verdict_settings(args, args.preset, args.link_gbps) if args.verdict else None)
     return SimSettings(
         preset=args.preset, layers=args.layers, requests=args.requests,
         max_running=args.max_running, prompt_len=args.prompt_len, output_len=args.output_len,
@@ -363,7 +384,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         backend=args.backend, verify=args.verify,
         link_gbps=args.link_gbps if args.link_gbps is not None else DEFAULT_LINK_GBPS,
         link_source="given" if args.link_gbps is not None else DEFAULT_LINK_SOURCE,
-        warmup_steps=args.warmup_steps)
+        warmup_steps=args.warmup_steps, verdict=verdict)
 
 
 def run(args: argparse.Namespace) -> int:
