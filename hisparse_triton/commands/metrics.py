@@ -19,18 +19,18 @@ import time
 from typing import Any, Optional
 
 from hisparse_triton.commands.argtypes import bounded_int, bounded_number
-from hisparse_triton.commands.flags import (
-    add_progress_flag,
-    add_seed_flag,
-    add_threads_flag,
-    add_top_k_flag,
-    set_torch_threads,
-)
+from hisparse_triton.commands.flags import add_progress_flag, add_seed_flag, set_torch_threads
 from hisparse_triton.commands.output import (
     add_json_flag,
     json_document,
     report_stream,
     write_json,
+)
+from hisparse_triton.commands.simulate import (
+    add_runtime_flags,
+    add_shape_flags,
+    add_verify_flag,
+    add_watermark_flag,
 )
 from hisparse_triton.commands.verdict_flags import add_verdict_flags, verdict_settings
 from hisparse_triton.presets import list_presets
@@ -66,34 +66,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"model geometry of the demo (default {DEMO_PRESET}: seconds on "
                              f"a CPU)")
     work = parser.add_argument_group("demo workload (simulate's flags and defaults)")
-    work.add_argument("--requests", type=bounded_int(1, 1 << 20), default=None,
-                      help="requests (default 8)")
-    work.add_argument("--max-running", type=bounded_int(1, 4096), default=None,
-                      help="requests decoded together (default 4)")
-    work.add_argument("--prompt-len", type=bounded_int(1, 1 << 22), default=None,
-                      help="prompt tokens per request (default 16 x top-k)")
-    work.add_argument("--output-len", type=bounded_int(1, 1 << 20), default=None,
-                      help="generated tokens per request (default 64)")
-    add_top_k_flag(work, type=bounded_int(1, 32768), default=None,
-                   help="positions selected per step (default: the preset's index_topk)")
-    work.add_argument("--device-buffer-size", type=bounded_int(1, 32768), default=None,
-                      help="hot-buffer rows per request (default 2 x top-k)")
-    work.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
-                      help="free device pool fraction below which requests offload "
-                           "(default 0.1; 1 = pure HiSparse)")
+    add_shape_flags(work)
+    add_watermark_flag(work)
     work.add_argument("--warmup-steps", type=bounded_int(0, 1 << 20), default=None,
                       metavar="N", help="decode steps left out of the verdict's window "
                                         "(default: the first quarter)")
     add_seed_flag(work, what="the trace and the KV bytes")
-    work.add_argument("--device", default="auto",
-                      help="auto (default: cuda when available, else cpu), cpu, cuda or "
-                           "cuda:N")
-    work.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                      help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
-    work.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                      help="check every resolved row against a dense copy (default: on "
-                           "when the dense copy is under 256 MiB)")
-    add_threads_flag(work, default=1, help="CPU threads for torch (default 1)")
+    add_runtime_flags(work)
+    add_verify_flag(work)
     judge = parser.add_argument_group("live verdict (advise's model inputs)")
     add_verdict_flags(judge, link_flag=True)
     add_progress_flag(parser)

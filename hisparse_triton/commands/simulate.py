@@ -30,6 +30,7 @@ from hisparse_triton.commands.flags import (
     set_torch_threads,
 )
 from hisparse_triton.commands.verdict_flags import (
+    add_link_flag,
     add_verdict_flags,
     given_verdict_flags,
     verdict_settings,
@@ -68,6 +69,52 @@ def _policy_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def add_shape_flags(group: Any) -> None:
+    """The workload's size: ``--requests``, ``--max-running``, ``--prompt-len``,
+    ``--output-len``, ``--top-k`` and ``--device-buffer-size`` (also ``metrics``' demo)."""
+    group.add_argument("--requests", type=bounded_int(1, 1 << 20), default=None,
+                       help="requests in the workload (default 8)")
+    group.add_argument("--max-running", type=bounded_int(1, 4096), default=None,
+                       help="requests decoded together (default 4)")
+    group.add_argument("--prompt-len", type=bounded_int(1, 1 << 22), default=None,
+                       help="prompt tokens per request (default 16 x top-k, within the "
+                            "preset's context)")
+    group.add_argument("--output-len", type=bounded_int(1, 1 << 20), default=None,
+                       help="generated tokens per request (default 64)")
+    add_top_k_flag(group, type=bounded_int(1, 32768), default=None,
+                   help="positions selected per step (default: the preset's index_topk)")
+    group.add_argument("--device-buffer-size", type=bounded_int(1, 32768), default=None,
+                       help="hot-buffer rows per request (default 2 x top-k)")
+
+
+def add_watermark_flag(group: Any) -> None:
+    """``--free-block-watermark``."""
+    group.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
+                       help="fraction of the device pool that must stay truly free before "
+                            "requests offload; below it committed pages leave the GPU "
+                            "(default 0.1; 1 = pure HiSparse: every committed page outside "
+                            "the active tail is read through the hot buffer)")
+
+
+def add_runtime_flags(group: Any) -> None:
+    """``--device``, ``--backend`` and ``--threads``."""
+    group.add_argument("--device", default="auto",
+                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
+                            "cuda:N")
+    group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                       help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
+    add_threads_flag(group, default=1, help="CPU threads for torch (default 1, as bench: the "
+                                            "ops are small, and more threads make the timing "
+                                            "swing with the machine's load)")
+
+
+def add_verify_flag(group: Any) -> None:
+    """``--verify/--no-verify``."""
+    group.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                       help="check every resolved row against a dense copy (default: on "
+                            "when the dense copy is under 256 MiB)")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``simulate`` and its flags."""
     parser = subparsers.add_parser(
@@ -84,19 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="sparse layers to simulate (default: all of a preset with at "
                              "most 8, else 4 index groups: a sample, scaled to the model)")
     work = parser.add_argument_group("workload (defaults from the preset)")
-    work.add_argument("--requests", type=bounded_int(1, 1 << 20), default=None,
-                      help="requests in the workload (default 8)")
-    work.add_argument("--max-running", type=bounded_int(1, 4096), default=None,
-                      help="requests decoded together (default 4)")
-    work.add_argument("--prompt-len", type=bounded_int(1, 1 << 22), default=None,
-                      help="prompt tokens per request (default 16 x top-k, within the "
-                           "preset's context)")
-    work.add_argument("--output-len", type=bounded_int(1, 1 << 20), default=None,
-                      help="generated tokens per request (default 64)")
-    add_top_k_flag(work, type=bounded_int(1, 32768), default=None,
-                   help="positions selected per step (default: the preset's index_topk)")
-    work.add_argument("--device-buffer-size", type=bounded_int(1, 32768), default=None,
-                      help="hot-buffer rows per request (default 2 x top-k)")
+    add_shape_flags(work)
     work.add_argument("--workload", choices=WORKLOADS, default=None,
                       help="top-k generator: calibrated (default: reproduces the published "
                            "GLM-5.1 LRU miss curve) or locality (--locality)")
@@ -126,11 +161,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "appended, their top-k resolved as one [R, Q, K] union (default 1)")
     add_seed_flag(work, what="the trace and the KV bytes")
     pools = parser.add_argument_group("pools and runtime")
-    pools.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
-                       help="fraction of the device pool that must stay truly free before "
-                            "requests offload; below it committed pages leave the GPU "
-                            "(default 0.1; 1 = pure HiSparse: every committed page outside "
-                            "the active tail is read through the hot buffer)")
+    add_watermark_flag(pools)
     pools.add_argument("--offload-threshold-pages", type=bounded_int(1, 1 << 20), default=None,
                        help="a request that should offload does so once this many of its "
                             "pages can leave the GPU (default 1)")
@@ -140,32 +171,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="device pool blocks (default: steady state of --max-running "
                             "requests: indexer, hot region and resident tail each, plus one "
                             "prefill chunk)")
-    pools.add_argument("--device", default="auto",
-                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
-                            "cuda:N")
-    pools.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                       help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
-    add_threads_flag(pools, default=1, help="CPU threads for torch (default 1, as bench: the "
-                                            "ops are small, and more threads make the timing "
-                                            "swing with the machine's load)")
+    add_runtime_flags(pools)
     report = parser.add_argument_group("report")
     report.add_argument("--policies", type=_policy_list, default=POLICIES, metavar="LIST",
                         help=f"hot-buffer policies to compare on the same positions: "
                              f"{','.join(POLICIES)}, all (default) or none")
-    report.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                        help="check every resolved row against a dense copy (default: on "
-                             "when the dense copy is under 256 MiB)")
-    report.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
-                                                           "decimal GB/s, not bytes/s"),
-                        default=None,
-                        help=f"host<->device bandwidth for the transfer-time estimate, GB/s "
-                             f"(default {DEFAULT_LINK_GBPS:g}: published 656 B row-gather "
-                             f"figures, see docs/tools.md)")
+    add_verify_flag(report)
+    add_link_flag(report, "host<->device bandwidth for the transfer-time estimate and the "
+                          "verdict")
     report.add_argument("--warmup-steps", type=bounded_int(0, 1 << 20), default=None,
                         metavar="N",
                         help="resolves of each request and index group left out of the "
                              "steady-state miss rate (default: until its hot buffer is full, "
-                             "at most half of them)")
+                             "at most half of them); with --verdict also the decode steps "
+                             "left out of the verdict's window (default: the first quarter)")
     add_progress_flag(report)
     add_json_flag(report, "the report")
     judge = parser.add_argument_group(

@@ -24,7 +24,6 @@ def add_verdict_flags(parser: Any, *, link_flag: bool) -> None:
     """The verdict's model inputs (advise's flags); ``link_flag`` adds ``--link-gbps`` too
     (``simulate`` has its own)."""
     from hisparse_triton.commands.advise import DEFAULT_STEP_MS, step_points
-    from hisparse_triton.link import DEFAULT_LINK_GBPS
 
     parser.add_argument("--gpu-memory-gib", type=bounded_number(0.0001, 1 << 16, " GiB"),
                         default=None, help="GPU memory for the KV cache in the verdict's "
@@ -50,12 +49,19 @@ def add_verdict_flags(parser: Any, *, link_flag: bool) -> None:
                              "result (a file, or a directory: its newest); CPU results are "
                              "refused")
     if link_flag:
-        parser.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
-                                                               "decimal GB/s, not bytes/s"),
-                            default=None,
-                            help=f"host->device gather speed, GB/s (default "
-                                 f"{DEFAULT_LINK_GBPS:g}: published 656 B row-gather "
-                                 f"figures; or --bench-json)")
+        add_link_flag(parser, "host->device gather speed of the verdict's model (or "
+                              "--bench-json)")
+
+
+def add_link_flag(parser: Any, what: str) -> None:
+    """``--link-gbps``: ``what`` it is used for, then its default."""
+    from hisparse_triton.link import DEFAULT_LINK_GBPS
+
+    parser.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
+                                                           "decimal GB/s, not bytes/s"),
+                        default=None,
+                        help=f"{what}, GB/s (default {DEFAULT_LINK_GBPS:g}: published 656 B "
+                             f"row-gather figures, see docs/tools.md)")
 
 
 def given_verdict_flags(args: argparse.Namespace) -> list[str]:
@@ -96,4 +102,5 @@ def verdict_settings(args: argparse.Namespace, preset: Optional[str],
         max_batch=args.max_batch)
 
 
-__all__ = ["VERDICT_FLAGS", "add_verdict_flags", "given_verdict_flags", "verdict_settings"]
+__all__ = ["VERDICT_FLAGS", "add_link_flag", "add_verdict_flags", "given_verdict_flags",
+           "verdict_settings"]

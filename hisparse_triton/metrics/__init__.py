@@ -10,44 +10,25 @@
   ``pip install 'hisparse-triton[metrics]'``);
 - ``server``: ``MetricsServer``: ``/metrics`` and ``/verdict`` over HTTP (same extra).
 
-Importing this package needs neither torch nor ``prometheus_client``: names load on first
-use, and only the collector and the server ask for ``prometheus_client`` (an ``ImportError``
-naming the extra).
+Importing this package needs neither torch nor ``prometheus_client``: only building the
+collector or the server asks for ``prometheus_client`` (an ``ImportError`` naming the
+extra), and torch is imported where a runtime is used.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hisparse_triton.metrics.prometheus import METRICS, HiSparseCollector
+from hisparse_triton.metrics.sampler import DEFAULT_WINDOW, HiSparseMetrics, MetricsSample
+from hisparse_triton.metrics.server import MetricsServer
+from hisparse_triton.metrics.timing import StepTimer, StepTimes
+from hisparse_triton.metrics.verdict import (
+    Deployment,
+    Observation,
+    Verdict,
+    VerdictSettings,
+    live_verdict,
+)
 
-#: Public names -> the module that defines them.
-_EXPORTS = {
-    "DEFAULT_WINDOW": "hisparse_triton.metrics.sampler",
-    "Deployment": "hisparse_triton.metrics.verdict",
-    "HiSparseCollector": "hisparse_triton.metrics.prometheus",
-    "HiSparseMetrics": "hisparse_triton.metrics.sampler",
-    "METRICS": "hisparse_triton.metrics.prometheus",
-    "MetricsSample": "hisparse_triton.metrics.sampler",
-    "MetricsServer": "hisparse_triton.metrics.server",
-    "Observation": "hisparse_triton.metrics.verdict",
-    "StepTimer": "hisparse_triton.metrics.timing",
-    "StepTimes": "hisparse_triton.metrics.timing",
-    "Verdict": "hisparse_triton.metrics.verdict",
-    "VerdictSettings": "hisparse_triton.metrics.verdict",
-    "live_verdict": "hisparse_triton.metrics.verdict",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hisparse_triton.metrics' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__all__ = ["DEFAULT_WINDOW", "Deployment", "HiSparseCollector", "HiSparseMetrics", "METRICS",
+           "MetricsSample", "MetricsServer", "Observation", "StepTimer", "StepTimes",
+           "Verdict", "VerdictSettings", "live_verdict"]
