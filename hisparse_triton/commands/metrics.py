@@ -184,17 +184,17 @@ def run(args: argparse.Namespace) -> int:
         metrics = held["metrics"]
         server = held.get("server")
         print(format_summary(report, metrics), file=out, flush=True)
-        registry = prom.CollectorRegistry()
-        registry.register(metrics.collector())
-        if server is None:
+        if server is None:  # the scrape it would have served
+            registry = prom.CollectorRegistry()
+            registry.register(metrics.collector())
             print(prom.generate_latest(registry).decode().rstrip(), file=out)
         if args.json:
+            observed = metrics.observation()
             write_json(json_document("metrics", SCHEMA_VERSION, {
                 "preset": report["preset"], "url": server.url if server else None,
                 "report": report, "sample": sample_dict(metrics.latest()),
-                "observed": {"hits": metrics.observation().hits,
-                             "misses": metrics.observation().misses,
-                             "miss_rate": metrics.observation().miss_rate},
+                "observed": {"hits": observed.hits, "misses": observed.misses,
+                             "miss_rate": observed.miss_rate},
                 "group_miss_rates": metrics.group_miss_rates(),
                 "verdict": report.get("verdict")}), args.json)
         if server is not None:
