@@ -558,8 +558,8 @@ def run_simulation(settings: SimSettings,
 
             warm = verdict_warmup(s, total_steps)
             judged = s.verdict
-            if judged is not None and judged.preset is None:
-                judged = replace(judged, preset=s.preset)
+            if judged is not None:
+                judged = _whole_model_verdict(judged, s)
             metrics = HiSparseMetrics(runtime, verdict=judged,
                                       window=max(1, total_steps - warm))
             if on_metrics is not None:
@@ -799,6 +799,24 @@ def run_simulation(settings: SimSettings,
         return report
     finally:
         runtime.close()
+
+
+def _whole_model_verdict(verdict: "VerdictSettings", s: SimSettings) -> "VerdictSettings":
+    """``verdict`` for the simulated preset (when it names none), and with advise's default
+    budgets (``AdviseSettings``: 80 GiB GPU, 256 GiB host) for a sampled run unless given:
+    the pools of a few simulated index groups do not describe the whole model."""
+    changes: dict[str, Any] = {}
+    if verdict.preset is None:
+        changes["preset"] = s.preset
+    if s.sampled:
+        from hisparse_triton.advisor import AdviseSettings
+
+        whole = AdviseSettings()
+        if verdict.gpu_memory_gib is None:
+            changes["gpu_memory_gib"] = whole.gpu_memory_gib
+        if verdict.host_pool_gib is None:
+            changes["host_pool_gib"] = whole.host_pool_gib
+    return replace(verdict, **changes)
 
 
 def _verdict_report(metrics: "HiSparseMetrics", warmup: int) -> dict[str, Any]:

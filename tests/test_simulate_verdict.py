@@ -95,3 +95,20 @@ def test_without_the_flag_there_is_no_verdict(tmp_path, capsys):
                  "--no-verify", "--no-progress", "--json", str(path)]) == 0
     assert "verdict" not in json.loads(path.read_text())
     assert "HiSparse verdict" not in capsys.readouterr().out
+
+
+def test_a_sampled_run_is_judged_with_advise_s_budgets():
+    """A large preset is simulated on a few index groups: their pools do not describe the
+    model, so the verdict takes advise's budgets unless given (the preset is the run's)."""
+    from hisparse_triton.metrics import VerdictSettings
+    from hisparse_triton.simulation import SimSettings, _whole_model_verdict, with_defaults
+
+    sampled = with_defaults(SimSettings(preset="deepseek-v3.2-fp8"))
+    assert sampled.sampled
+    v = _whole_model_verdict(VerdictSettings(preset=None), sampled)
+    assert (v.preset, v.gpu_memory_gib, v.host_pool_gib) == ("deepseek-v3.2-fp8", 80.0, 256.0)
+    given = _whole_model_verdict(VerdictSettings(preset=None, gpu_memory_gib=40.0), sampled)
+    assert (given.gpu_memory_gib, given.host_pool_gib) == (40.0, 256.0)
+    whole = _whole_model_verdict(VerdictSettings(preset=None),
+                                 with_defaults(SimSettings(preset="tiny")))
+    assert (whole.preset, whole.gpu_memory_gib, whole.host_pool_gib) == ("tiny", None, None)
