@@ -33,6 +33,11 @@ concurrency``): ``tokens_per_s = Q x batch / step(batch)``, no transfers. The cr
 smallest number of concurrent requests at which the recommended HiSparse setting decodes
 faster than all-GPU can (all-GPU runs ``min(demand, its batch)``); below it, all-GPU wins.
 
+Miss rates come from a ``MissCurve``: by default ``TraceMissCurve`` (the LRU replayed on the
+trace, as above); a running deployment passes ``ObservedMissCurve`` (the miss rate its live
+counters observed at its own setting, carried to the other settings along the calibrated
+trace's curve: ``hisparse_triton.metrics``' live verdict). Every other formula is the same.
+
 The recommendation is the highest ``tokens_per_s`` among the settings whose block size the
 preset's attention kernel supports (``ATTENTION_KERNELS``); estimates within 0.5% of it count
 as a tie, won by the least GPU memory per request (``recommend``). When the all-GPU row is as
@@ -47,11 +52,12 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from hisparse_triton.config import ACTIVE_TAIL_PAGES, GIB, EngineConfig, HiSparseConfig
+from hisparse_triton.config import (
+    ACTIVE_TAIL_PAGES, GIB, MAX_DEVICE_BUFFER_SIZE, EngineConfig, HiSparseConfig)
 from hisparse_triton.link import DEFAULT_LINK_GBPS
 from hisparse_triton.presets import ModelGeometry, build_kv_cache_spec, get_preset
 from hisparse_triton.specs import cdiv
@@ -176,6 +182,13 @@ def split_bytes(miss_columns: float, columns: int, bytes_per_column: float, rank
     return pcie, (ranks - 1) * cap * bytes_per_column
 
 
+def default_buffers(mtp: int, top_k: int) -> tuple[int, ...]:
+    """The hot-buffer sizes swept by default: ``Q x top_k`` x ``DEFAULT_BUFFER_FACTORS``, at
+    most ``MAX_DEVICE_BUFFER_SIZE``."""
+    return tuple(f * mtp * top_k for f in DEFAULT_BUFFER_FACTORS
+                 if f * mtp * top_k <= MAX_DEVICE_BUFFER_SIZE)
+
+
 def attention_kernel(preset: str) -> tuple[Optional[str], Optional[tuple[int, ...]]]:
     """``(kernel name, supported block sizes)`` of a preset; ``(None, None)``: any size."""
     return ATTENTION_KERNELS.get(preset, (None, None))
@@ -213,6 +226,13 @@ def trace_streams(settings: AdviseSettings, top_k: int, context_len: int
                 f"steps at a {history}-token history{per})"
 
 
+def trace_miss_curve(settings: AdviseSettings, top_k: int, context_len: int) -> TraceMissCurve:
+    """The ``TraceMissCurve`` of ``settings``' trace (``trace_streams``: recorded, or the
+    calibrated generator at ``context_len``), ``settings.warmup`` steps left out."""
+    streams, source = trace_streams(settings, top_k, context_len)
+    return TraceMissCurve(streams, settings.warmup, source)
+
+
 def steady_miss_rate(streams: Sequence[tuple[list[np.ndarray], list[int]]], capacity: int,
                      block_size: int, warmup: int) -> float:
     """LRU misses / valid columns after ``warmup`` steps, the last ``ACTIVE_TAIL_PAGES``
@@ -231,6 +251,69 @@ def steady_miss_rate(streams: Sequence[tuple[list[np.ndarray], list[int]]], capa
         columns += sum(int(((row >= 0) & (row < seq)).sum())
                        for row, seq in list(zip(rows, seqs))[skip:])
     return misses / columns if columns else 0.0
+
+
+class MissCurve(Protocol):
+    """Where a sweep's miss rates come from: ``miss_rate(buffer, block_size)`` is the
+    steady-state misses / valid top-k columns of a hot buffer of ``buffer`` rows with KV
+    blocks of ``block_size`` tokens; ``source`` says what it was measured on (one line)."""
+
+    source: str
+
+    def miss_rate(self, buffer: int, block_size: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class TraceMissCurve:
+    """Miss rates measured on top-k streams (``trace_streams``): the runtime's LRU replayed
+    at every setting (``steady_miss_rate``), each stream's first ``warmup`` steps left out;
+    each setting is replayed once (``memo``)."""
+
+    streams: Sequence[tuple[list[np.ndarray], list[int]]]
+    warmup: int
+    source: str
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def miss_rate(self, buffer: int, block_size: int) -> float:
+        key = (buffer, block_size)
+        if key not in self.memo:
+            self.memo[key] = steady_miss_rate(self.streams, buffer, block_size, self.warmup)
+        return self.memo[key]
+
+
+@dataclass(frozen=True)
+class ObservedMissCurve:
+    """Miss rates observed on a running deployment instead of measured on a trace:
+    ``points`` of ``(device_buffer_size, block_size, miss_rate)`` (e.g. from its live
+    counters). At an observed setting the observed rate is used as it is; at any other, the
+    rate observed at the nearest buffer size (log scale) is carried along the ``reference``
+    curve's shape: ``min(1, m0 x ref(H, B) / ref(H0, B0))`` (``m0`` as it is where the
+    reference is 0 at ``(H0, B0)``). ``live_verdict`` uses advise's calibrated trace as the
+    reference, so the curve is advise's default one, rescaled through the observed rate."""
+
+    points: tuple[tuple[int, int, float], ...]
+    reference: MissCurve
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("an observed miss curve needs at least one (buffer, block size, "
+                             "miss rate) point.")
+        for buffer, block, miss in self.points:
+            if buffer < 1 or block < 1 or not 0.0 <= miss <= 1.0:
+                raise ValueError(f"observed miss curve points must be buffer >= 1, block size "
+                                 f">= 1 and a miss rate in [0, 1], got {list(self.points)}.")
+
+    def miss_rate(self, buffer: int, block_size: int) -> float:
+        exact = [m for h, b, m in self.points if (h, b) == (buffer, block_size)]
+        if exact:
+            return exact[0]
+        h0, b0, m0 = min(self.points, key=lambda p: (abs(math.log(p[0] / buffer)),
+                                                      p[1] != block_size, p[0]))
+        base = self.reference.miss_rate(h0, b0)
+        if m0 == 0.0 or base == 0.0:
+            return m0
+        return min(1.0, m0 * self.reference.miss_rate(buffer, block_size) / base)
 
 
 def plan_setting(geometry: ModelGeometry, *, block_size: int, buffer: int, top_k: int,
@@ -297,8 +380,13 @@ def crossover(settings: AdviseSettings, row: dict[str, Any],
 
 
 def run_advise(settings: AdviseSettings,
-               on_setting: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
-    """The sweep and its recommendation, as the JSON payload of ``advise``."""
+               on_setting: Optional[Callable[[str], None]] = None, *,
+               miss_curve: Optional[MissCurve] = None) -> dict[str, Any]:
+    """The sweep and its recommendation, as the JSON payload of ``advise``.
+
+    ``miss_curve``: where every setting's miss rate comes from; default: the runtime's LRU
+    on ``settings``' trace (``trace_streams``, ``TraceMissCurve``). A live deployment passes
+    the rates it observed (``ObservedMissCurve``); ``settings.trace`` must then be unset."""
     geometry = get_preset(settings.preset)
     top_k = settings.top_k or geometry.index_topk
     q = settings.mtp
@@ -309,6 +397,9 @@ def run_advise(settings: AdviseSettings,
     if context <= top_k:
         raise ValueError(f"--context-len {context} is not longer than top-k {top_k}: every "
                          f"step would select the whole history and nothing could miss.")
+    if miss_curve is not None and settings.trace is not None:
+        raise ValueError("a sweep takes its miss rates from a trace or from a given miss "
+                         "curve, not both.")
     if q > 1 and settings.trace is not None:
         raise ValueError(f"--mtp {q} cannot be combined with --trace: a trace holds one top-k "
                          f"selection per request and step.")
@@ -320,8 +411,7 @@ def run_advise(settings: AdviseSettings,
         raise ValueError(f"--exchange-gbps must be positive, got {settings.exchange_gbps!r}.")
     if not 0.0 <= settings.overlap <= 1.0:
         raise ValueError(f"--overlap must be a fraction in [0, 1], got {settings.overlap!r}.")
-    buffers = settings.buffers or tuple(f * q * top_k for f in DEFAULT_BUFFER_FACTORS
-                                        if f * q * top_k <= 32768)
+    buffers = settings.buffers or default_buffers(q, top_k)
     small = [b for b in buffers if b < q * top_k]
     if small:
         what = f"{q} x top-k {top_k}" if q > 1 else f"top-k {top_k}"
@@ -329,7 +419,8 @@ def run_advise(settings: AdviseSettings,
                          f"selections must fit the hot buffer.")
     kernel, supported = attention_kernel(geometry.name)
     block_sizes = settings.block_sizes or supported or DEFAULT_BLOCK_SIZES
-    streams, source = trace_streams(settings, top_k, context)
+    if miss_curve is None:
+        miss_curve = trace_miss_curve(settings, top_k, context)
     gpu_bytes = int(settings.gpu_memory_gib * GIB)
     rows_out = []
     for block in block_sizes:
@@ -347,7 +438,7 @@ def run_advise(settings: AdviseSettings,
                 if on_setting is not None:
                     on_setting(label)
                 continue
-            miss = steady_miss_rate(streams, buffer, block, settings.warmup)
+            miss = miss_curve.miss_rate(buffer, block)
             rows_step = miss * q * top_k * geometry.num_indexer_layers
             bytes_step = miss * q * top_k * geometry.num_layers * geometry.mla_row_bytes
             cap = row["concurrency"] if settings.max_batch is None else \
@@ -411,7 +502,7 @@ def run_advise(settings: AdviseSettings,
         "link_gbps": settings.link_gbps, "link_source": settings.link_source,
         "attention_kernel": kernel,
         "supported_block_sizes": list(supported) if supported else None,
-        "block_sizes": list(block_sizes), "trace": source,
+        "block_sizes": list(block_sizes), "trace": miss_curve.source,
         "warmup_steps": settings.warmup, "formula": THROUGHPUT_FORMULA,
         "settings": rows_out, "all_gpu": gpu_row,
         "crossover": {"requests": cross, "all_gpu_batch": gpu_row["batch"],
@@ -530,9 +621,11 @@ def link_from_bench(result: dict[str, Any], row_bytes: int) -> tuple[Callable[[i
 
 
 __all__ = ["ATTENTION_KERNELS", "AdviseSettings", "DEFAULT_BLOCK_SIZES",
-           "DEFAULT_BUFFER_FACTORS", "DEFAULT_STEP_POINTS", "GATHER_METHODS",
+           "DEFAULT_BUFFER_FACTORS", "DEFAULT_STEP_POINTS", "GATHER_METHODS", "MissCurve",
+           "default_buffers",
+           "ObservedMissCurve", "TraceMissCurve",
            "RECOMMEND_TOLERANCE", "StepModel", "THROUGHPUT_FORMULA", "all_gpu_row",
            "DEFAULT_EXCHANGE_GBPS", "SPLIT_FORMULA", "split_bytes",
            "attention_kernel", "crossover", "find_bench_result", "link_from_bench",
-           "plan_setting", "recommend", "run_advise", "step_seconds", "steady_miss_rate",
-           "trace_streams"]
+           "plan_setting", "recommend", "run_advise", "step_seconds",
+           "steady_miss_rate", "trace_miss_curve", "trace_streams"]

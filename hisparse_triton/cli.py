@@ -35,6 +35,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hisparse_triton.commands.tune",
     "hisparse_triton.commands.shm",
     "hisparse_triton.commands.advise",
+    "hisparse_triton.commands.metrics",
     "hisparse_triton.commands.compile_report",
 )
 

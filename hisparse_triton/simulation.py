@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -46,6 +46,10 @@ from hisparse_triton.presets import (
     list_presets,
 )
 from hisparse_triton.specs import cdiv
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hisparse_triton.metrics.sampler import HiSparseMetrics
+    from hisparse_triton.metrics.verdict import VerdictSettings
 
 #: ``verify=None`` checks runs whose dense copy stays under this many bytes.
 VERIFY_AUTO_MAX_BYTES = 256 << 20
@@ -69,7 +73,8 @@ class SimSettings:
     """One simulation. ``None`` fields take the preset's defaults (``with_defaults``);
     ``preset=None`` is a trace's preset (its metadata) or ``DEFAULT_PRESET``;
     ``warmup_steps=None`` ends each stream's warm-up when its hot buffer is full (at most
-    half its steps)."""
+    half its steps). ``verdict``: ``VerdictSettings`` of the live verdict (the runtime's
+    counters sampled after every decode step, ``verdict_warmup``), None: no verdict."""
 
     preset: Optional[str] = None
     layers: Optional[int] = None
@@ -99,6 +104,7 @@ class SimSettings:
     link_gbps: float = DEFAULT_LINK_GBPS
     link_source: str = "given"
     warmup_steps: Optional[int] = None
+    verdict: Optional["VerdictSettings"] = None
     sampled: bool = field(default=False, compare=False)
 
 
@@ -429,13 +435,28 @@ def steady_state(log: _BufferLog, capacity: int,
             "hit_rate": 1.0 - misses / columns if columns else 1.0}
 
 
+def verdict_warmup(settings: SimSettings, decode_steps: int) -> int:
+    """Decode steps left out of the live verdict's window: ``warmup_steps`` if given, else
+    the first quarter (as ``advise`` leaves out the first quarter of a stream), fewer than
+    ``decode_steps``."""
+    warm = settings.warmup_steps if settings.warmup_steps is not None else decode_steps // 4
+    return max(0, min(warm, decode_steps - 1))
+
+
 def run_simulation(settings: SimSettings,
-                   on_step: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
+                   on_step: Optional[Callable[[int, int], None]] = None, *,
+                   on_metrics: Optional[Callable[["HiSparseMetrics"], None]] = None
+                   ) -> dict[str, Any]:
     """Run one simulation; returns the report (see ``hisparse-triton simulate --json``).
 
-    ``on_step(done, total)`` is called after every decode step (progress). Raises
-    ``ValueError`` for a bad configuration, ``HiSparseError`` when the pools cannot hold the
-    workload, ``oracle.OracleMismatch`` when verification fails.
+    ``on_step(done, total)`` is called after every decode step (progress). With
+    ``settings.verdict`` or ``on_metrics``, a ``HiSparseMetrics`` samples the runtime's
+    counters after every decode step (no host sync) and times each decode step with device
+    events (a GPU only); its window covers the steps after ``verdict_warmup``.
+    ``on_metrics(metrics)`` is called once it exists, before the first request (a server
+    can publish it while the run goes on). Raises ``ValueError`` for a bad configuration,
+    ``HiSparseError`` when the pools cannot hold the workload, ``oracle.OracleMismatch``
+    when verification fails.
     """
     import torch
 
@@ -531,6 +552,18 @@ def run_simulation(settings: SimSettings,
         all_gpu_peak = device_peak_blocks = 0
         resolves = resolved_rows = generated = 0
         total_steps = len(schedule.steps)
+        metrics = None
+        if s.verdict is not None or on_metrics is not None:
+            from hisparse_triton.metrics.sampler import HiSparseMetrics
+
+            warm = verdict_warmup(s, total_steps)
+            judged = s.verdict
+            if judged is not None:
+                judged = _whole_model_verdict(judged, s)
+            metrics = HiSparseMetrics(runtime, verdict=judged,
+                                      window=max(1, total_steps - warm))
+            if on_metrics is not None:
+                on_metrics(metrics)
         start = time.perf_counter()
 
         def admit(rid: int) -> None:
@@ -553,6 +586,8 @@ def run_simulation(settings: SimSettings,
             for rid in ids:
                 if schedule.first[rid] == step:
                     admit(rid)
+            if metrics is not None:   # the decode step's device time (a GPU only)
+                metrics.timer.start()
             queries = []
             for rid, seq in zip(ids, seqs):
                 grow = seq - runtime.seq_len(rid)
@@ -584,6 +619,8 @@ def run_simulation(settings: SimSettings,
             if recorder is not None:
                 recorder.add(step, ids, seqs, chosen[:, :, 0])
             runtime.commit()
+            if metrics is not None:
+                metrics.timer.stop()
             for rid in ids:
                 if schedule.last[rid] == step:
                     if oracle is not None:
@@ -592,11 +629,15 @@ def run_simulation(settings: SimSettings,
                         oracle.free(rid)
                     runtime.free_request(rid)
                     positions.forget(rid)
+            if metrics is not None:
+                metrics.sample()
             if on_step is not None:
                 on_step(step + 1, total_steps)
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)
         wall = time.perf_counter() - start
+        if metrics is not None:
+            metrics.flush()
         stats = runtime.stats()
         leaked = stats.device_blocks + stats.host_blocks
         if leaked:
@@ -736,6 +777,8 @@ def run_simulation(settings: SimSettings,
                 {"query": j, "columns": int(c), "misses": int(m), "hits": int(c - m),
                  "hit_rate": float((c - m) / c) if c else 1.0}
                 for j, (c, m) in enumerate(zip(log.query_columns, log.query_misses))]
+        if s.verdict is not None:
+            report["verdict"] = _verdict_report(metrics, warm)
         compared = compare_policies(log.actual, buffer, s.policies) if s.policies else {}
         if s.policies:
             report["buffer_lookups"] = sum(step.size for stream in log.actual.values()
@@ -758,7 +801,39 @@ def run_simulation(settings: SimSettings,
         runtime.close()
 
 
+def _whole_model_verdict(verdict: "VerdictSettings", s: SimSettings) -> "VerdictSettings":
+    """``verdict`` for the simulated preset (when it names none), and with advise's default
+    budgets (``AdviseSettings``: 80 GiB GPU, 256 GiB host) for a sampled run unless given:
+    the pools of a few simulated index groups do not describe the whole model."""
+    changes: dict[str, Any] = {}
+    if verdict.preset is None:
+        changes["preset"] = s.preset
+    if s.sampled:
+        from hisparse_triton.advisor import AdviseSettings
+
+        whole = AdviseSettings()
+        if verdict.gpu_memory_gib is None:
+            changes["gpu_memory_gib"] = whole.gpu_memory_gib
+        if verdict.host_pool_gib is None:
+            changes["host_pool_gib"] = whole.host_pool_gib
+    return replace(verdict, **changes)
+
+
+def _verdict_report(metrics: "HiSparseMetrics", warmup: int) -> dict[str, Any]:
+    """The live verdict of a run (``Verdict.as_dict()``, or ``{"error": why}``) and its
+    window: ``warmup_steps`` left out, the ``observed`` counters."""
+    observed = metrics.observation()
+    window = {"warmup_steps": warmup, "observed_hits": observed.hits,
+              "observed_misses": observed.misses, "observed_miss_rate": observed.miss_rate,
+              "since_start": observed.since_start}
+    try:
+        return {**metrics.verdict().as_dict(), "window": window}
+    except ValueError as exc:
+        return {"error": " ".join(str(exc).split()), "text": metrics.verdict_text(),
+                "window": window}
+
+
 __all__ = ["DEFAULT_OUTPUT_LEN", "DEFAULT_PREFILL_CHUNK", "Schedule", "SimSettings",
            "TRACE_SETTINGS", "VERIFY_AUTO_MAX_BYTES", "cannot_miss_warnings", "default_layers",
            "run_simulation", "settings_from_trace", "steady_state", "synthetic_schedule",
-           "trace_schedule", "with_defaults"]
+           "trace_schedule", "verdict_warmup", "with_defaults"]

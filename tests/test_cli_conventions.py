@@ -1,6 +1,7 @@
-"""Conventions every command of the CLI follows (simulate, bench, tune, advise): bare command
-prints help, ``--json PATH|-`` with a schema name and version, ``--top-k`` with the hidden
-``--topk`` alias, bounded seeds and numbers, normal file permissions, one progress bar."""
+"""Conventions every command of the CLI follows (simulate, bench, tune, advise, metrics):
+bare command prints help, ``--json PATH|-`` with a schema name and version, ``--top-k`` with
+the hidden ``--topk`` alias, bounded seeds and numbers, normal file permissions, one progress
+bar."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ COMMANDS = {
     "tune": ["tune", "--dry-run", "--kernel", "gather", "--layers", "1", "--quick"],
     "advise": ["advise", "--preset", "tiny", "--buffers", "32", "--block-sizes", "16",
                "--steps", "8", "--streams", "1"],
+    "metrics": ["metrics", "--requests", "1", "--prompt-len", "48", "--output-len", "2",
+                "--no-verify"],
 }
 
 
@@ -43,7 +46,7 @@ def test_bare_command_prints_help(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: hisparse-triton")
-    for command in ("plan", "simulate", "bench", "tune", "advise"):
+    for command in ("plan", "simulate", "bench", "tune", "advise", "metrics"):
         assert f"    {command} " in out
 
 
@@ -111,7 +114,7 @@ def test_out_of_range_names_the_flag_and_range(argv, flag, capsys):
     assert f"argument {flag}: must be" in err and " in [" in err
 
 
-@pytest.mark.parametrize("command", ["simulate", "bench", "advise"])
+@pytest.mark.parametrize("command", ["simulate", "bench", "advise", "metrics"])
 def test_one_progress_bar_with_an_eta(command, capsys):
     argv = [a for a in COMMANDS[command]]
     assert main([*argv, "--progress"]) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_triton.worker.stats import CounterReader, StatsSnapshot, WorkerStats
+from hisparse_triton.worker.stats import CounterReader, GroupCounts, StatsSnapshot, WorkerStats
 
 
 def _reader(counts, bytes_per_miss=(100, 300), d2h=7, plans=2):
@@ -52,3 +52,17 @@ def test_hit_rate():
 def test_bad_counters_are_refused(counters, per_miss, match):
     with pytest.raises(ValueError, match=match):
         CounterReader(counters, per_miss, d2h_bytes=lambda: 0, plans=lambda: 0)
+
+
+def test_a_snapshot_names_each_index_group_s_share():
+    counters = torch.tensor([[5, 2, 1], [3, 4, 0]], dtype=torch.int64)
+    reader = CounterReader(counters, (100, 300), d2h_bytes=lambda: 0, plans=lambda: 0,
+                           leaders=("a", "b"))
+    snapshot = reader.read_async()
+    counters += 1                                # after the call: not in the snapshot
+    assert snapshot.groups() == (GroupCounts("a", 5, 2, 1, 200), GroupCounts("b", 3, 4, 0, 1200))
+    assert snapshot.groups()[1].miss_rate == 4 / 7 and GroupCounts("c", 0, 0, 0, 0).miss_rate == 0
+    unnamed = CounterReader(counters, (1, 1), d2h_bytes=lambda: 0, plans=lambda: 0)
+    assert [g.leader for g in unnamed.read_async().groups()] == ["group0", "group1"]
+    with pytest.raises(ValueError, match="1 leaders for 2 index groups"):
+        CounterReader(counters, (1, 1), d2h_bytes=lambda: 0, plans=lambda: 0, leaders=("a",))

@@ -29,6 +29,12 @@ from hisparse_triton.commands.flags import (
     add_top_k_flag,
     set_torch_threads,
 )
+from hisparse_triton.commands.verdict_flags import (
+    add_link_flag,
+    add_verdict_flags,
+    given_verdict_flags,
+    verdict_settings,
+)
 from hisparse_triton.commands.output import (
     add_json_flag,
     json_document,
@@ -63,6 +69,52 @@ def _policy_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def add_shape_flags(group: Any) -> None:
+    """The workload's size: ``--requests``, ``--max-running``, ``--prompt-len``,
+    ``--output-len``, ``--top-k`` and ``--device-buffer-size`` (also ``metrics``' demo)."""
+    group.add_argument("--requests", type=bounded_int(1, 1 << 20), default=None,
+                       help="requests in the workload (default 8)")
+    group.add_argument("--max-running", type=bounded_int(1, 4096), default=None,
+                       help="requests decoded together (default 4)")
+    group.add_argument("--prompt-len", type=bounded_int(1, 1 << 22), default=None,
+                       help="prompt tokens per request (default 16 x top-k, within the "
+                            "preset's context)")
+    group.add_argument("--output-len", type=bounded_int(1, 1 << 20), default=None,
+                       help="generated tokens per request (default 64)")
+    add_top_k_flag(group, type=bounded_int(1, 32768), default=None,
+                   help="positions selected per step (default: the preset's index_topk)")
+    group.add_argument("--device-buffer-size", type=bounded_int(1, 32768), default=None,
+                       help="hot-buffer rows per request (default 2 x top-k)")
+
+
+def add_watermark_flag(group: Any) -> None:
+    """``--free-block-watermark``."""
+    group.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
+                       help="fraction of the device pool that must stay truly free before "
+                            "requests offload; below it committed pages leave the GPU "
+                            "(default 0.1; 1 = pure HiSparse: every committed page outside "
+                            "the active tail is read through the hot buffer)")
+
+
+def add_runtime_flags(group: Any) -> None:
+    """``--device``, ``--backend`` and ``--threads``."""
+    group.add_argument("--device", default="auto",
+                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
+                            "cuda:N")
+    group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                       help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
+    add_threads_flag(group, default=1, help="CPU threads for torch (default 1, as bench: the "
+                                            "ops are small, and more threads make the timing "
+                                            "swing with the machine's load)")
+
+
+def add_verify_flag(group: Any) -> None:
+    """``--verify/--no-verify``."""
+    group.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                       help="check every resolved row against a dense copy (default: on "
+                            "when the dense copy is under 256 MiB)")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``simulate`` and its flags."""
     parser = subparsers.add_parser(
@@ -79,19 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="sparse layers to simulate (default: all of a preset with at "
                              "most 8, else 4 index groups: a sample, scaled to the model)")
     work = parser.add_argument_group("workload (defaults from the preset)")
-    work.add_argument("--requests", type=bounded_int(1, 1 << 20), default=None,
-                      help="requests in the workload (default 8)")
-    work.add_argument("--max-running", type=bounded_int(1, 4096), default=None,
-                      help="requests decoded together (default 4)")
-    work.add_argument("--prompt-len", type=bounded_int(1, 1 << 22), default=None,
-                      help="prompt tokens per request (default 16 x top-k, within the "
-                           "preset's context)")
-    work.add_argument("--output-len", type=bounded_int(1, 1 << 20), default=None,
-                      help="generated tokens per request (default 64)")
-    add_top_k_flag(work, type=bounded_int(1, 32768), default=None,
-                   help="positions selected per step (default: the preset's index_topk)")
-    work.add_argument("--device-buffer-size", type=bounded_int(1, 32768), default=None,
-                      help="hot-buffer rows per request (default 2 x top-k)")
+    add_shape_flags(work)
     work.add_argument("--workload", choices=WORKLOADS, default=None,
                       help="top-k generator: calibrated (default: reproduces the published "
                            "GLM-5.1 LRU miss curve) or locality (--locality)")
@@ -121,11 +161,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "appended, their top-k resolved as one [R, Q, K] union (default 1)")
     add_seed_flag(work, what="the trace and the KV bytes")
     pools = parser.add_argument_group("pools and runtime")
-    pools.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
-                       help="fraction of the device pool that must stay truly free before "
-                            "requests offload; below it committed pages leave the GPU "
-                            "(default 0.1; 1 = pure HiSparse: every committed page outside "
-                            "the active tail is read through the hot buffer)")
+    add_watermark_flag(pools)
     pools.add_argument("--offload-threshold-pages", type=bounded_int(1, 1 << 20), default=None,
                        help="a request that should offload does so once this many of its "
                             "pages can leave the GPU (default 1)")
@@ -135,34 +171,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="device pool blocks (default: steady state of --max-running "
                             "requests: indexer, hot region and resident tail each, plus one "
                             "prefill chunk)")
-    pools.add_argument("--device", default="auto",
-                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
-                            "cuda:N")
-    pools.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
-                       help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
-    add_threads_flag(pools, default=1, help="CPU threads for torch (default 1, as bench: the "
-                                            "ops are small, and more threads make the timing "
-                                            "swing with the machine's load)")
+    add_runtime_flags(pools)
     report = parser.add_argument_group("report")
     report.add_argument("--policies", type=_policy_list, default=POLICIES, metavar="LIST",
                         help=f"hot-buffer policies to compare on the same positions: "
                              f"{','.join(POLICIES)}, all (default) or none")
-    report.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                        help="check every resolved row against a dense copy (default: on "
-                             "when the dense copy is under 256 MiB)")
-    report.add_argument("--link-gbps", type=bounded_number(0.001, 10000, " GB/s",
-                                                           "decimal GB/s, not bytes/s"),
-                        default=None,
-                        help=f"host<->device bandwidth for the transfer-time estimate, GB/s "
-                             f"(default {DEFAULT_LINK_GBPS:g}: published 656 B row-gather "
-                             f"figures, see docs/tools.md)")
+    add_verify_flag(report)
+    add_link_flag(report, "host<->device bandwidth for the transfer-time estimate and the "
+                          "verdict")
     report.add_argument("--warmup-steps", type=bounded_int(0, 1 << 20), default=None,
                         metavar="N",
                         help="resolves of each request and index group left out of the "
                              "steady-state miss rate (default: until its hot buffer is full, "
-                             "at most half of them)")
+                             "at most half of them); with --verdict also the decode steps "
+                             "left out of the verdict's window (default: the first quarter)")
     add_progress_flag(report)
     add_json_flag(report, "the report")
+    judge = parser.add_argument_group(
+        "live verdict (--verdict: the advise model fed with the run's observed miss rate)")
+    judge.add_argument("--verdict", action="store_true",
+                       help="end the report with the live verdict: the run's counters "
+                            "sampled after every decode step, the steady-state miss rate "
+                            "after --warmup-steps decode steps (default: the first quarter) "
+                            "fed to the advise model: estimated throughput against keeping "
+                            "every layer on the GPU, and the setting advise would pick")
+    add_verdict_flags(judge, link_flag=False)
     return parser
 
 
@@ -323,6 +356,9 @@ def format_report(r: dict[str, Any]) -> str:
                      f"dense copy, leaders and followers)")
     else:
         lines.append("verify: off")
+    verdict = r.get("verdict")
+    if verdict:
+        lines.append(verdict["text"])
     rec = r.get("record")
     if rec:
         lines.append(f"recorded: {rec['records']} top-k selections ({rec['requests']} requests, "
@@ -349,6 +385,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         workload = "locality" if args.locality is not None else "calibrated"
     if args.locality is not None and workload != "locality":
         raise ValueError(f"--locality applies to --workload locality, not {workload}.")
+    judge = given_verdict_flags(args)
+    if judge and not args.verdict:
+        raise ValueError(f"{', '.join(judge)} set the live verdict's model: add --verdict.")
+    verdict = (verdict_settings(args, args.preset, args.link_gbps) if args.verdict else None)
     return SimSettings(
         preset=args.preset, layers=args.layers, requests=args.requests,
         max_running=args.max_running, prompt_len=args.prompt_len, output_len=args.output_len,
@@ -363,7 +403,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         backend=args.backend, verify=args.verify,
         link_gbps=args.link_gbps if args.link_gbps is not None else DEFAULT_LINK_GBPS,
         link_source="given" if args.link_gbps is not None else DEFAULT_LINK_SOURCE,
-        warmup_steps=args.warmup_steps)
+        warmup_steps=args.warmup_steps, verdict=verdict)
 
 
 def run(args: argparse.Namespace) -> int:

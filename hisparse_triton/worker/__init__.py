@@ -32,6 +32,7 @@ _EXPORTS = {
     "StreamRows": "hisparse_triton.worker.hot_cache",
     "parse_device": "hisparse_triton.worker.options",
     "plan_fingerprint": "hisparse_triton.worker.options",
+    "GroupCounts": "hisparse_triton.worker.stats",
     "StatsSnapshot": "hisparse_triton.worker.stats",
     "WorkerStats": "hisparse_triton.worker.stats",
 }

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["CounterReader", "StatsSnapshot", "WorkerStats"]
+__all__ = ["CounterReader", "GroupCounts", "StatsSnapshot", "WorkerStats"]
 
 
 @dataclass(frozen=True)
@@ -43,17 +43,38 @@ class WorkerStats:
         return self.hits / total if total else 1.0
 
 
+@dataclass(frozen=True)
+class GroupCounts:
+    """One index group's share of the transfer counters (``StatsSnapshot.groups()``):
+    ``leader`` (the group's leader layer), ``hits``, ``misses``, ``masked`` as in
+    ``WorkerStats``, and ``h2d_bytes`` (its misses x the bytes one miss gathers)."""
+
+    leader: str
+    hits: int
+    misses: int
+    masked: int
+    h2d_bytes: int
+
+    @property
+    def miss_rate(self) -> float:
+        """``misses / (hits + misses)`` (0.0 when nothing was resolved)."""
+        total = self.hits + self.misses
+        return self.misses / total if total else 0.0
+
+
 class CounterReader:
     """Reads the device counters ``[G, 3] int64`` (hits, misses, masked per index group)
     and the host-side counts into ``WorkerStats``.
 
     ``bytes_per_miss[g]``: bytes one miss of index group ``g`` gathers (a row of every layer
     of the group), which turns misses into ``h2d_bytes``; ``d2h_bytes()`` / ``plans()``:
-    the bytes mirrored and the plans applied so far.
+    the bytes mirrored and the plans applied so far. ``leaders``: the index groups' leader
+    layers, in counter-row order (default ``group0``, ``group1``, ...), naming ``GroupCounts``.
     """
 
     def __init__(self, counters: torch.Tensor, bytes_per_miss: Sequence[int], *,
-                 d2h_bytes: Callable[[], int], plans: Callable[[], int]) -> None:
+                 d2h_bytes: Callable[[], int], plans: Callable[[], int],
+                 leaders: Optional[Sequence[str]] = None) -> None:
         if counters.dim() != 2 or counters.shape[1] != 3 or counters.dtype != torch.int64:
             raise ValueError(f"counters must be an int64 [groups, 3] tensor, got "
                              f"{counters.dtype} of shape {tuple(counters.shape)}.")
@@ -62,6 +83,10 @@ class CounterReader:
                              f"{counters.shape[0]} index groups.")
         self.counters = counters
         self.bytes_per_miss = tuple(int(b) for b in bytes_per_miss)
+        if leaders is not None and len(leaders) != counters.shape[0]:
+            raise ValueError(f"{len(leaders)} leaders for {counters.shape[0]} index groups.")
+        self.leaders = tuple(leaders) if leaders is not None else tuple(
+            f"group{g}" for g in range(counters.shape[0]))
         self._d2h_bytes, self._plans = d2h_bytes, plans
 
     def stats_from(self, per_group: list[list[int]], *, d2h_bytes: int,
@@ -71,6 +96,12 @@ class CounterReader:
         h2d = sum(row[1] * b for row, b in zip(per_group, self.bytes_per_miss))
         return WorkerStats(hits=hits, misses=misses, masked=masked, h2d_bytes=h2d,
                            d2h_bytes=d2h_bytes, plans=plans)
+
+    def groups_from(self, per_group: list[list[int]]) -> tuple[GroupCounts, ...]:
+        """``GroupCounts`` of every index group from counters already on the host."""
+        return tuple(GroupCounts(leader, hits, misses, masked, misses * b)
+                     for leader, (hits, misses, masked), b
+                     in zip(self.leaders, per_group, self.bytes_per_miss))
 
     def read(self) -> WorkerStats:
         """The counters now (waits for the device on CUDA)."""
@@ -114,3 +145,10 @@ class StatsSnapshot:
             self._event.synchronize()
         return self._reader.stats_from(self._counters.tolist(), d2h_bytes=self._d2h_bytes,
                                        plans=self._plans)
+
+    def groups(self) -> tuple[GroupCounts, ...]:
+        """Every index group's counters as of the ``stats_async`` call, from the same copy as
+        ``result()`` (waits for that copy only; no other device read)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._reader.groups_from(self._counters.tolist())

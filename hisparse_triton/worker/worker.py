@@ -228,7 +228,8 @@ class HiSparseWorker(WorkerViews):
                                    *self._mirror.tables], dev)
         self._stats = CounterReader(
             self._hot.counters, [c.bytes_per_miss for c in self._index_groups.values()],
-            d2h_bytes=lambda: self._mirror.d2h_bytes, plans=lambda: tables.applied)
+            d2h_bytes=lambda: self._mirror.d2h_bytes, plans=lambda: tables.applied,
+            leaders=list(self._index_groups))
 
     # ------------------------------------------------------------------ plans
     def apply(self, plan: StepPlan) -> None:
