@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from hisparse_triton.cli import main
-from hisparse_triton.commands.advise import byte_unit
+from hisparse_triton.units import byte_unit
 
 FAST = ["--streams", "1", "--steps", "8", "--no-progress"]
 

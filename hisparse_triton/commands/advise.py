@@ -35,6 +35,7 @@ from hisparse_triton.commands.output import (
 )
 from hisparse_triton.link import DEFAULT_LINK_GBPS, DEFAULT_LINK_SOURCE
 from hisparse_triton.presets import DEFAULT_PRESET, list_presets
+from hisparse_triton.units import byte_unit, in_unit
 
 #: ``schema_version`` of ``advise --json`` (2: ``step_ms`` became ``step_model``, the
 #: all-GPU row, the crossover and ``recommended.mode`` were added).
@@ -140,27 +141,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-#: Binary byte units, smallest first.
-BYTE_UNITS = (("B", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30))
-
-
-def byte_unit(values: list[float]) -> tuple[str, int]:
-    """``(name, bytes)`` of the largest unit in which the smallest non-zero value of a column
-    is still at least 1 (so that no row of it reads 0.0), B when every value is 0."""
-    smallest = min((v for v in values if v > 0), default=0)
-    fitting = [unit for unit in BYTE_UNITS if smallest >= unit[1]]
-    return fitting[-1] if fitting else BYTE_UNITS[0]
-
-
-def _bytes(n: float, unit: tuple[str, int]) -> str:
-    return f"{n / unit[1]:,.1f}" if unit[1] > 1 else f"{n:,.0f}"
-
-
 def _table_row(r: dict[str, Any], mark: str, step_unit: tuple[str, int],
                request_unit: tuple[str, int]) -> str:
     return (f"{r['block_size']:>5} {r['device_buffer_size']:>7} {100 * r['miss_rate']:>5.1f}% "
-            f"{r['rows_per_step']:>10,.0f} {_bytes(r['bytes_per_step'], step_unit):>9} "
-            f"{_bytes(r['gpu_bytes_per_request'], request_unit):>12} {r['concurrency']:>9.1f} "
+            f"{r['rows_per_step']:>10,.0f} {in_unit(r['bytes_per_step'], step_unit):>9} "
+            f"{in_unit(r['gpu_bytes_per_request'], request_unit):>12} {r['concurrency']:>9.1f} "
             f"{r['batch']:>6} {r['link_ms_per_step']:>8.2f} {r['step_ms']:>8.2f} "
             f"{r['tokens_per_s']:>9,.0f}{mark}")
 
@@ -277,7 +262,7 @@ def format_advice(p: dict[str, Any]) -> str:
     gpu = p["all_gpu"]
     mark = " <-" if best.get("mode") == "all-gpu" else ""
     lines.append(f"{'  all-GPU (every layer on the GPU)':<41} "
-                 f"{_bytes(gpu['gpu_bytes_per_request'], request_unit):>12} "
+                 f"{in_unit(gpu['gpu_bytes_per_request'], request_unit):>12} "
                  f"{gpu['concurrency']:>9.1f} "
                  f"{gpu['batch']:>6} {0.0:>8.2f} {gpu['step_ms']:>8.2f} "
                  f"{gpu['tokens_per_s']:>9,.0f}{mark}")

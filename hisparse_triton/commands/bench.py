@@ -284,8 +284,6 @@ def run(args: argparse.Namespace) -> int:
     if device.type != "cuda" and set(settings.methods) == {"triton"}:
         raise ValueError("--methods triton needs a CUDA device (kernel timings need a GPU); "
                          "on this machine choose from torch, eager, contiguous.")
-    if device.type != "cuda" and "triton" in settings.methods:
-        print(f"hisparse-triton bench: {bm.KERNELS_NEED_GPU}.", file=sys.stderr)
     from hisparse_triton.benchmarks.progress import default_enabled
 
     progress = bm.Progress(bm.count_steps(settings, device), "bench",
