@@ -146,3 +146,121 @@ def test_marked_block_runs(where, commands, tmp_path):
                               timeout=300)
         assert done.returncode == 0, (f"{where}: `{command}` exited {done.returncode}:\n"
                                       f"{done.stderr[-2000:]}")
+
+
+# ------------------------------------------------------------ what documented commands leave
+
+
+def _documented_python_outputs() -> list[tuple[str, str]]:
+    """Files written by the documented ``python bench/...`` commands whose output is a
+    positional argument (``bench_resolve.py OUT.json``)."""
+    out = []
+    for path in DOC_FILES:
+        for line, commands, _ in bash_blocks(path):
+            for command in commands:
+                if not command.startswith("python"):
+                    continue
+                words = shlex.split(command)
+                if len(words) > 2 and words[1] == "bench/bench_resolve.py":
+                    out.append((f"{path.relative_to(ROOT)}:{line}", words[2]))
+    return out
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs git and a git checkout")
+@pytest.mark.parametrize("path", ["hisparse_triton-0.1.0-py3-none-any.whl",
+                                  "dist/hisparse_triton-0.1.0.tar.gz", "build/lib/x.py",
+                                  "hisparse_triton.egg-info/PKG-INFO"])
+def test_what_pip_wheel_and_build_write_is_ignored(path):
+    rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
+                        capture_output=True).returncode
+    assert rc == 0, f"`{path}` (written by pip wheel . / python -m build) is not in .gitignore"
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs git and a git checkout")
+def test_what_documented_scripts_write_is_ignored():
+    outputs = _documented_python_outputs()
+    assert outputs, "the docs no longer show bench/bench_resolve.py"
+    for where, path in outputs:
+        rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
+                            capture_output=True).returncode
+        assert rc == 0, f"{where}: `{path}`, written by a documented command, is not ignored"
+
+
+def test_bench_resolve_reports_progress(monkeypatch, tmp_path, capsys):
+    """``python bench/bench_resolve.py OUT.json`` compiles for a minute or more: it says what
+    it does first and prints a line per compile (the compile itself is faked here)."""
+    import json
+
+    import bench_resolve
+    from hisparse_triton.compile import report
+
+    def compile_report(arch, groups, widths, small_host, progress=None):
+        for width in widths:
+            progress(f"resolve K={width}: _resolve_kernel")
+        return {"arch": f"sm_{arch}", "triton": "x",
+                "launches": [{"variant": f"resolve K={w}"} for w in widths]}
+
+    monkeypatch.setattr(report, "compile_report", compile_report)
+    out = tmp_path / "model.json"
+    assert bench_resolve.main([str(out), "2048,4096"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("bench_resolve: compiling every resolve variant at top-k "
+                               "2048, 4096 for sm_90")
+    assert "compiling launch 1: resolve K=2048" in lines[1]
+    assert "compiling launch 2: resolve K=4096" in lines[2]
+    assert len(json.loads(out.read_text())["variants"]) == 2
+    assert captured.out.startswith(f"wrote {out}: 2 variants in ")
+    assert bench_resolve.main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
+def _commented_bash_lines(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, command, comment)`` of every command inside a ```bash block: ``\\``
+    continuations joined, the comments of its lines kept apart."""
+    out, inside, start, command, comment = [], False, 0, "", ""
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        stripped = text.strip()
+        if stripped.startswith("```"):
+            inside = stripped.startswith("```bash") and not inside
+            continue
+        if not inside or not stripped or stripped.startswith("#"):
+            continue
+        code, _, note = text.partition(" # ")
+        start = start or number
+        command, comment = f"{command} {code.strip()}", f"{comment} {note.strip()}"
+        if command.endswith("\\"):
+            command = command[:-1]
+            continue
+        out.append((start, command.strip(), comment.strip()))
+        start, command, comment = 0, "", ""
+    return out
+
+
+def test_heavy_documented_bench_commands_state_their_memory():
+    """A documented ``bench`` line whose CPU sweep needs more than ``LARGE_RUN_BYTES`` of RAM
+    (the command prints its estimate first) says how much in its comment."""
+    import torch
+
+    from hisparse_triton.benchmarks.settings import host_memory_estimate
+    from hisparse_triton.commands import bench
+
+    heavy = []
+    for path in DOC_FILES:
+        for number, command, comment in _commented_bash_lines(path):
+            first = re.split(r"\||&&", command)[0].split()
+            if first[:1] == [] or not first[0].endswith("hisparse-triton") \
+                    or first[1:2] != ["bench"]:
+                continue
+            words = shlex.split(" ".join(first))
+            args = build_parser().parse_args(words[1:])
+            if args.decode_step:
+                continue
+            need = host_memory_estimate(bench.settings_from_args(args, torch.device("cpu")))
+            if need["total"] >= bench.LARGE_RUN_BYTES:
+                heavy.append((f"{path.relative_to(ROOT)}:{number}", " ".join(words), comment))
+    assert len(heavy) >= 3
+    for where, command, comment in heavy:
+        assert re.search(r"\d GiB", comment), f"{where}: `{command}` needs over 1 GiB of RAM " \
+                                              f"on a CPU and its line does not say so"
