@@ -89,11 +89,9 @@ def machine_load() -> dict[str, Any]:
         load: Optional[float] = round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
         load = None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return {"load_1min": load, "cpus": cpus}
+    from hisparse_triton.commands.flags import available_cpus
+
+    return {"load_1min": load, "cpus": available_cpus()}
 
 
 def spread_pct(figure: dict[str, Any]) -> Optional[float]:

@@ -99,7 +99,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--bench-json", metavar="PATH", default=None,
                         help="take the link speed from the gather figures of a GPU `bench "
                              "--json` (or bench/gpu_check.py) result: a file, or a directory "
-                             "(its newest such file); CPU results are refused")
+                             "(its newest such file); CPU results are refused (default: the "
+                             "--link-gbps default)")
     parser.add_argument("--step-ms", type=step_points, default=None, metavar="MS|B:MS,...",
                         help=f"decode step time without transfers: MS at any batch, or "
                              f"BATCH:MS points (linear in between), e.g. 1:25,256:50 (default "
@@ -127,7 +128,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="cap on requests decoded together (default: what fits)")
     parser.add_argument("--trace", metavar="FILE", type=existing_file, default=None,
                         help="measure miss rates on a recorded trace (.npz) instead of the "
-                             "calibrated generator")
+                             "calibrated generator (default: the generator)")
     parser.add_argument("--streams", type=bounded_int(1, 256), default=4,
                         help="calibrated streams (request x index group) to measure (default 4)")
     parser.add_argument("--steps", type=bounded_int(2, 4096), default=96,
@@ -135,7 +136,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "is left out as warm-up)")
     add_seed_flag(parser, what="the calibrated trace")
     parser.add_argument("--plot", metavar="PATH", type=output_path, default=None,
-                        help="write a PNG of the sweep (needs matplotlib: the 'bench' extra)")
+                        help="write a PNG of the sweep (needs matplotlib: the 'bench' extra; "
+                             "default: no plot)")
     add_progress_flag(parser)
     add_json_flag(parser, "the sweep and the recommendation")
     return parser

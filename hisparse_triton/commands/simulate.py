@@ -24,6 +24,7 @@ from hisparse_triton.commands.argtypes import (
     output_path,
 )
 from hisparse_triton.commands.flags import (
+    add_device_flag,
     add_progress_flag,
     add_seed_flag,
     add_threads_flag,
@@ -99,9 +100,7 @@ def add_watermark_flag(group: Any) -> None:
 
 def add_runtime_flags(group: Any) -> None:
     """``--device``, ``--backend`` and ``--threads``."""
-    group.add_argument("--device", default="auto",
-                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
-                            "cuda:N")
+    add_device_flag(group, help="where the runtime runs")
     group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
     add_threads_flag(group, default=1, help="CPU threads for torch (default 1, as bench: the "
@@ -143,9 +142,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="replay recorded top-k positions (.npz, see docs/tools.md) instead "
                            "of a generator; the trace sets requests, lengths and top-k, and "
                            "a trace written by --record also the preset, layers and pool "
-                           "settings (flags override)")
+                           "settings (flags override; default: the generator)")
     work.add_argument("--record", metavar="FILE", type=output_path, default=None,
-                      help="write this run's top-k positions as a trace (.npz)")
+                      help="write this run's top-k positions as a trace (.npz; default: not "
+                           "written)")
     work.add_argument("--prefill-chunk", type=bounded_int(1, 1 << 22), default=None,
                       help="prompt tokens appended and committed at a time (default 8192, "
                            "at most --max-num-batched-tokens)")
