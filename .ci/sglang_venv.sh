@@ -34,8 +34,8 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 # Keep the whole folder out of git without touching the repository's .gitignore.
 echo '*' > "$venv/.gitignore"
-"$venv/bin/pip" install --quiet torch==2.13.0 triton==3.7.1 -r .ci/sglang-cpu-requirements.txt \
-    -e '.[test]'
+"$venv/bin/pip" install --quiet torch==2.13.0 triton==3.7.1 -r .ci/sglang-cpu-requirements.txt
+bash .ci/install_package.sh "$venv"
 # Hugging Face's `kernels` package (which SGLang declares, and transformers imports when it is
 # installed) has the import name of this repository's kernels/ folder, which `python -m pytest`
 # puts on sys.path: keep it out. SGLang's CPU imports do not need it.

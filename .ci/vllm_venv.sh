@@ -32,8 +32,8 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 # Keep the whole folder out of git without touching the repository's .gitignore.
 echo '*' > "$venv/.gitignore"
-"$venv/bin/pip" install --quiet torch==2.13.0 triton==3.7.1 -r .ci/vllm-cpu-requirements.txt \
-    -e '.[test]'
+"$venv/bin/pip" install --quiet torch==2.13.0 triton==3.7.1 -r .ci/vllm-cpu-requirements.txt
+bash .ci/install_package.sh "$venv"
 echo "vllm venv: packages installed ($((SECONDS - start)) s)"
 
 src="$venv/vllm-$vllm_version"

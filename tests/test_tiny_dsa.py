@@ -283,7 +283,7 @@ def test_two_tensor_parallel_ranks_share_one_host_pool(serving_dense):
     assert zero.worker["plans"] == one.worker["plans"] == zero.result.steps
     assert zero.worker["d2h_bytes"] > 0 and one.worker["d2h_bytes"] == 0  # rank 0 mirrors
     assert zero.scheduler["prefix_hit_tokens"] == 128 and one.scheduler is None
-    leftover = [f for f in os.listdir("/dev/shm") if f.startswith("tiny-dsa-")] \
+    leftover = [f for f in os.listdir("/dev/shm") if f.startswith("hisparse-tiny-dsa-")] \
         if os.path.isdir("/dev/shm") else []
     assert not leftover, leftover
 
