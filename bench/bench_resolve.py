@@ -20,6 +20,8 @@ of the GLM-5.1 trace, each checked bit for bit against the reference.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -108,14 +110,17 @@ def test_gpu_resolve(record, ratio):
 # ------------------------------------------------------------------ the SASS model (no GPU)
 
 
-def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90) -> dict:
+def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90,
+                  progress=None) -> dict:
     """The compile report's issue-cycle model (``hisparse_triton/compile/sass_model.py``) of every resolve
     variant at the top-k ``widths``: per variant the kernel, warps, registers, CTAs per SM and
     the model (cycles per row, us per call at R = 1, 8, 64, 132). Compiles for ``sm_<arch>``
-    on CPU (minutes for the wide variants); needs ``TRITON_INTERPRET`` unset."""
+    on CPU (tens of seconds; more for the wide variants on a cold Triton cache); needs
+    ``TRITON_INTERPRET`` unset. ``progress(what)`` is called before each compile."""
     from hisparse_triton.compile.report import compile_report
 
-    payload = compile_report(arch, groups=("resolve",), widths=widths, small_host=True)
+    payload = compile_report(arch, groups=("resolve",), widths=widths, small_host=True,
+                             progress=progress)
     keep = ("variant", "kernel", "grid", "num_warps", "registers", "spills", "shared_bytes",
             "sass_instructions", "ctas_per_sm", "error", "model")
     return {"schema": "hisparse-triton/resolve-model", "schema_version": 1,
@@ -123,14 +128,39 @@ def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90) -> di
             "variants": [{k: r.get(k) for k in keep} for r in payload["launches"]]}
 
 
-if __name__ == "__main__":  # python bench/bench_resolve.py OUT.json [widths,...]
+def main(argv: list[str]) -> int:
+    """``python bench/bench_resolve.py OUT.json [widths,...]``: the SASS model of every resolve
+    variant to ``OUT.json``, one progress line per compile on stderr."""
     import json
-    import sys
+    import time
 
-    out = sys.argv[1]
-    widths = tuple(int(w) for w in sys.argv[2].split(",")) if len(sys.argv) > 2 else \
+    if not argv or argv[0].startswith("-"):
+        print("usage: python bench/bench_resolve.py OUT.json [WIDTH,...]  (the SASS model of "
+              "every resolve variant; default widths 2048,4096,8192,16384,32768)",
+              file=sys.stderr)
+        return 2
+    out = argv[0]
+    widths = tuple(int(w) for w in argv[1].split(",")) if len(argv) > 1 else \
         (2048, 4096, 8192, 16384, 32768)
+    started = time.perf_counter()
+    count = [0]
+
+    def progress(what: str) -> None:
+        count[0] += 1
+        print(f"bench_resolve: [{time.perf_counter() - started:5.1f} s] compiling launch "
+              f"{count[0]}: {what}", file=sys.stderr, flush=True)
+
+    print(f"bench_resolve: compiling every resolve variant at top-k {', '.join(map(str, widths))}"
+          f" for sm_90 (tens of seconds on a CPU), then writing {out}", file=sys.stderr,
+          flush=True)
+    summary = model_summary(widths, progress=progress)
     with open(out, "w") as f:
-        json.dump(model_summary(widths), f, indent=1)
+        json.dump(summary, f, indent=1)
         f.write("\n")
-    print(f"wrote {out}")
+    print(f"wrote {out}: {len(summary['variants'])} variants in "
+          f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":  # python bench/bench_resolve.py OUT.json [widths,...]
+    sys.exit(main(sys.argv[1:]))

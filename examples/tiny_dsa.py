@@ -58,7 +58,8 @@ bit-identical to the dense one-token-at-a-time run; without it every draft must 
 Run it::
 
     python examples/tiny_dsa.py --requests 4 --check
-    python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 --check
+    python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 \
+        --max-running 2 --check
     python examples/tiny_dsa.py --mtp 3 --free-block-watermark 1 --check
     python examples/tiny_dsa.py --requests 1 --prompt-len 2048 2048 --max-model-len 2056 \
         --chunk-size 128 --max-num-batched-tokens 128 --device-blocks 180 --check
@@ -1445,14 +1446,21 @@ def build_split(spec: RunSpec) -> tuple[HiSparseScheduler, HiSparseWorker]:
 
 
 def all_gpu_blocks(kv_cache_config: Any, spec: RunSpec) -> int:
-    """Device blocks that would hold every row of the ``max_running`` longest requests on
-    the GPU (each per-request device group but the hot buffers, one block per page)."""
-    workload = spec.workload()
+    """Device blocks that would hold every row of the running requests on the GPU, sized as
+    ``plan_for_spec`` sizes the HiSparse pool (``max_running`` requests of the workload's
+    longest length): the null block and, per request, every page of each device group but
+    the hot buffers (the indexer and the MLA layers' whole histories); no hot buffer and no
+    prefill staging, which only HiSparse needs."""
     groups = [g for g in kv_cache_config.kv_cache_groups
               if not g.host_resident and group_kind(g) != "hot"]
-    longest = sorted(workload.prompt_lens, reverse=True)[:spec.running]
-    return sum(cdiv(length + workload.max_new_tokens - 1, group.block_size)
-               for group in groups for length in longest)
+    longest = spec.workload().max_len
+    return 1 + spec.running * sum(cdiv(longest, group.block_size) for group in groups)
+
+
+def staging_blocks(plan: WorkloadPlan) -> int:
+    """Blocks of the device pool that hold the prefill staging region (``plan_for_spec``
+    puts them on top of the blocks the requests may use)."""
+    return cdiv(plan.config.hisparse.prefill_staging_rows, plan.block_size)
 
 
 def noisy_drafts(drafts: dict[str, list[int]], error: float, vocab_size: int,
@@ -1627,17 +1635,38 @@ def _tp_rank_main(rank: int, job_path: str) -> int:
 
 
 # ============================================================================ CLI
-def _report(spec: RunSpec, kv_cache_config: Any, ranks: list[tuple[str, DecodeResult, dict,
-                                                                     Optional[dict]]],
+def pool_line(spec: RunSpec, plan: WorkloadPlan) -> str:
+    """The device pool next to what keeping every row on the GPU would take, like with
+    like: both sized for the same running requests at the same length, null block included."""
+    kv_cache_config = plan.kv_cache_config
+    pool, staging = kv_cache_config.num_blocks, staging_blocks(plan)
+    all_gpu = all_gpu_blocks(kv_cache_config, spec)
+    longest = spec.workload().max_len
+    verdict = ("smaller" if pool < all_gpu else
+               "not smaller: at this size the hot buffers and the staging cost as much as the "
+               "histories they keep off the GPU")
+    running = f"{spec.running} running request{'s' if spec.running != 1 else ''}"
+    return (f"device pool {pool} blocks ({pool - staging} for {running}: indexer histories, "
+            f"hot buffers, active tails and prefill chunks; {staging} of prefill staging); "
+            f"every row of the same {running} on the GPU instead (indexer and MLA pages of "
+            f"{longest} tokens each, no hot buffer, no staging) would take {all_gpu}: the pool "
+            f"is {verdict}")
+
+
+def _report(spec: RunSpec, plan: WorkloadPlan, ranks: list[tuple[str, DecodeResult, dict,
+                                                                  Optional[dict]]],
             elapsed: float) -> None:
     first = ranks[0][1]
     for request, tokens in sorted(first.tokens.items()):
         print(f"  {request}: {tokens}")
-    pool, all_gpu = kv_cache_config.num_blocks, all_gpu_blocks(kv_cache_config, spec)
     print(f"{first.steps} steps in {elapsed:.2f} s ({first.computed_tokens} tokens computed, "
           f"{first.cached_tokens} prompt tokens reused from the prefix cache, "
-          f"{first.rejected_tokens} draft tokens rolled back); device pool "
-          f"{pool} blocks (every row on the GPU would take {all_gpu})")
+          f"{first.rejected_tokens} draft tokens rolled back)")
+    print(pool_line(spec, plan))
+    if spec.shared_prefix_len and not first.cached_tokens:
+        print(f"  no prompt token was reused: all {spec.running} requests were admitted "
+              f"together, before any shared prefix was durable on the host; --max-running "
+              f"below --requests ({spec.num_requests}) lets later requests find it")
     for name, _, worker, scheduler in ranks:
         total = worker["hits"] + worker["misses"]
         line = (f"  {name}: {worker['hits']} hits, {worker['misses']} misses, hit rate "
@@ -1784,7 +1813,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     except (HiSparseError, RuntimeError) as exc:
         print(f"tiny_dsa: {exc}", file=sys.stderr)
         return 1
-    _report(spec, plan.kv_cache_config, ranks, time.perf_counter() - start)
+    _report(spec, plan, ranks, time.perf_counter() - start)
     if dense is None or not args.check:
         return 0
     failed = False

@@ -246,7 +246,10 @@ def _available_device_bytes(device: Any) -> int:
     return available_ram_bytes()
 
 
-def _resolve_device(name: str) -> Any:
+def resolve_device(name: str) -> Any:
+    """The torch device of a ``--device`` value, the same in every command: ``auto`` (CUDA
+    when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; ``ValueError`` naming
+    the value when it is no such device or not on this machine."""
     import torch
 
     if name == "auto":
@@ -258,7 +261,12 @@ def _resolve_device(name: str) -> Any:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r}: the runtime runs on a cpu or cuda device.")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine.")
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (no CUDA "
+                         f"device: torch.cuda.is_available() is False).")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                         f"CUDA device(s).")
     return device
 
 
@@ -480,7 +488,7 @@ def run_simulation(settings: SimSettings,
             preset_source = "trace"
     s = with_defaults(settings)
     geometry = get_preset(s.preset)
-    device = _resolve_device(s.device)
+    device = resolve_device(s.device)
     mtp = s.mtp
     if trace is not None:
         schedule = trace_schedule(trace)

@@ -123,3 +123,40 @@ def test_one_progress_bar_with_an_eta(command, capsys):
     assert label in err, err[-500:]
     line = err[err.rindex(label):].splitlines()[0]
     assert "<00:00" in line and "/s]" in line  # elapsed<remaining (the ETA), a rate
+
+
+def _options(parser, name: str = ""):
+    """``(command, action)`` of every option of every (sub)command of ``parser``."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _options(sub, f"{name} {sub_name}".strip())
+        elif action.option_strings and action.help != argparse.SUPPRESS \
+                and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield name, action
+
+
+def test_every_flag_that_takes_a_value_shows_its_default():
+    missing = [f"{command} {action.option_strings[0]}"
+               for command, action in _options(build_parser())
+               if action.nargs != 0 and "default" not in (action.help or "").lower()]
+    assert missing == [], f"--help shows no default for: {', '.join(missing)}"
+
+
+def test_device_takes_the_same_values_in_every_command(capsys):
+    devices = {command: action for command, action in _options(build_parser())
+               if "--device" in action.option_strings}
+    assert set(devices) >= {"simulate", "bench", "metrics"}
+    assert len({(a.metavar, a.default, a.help.split(": ", 1)[1])
+                for a in devices.values()}) == 1
+    assert all(a.help.endswith("cpu, cuda or cuda:N") for a in devices.values())
+    for command in devices:
+        parser = build_parser()
+        assert parser.parse_args([command, "--device", "cuda:1"]).device == "cuda:1"
+    if not torch.cuda.is_available():   # the value is accepted, the machine has no CUDA
+        for command in ("bench", "simulate"):
+            assert main([command, "--device", "cuda:1"]) == 1
+            err = capsys.readouterr().err
+            assert "--device cuda:1: CUDA is not available" in err, err

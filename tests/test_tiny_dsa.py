@@ -563,6 +563,55 @@ def test_documented_example_command_runs(where, argv, request):
                                   f"{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
     if "--check" in argv.split():
         assert "check: tokens and logits bit-identical" in done.stdout, done.stdout[-1000:]
+    for problem in claim_problems(argv, done.stdout):
+        pytest.fail(f"{where}: `python {argv}`: {problem}", pytrace=False)
+
+
+#: What the docs say a documented command shows, beyond running: ``{argv text: [text the
+#: output must contain]}`` (README: "a device pool smaller than ...").
+DOCUMENTED_CLAIMS: dict[str, list[str]] = {
+    "examples/tiny_dsa.py --check": ["the pool is smaller"],
+}
+
+
+def claim_problems(argv: str, out: str) -> list[str]:
+    """What a documented command's output fails to show: its ``DOCUMENTED_CLAIMS``, and
+    with ``--shared-prefix-len N`` (prefix reuse) a non-zero count of reused prompt tokens."""
+    problems = [f"the output does not say {text!r}"
+                for text in DOCUMENTED_CLAIMS.get(argv, []) if text not in out]
+    words = argv.split()
+    if "--shared-prefix-len" in words and int(words[words.index("--shared-prefix-len") + 1]):
+        reused = re.search(r"(\d+) prompt tokens reused from the prefix cache", out)
+        if not reused or int(reused.group(1)) == 0:
+            problems.append("it shows prefix reuse, but no prompt token was reused")
+    return problems
+
+
+def test_claims_are_checked():
+    assert claim_problems("examples/tiny_dsa.py --shared-prefix-len 64",
+                          "0 prompt tokens reused from the prefix cache") != []
+    assert claim_problems("examples/tiny_dsa.py --shared-prefix-len 64",
+                          "128 prompt tokens reused from the prefix cache") == []
+    assert claim_problems("examples/tiny_dsa.py --check", "the pool is not smaller") != []
+    assert set(DOCUMENTED_CLAIMS) <= {argv for _, argv in EXAMPLE_COMMANDS}
+
+
+def test_the_pool_is_compared_like_with_like():
+    """The report's two pool figures count the same things: blocks for the same running
+    requests at the same length, the null block in both; the pool's split adds up."""
+    plan = tiny_dsa.plan_for_spec(SPEC)
+    kv = plan.kv_cache_config
+    longest = SPEC.workload().max_len
+    pages = -(-longest // plan.block_size)
+    # all-GPU: the indexer and both MLA (resident) groups' whole histories, per request
+    assert tiny_dsa.all_gpu_blocks(kv, SPEC) == 1 + SPEC.running * 3 * pages
+    staging = tiny_dsa.staging_blocks(plan)
+    assert staging == -(-plan.config.hisparse.prefill_staging_rows // plan.block_size)
+    line = tiny_dsa.pool_line(SPEC, plan)
+    assert line.startswith(f"device pool {kv.num_blocks} blocks ({kv.num_blocks - staging} "
+                           f"for {SPEC.running} running requests")
+    assert f"{staging} of prefill staging" in line and f"of {longest} tokens each" in line
+    assert f"would take {tiny_dsa.all_gpu_blocks(kv, SPEC)}: the pool is" in line
 
 
 # ------------------------------------------------------------------ decode under CUDA graphs

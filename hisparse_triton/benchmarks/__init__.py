@@ -18,7 +18,8 @@ What is measured (docs/benchmarking.md has the user's view):
 Modules, one job each: ``registry`` (the ops every tool measures or tunes), ``settings``
 (the sweep), ``environment`` (GPU, driver, versions), ``timing`` (medians, L2 flush,
 rotation, CUDA graphs), ``workloads`` (pools, plans, resolve state), ``figures`` (a measured
-point), ``transfers`` / ``resolve`` (the measurements), ``runner`` (``run_bench``),
+point), ``transfers`` / ``resolve`` (the measurements), ``noise`` (how far the run can
+trust each figure: spread, a CPU-speed probe, the load), ``runner`` (``run_bench``),
 ``tuner`` (the launch-config search of ``tune``), ``targets``, ``report`` (the table),
 ``plot``, ``progress``, ``decode_step`` (a whole decode step on a GPU, eager and replayed
 from a CUDA graph: ``bench --decode-step``).

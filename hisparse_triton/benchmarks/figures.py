@@ -47,6 +47,8 @@ class Figure:
             out["p20_us"] = round_sig(self.timing.p20_ms * 1e3)
             out["p80_us"] = round_sig(self.timing.p80_ms * 1e3)
             out["reps"] = self.timing.reps
+            if self.timing.probe_us is not None:
+                out["probe_us"] = round_sig(self.timing.probe_us)
         for name in ("gbps", "vs_eager", "vs_contiguous", "vs_torch"):
             value = getattr(self, name)
             if value is not None:

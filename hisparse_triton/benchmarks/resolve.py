@@ -55,8 +55,8 @@ class ResolveBench(Measurer):
     s: BenchSettings
 
     def __init__(self, settings: BenchSettings, device: torch.device,
-                 step: Optional[Callable[[str], None]] = None) -> None:
-        super().__init__(settings, device, step)
+                 step: Optional[Callable[[str], None]] = None, *, probe: Any = None) -> None:
+        super().__init__(settings, device, step, probe=probe)
         self.methods = [m for m in self.methods if m in KERNEL_METHODS]
 
     def case(self, batch: int, ratio: float) -> list[Figure]:
@@ -141,12 +141,13 @@ class ResolveBench(Measurer):
 
     def _time(self, fn: Callable[[], Any], work: ResolveWorkload, *, host_part: bool) -> Timing:
         if self.cuda and not host_part:
-            return event_time(fn, work.restore, self.flush, warmup_ms=self.s.warmup_ms,
-                              rep_ms=self.s.rep_ms)
+            return self.watched(lambda: event_time(fn, work.restore, self.flush,
+                                                   warmup_ms=self.s.warmup_ms,
+                                                   rep_ms=self.s.rep_ms))
 
         def setup() -> None:
             work.restore()
             self.flush()
 
-        return wall_time(fn, self.device, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms,
-                         setup=setup)
+        return self.watched(lambda: wall_time(fn, self.device, warmup_ms=self.s.warmup_ms,
+                                              rep_ms=self.s.rep_ms, setup=setup))

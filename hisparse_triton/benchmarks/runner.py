@@ -11,6 +11,7 @@ import torch
 
 from hisparse_triton.benchmarks.environment import environment
 from hisparse_triton.benchmarks.figures import Figure
+from hisparse_triton.benchmarks.noise import CpuProbe, judge_result, machine_load
 from hisparse_triton.benchmarks.progress import Progress
 from hisparse_triton.benchmarks.resolve import ResolveBench
 from hisparse_triton.benchmarks.registry import PAGE_OPS, ROW_OPS, TRANSFER_OPS
@@ -47,7 +48,8 @@ def count_steps(settings: BenchSettings, device: torch.device) -> int:
 
 def _result(settings: BenchSettings, device: torch.device, env: dict[str, Any],
             started: float, transfers: list[Figure], resolves: list[Figure],
-            interrupted: bool, finished: bool) -> dict[str, Any]:
+            interrupted: bool, finished: bool, probe: Optional[CpuProbe] = None,
+            load_start: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     notes = []
     if device.type != "cuda":
         notes.append(KERNELS_NEED_GPU)
@@ -72,6 +74,7 @@ def _result(settings: BenchSettings, device: torch.device, env: dict[str, Any],
         "transfers": [f.to_json() for f in transfers],
         "resolve": [f.to_json() for f in resolves],
     }
+    judge_result(result, probe, load_start if load_start is not None else machine_load())
     result["targets"] = evaluate_targets(result)
     return result
 
@@ -90,18 +93,22 @@ def run_bench(settings: BenchSettings, device: Optional[torch.device] = None, *,
     step = progress.step if progress is not None else None
     env = environment()
     started = time.time()
+    load_start = machine_load()
+    probe = CpuProbe()
+    probe.calibrate()
     transfers: list[Figure] = []
     resolves: list[Figure] = []
 
     def save() -> None:
         if checkpoint is not None:
             checkpoint(_result(settings, device, env, started, transfers, resolves,
-                               interrupted=False, finished=False))
+                               interrupted=False, finished=False, probe=probe,
+                               load_start=load_start))
 
     interrupted = False
     try:
         if any(op in TRANSFER_OPS for op in settings.ops):
-            bench = TransferBench(settings, device, step)
+            bench = TransferBench(settings, device, step, probe=probe)
             for row_bytes in settings.row_bytes:
                 for layers in settings.layers:
                     bench.group(row_bytes, layers, transfers, on_case=save)
@@ -109,7 +116,7 @@ def run_bench(settings: BenchSettings, device: Optional[torch.device] = None, *,
                         torch.cuda.empty_cache()
             del bench
         if "resolve" in settings.ops:
-            rbench = ResolveBench(settings, device, step)
+            rbench = ResolveBench(settings, device, step, probe=probe)
             for batch in settings.batch:
                 for ratio in settings.miss_ratios:
                     resolves += rbench.case(batch, ratio)
@@ -117,7 +124,7 @@ def run_bench(settings: BenchSettings, device: Optional[torch.device] = None, *,
     except KeyboardInterrupt:
         interrupted = True  # keep what was measured
     return _result(settings, device, env, started, transfers, resolves, interrupted,
-                   finished=not interrupted)
+                   finished=not interrupted, probe=probe, load_start=load_start)
 
 
 def iter_figures(result: dict[str, Any]) -> Iterable[dict[str, Any]]:

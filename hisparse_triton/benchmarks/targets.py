@@ -4,7 +4,9 @@ Each target is evaluated on the worst case over the figures it covers (``worst``
 worst / goal for throughput, goal / worst for latency: >= 1 means met). Transfer targets use
 the ``triton`` figures launched with the built-in configs (``launch_config == "builtin"``);
 figures with a tuned config, and the CUDA-graph replays, are reported next to them
-(``tuned_*``, ``graph_*``) without changing the status. Pure Python: no torch import.
+(``tuned_*``, ``graph_*``) without changing the status. A figure judged not a result
+(``trusted: false``, ``benchmarks.noise``) counts in no target, nor does a ratio to such a
+baseline. Pure Python: no torch import.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ def _transfer(result: dict[str, Any], op: str, method: str, source: Optional[str
             if f.get("op") == op and f.get("method") == method and f.get("gbps") is not None
             and f.get("row_bytes") == TARGET_ROW_BYTES
             and f.get("rows", 0) >= TARGET_MIN_ROWS and f.get("verified") is not False
+            and f.get("trusted", True)
             and (source is None or f.get("launch_config", "builtin") == source)]
 
 
 def _resolve(result: dict[str, Any], method: str) -> list[dict[str, Any]]:
     return [f for f in result.get("resolve", [])
             if f.get("method") == method and f.get("time_us") is not None
-            and f.get("verified") is not False
+            and f.get("verified") is not False and f.get("trusted", True)
             and all(f.get(k) == v for k, v in TARGET_RESOLVE_SHAPE.items())]
 
 
@@ -68,7 +71,10 @@ def _target(name: str, goal: float, unit: str, higher: bool, values: list[float]
 
 
 def _values(figs: list[dict[str, Any]], name: str) -> list[float]:
-    return [f[name] for f in figs if f.get(name) is not None]
+    """``name`` of every figure that has it, leaving out ratios to a baseline figure that
+    was not a result (``untrusted_ratios``)."""
+    return [f[name] for f in figs if f.get(name) is not None
+            and name not in f.get("untrusted_ratios", ())]
 
 
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:

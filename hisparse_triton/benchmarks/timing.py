@@ -23,12 +23,15 @@ import torch
 
 
 class Timing(NamedTuple):
-    """Median and spread (20th / 80th percentile) of one timed call, in ms."""
+    """Median and spread (20th / 80th percentile) of one timed call, in ms; ``probe_us``:
+    the CPU-speed probe around the measurement (``noise.CpuProbe``; the slower of the
+    samples before and after), when one ran."""
 
     median_ms: float
     p20_ms: float
     p80_ms: float
     reps: int
+    probe_us: Optional[float] = None
 
 
 def _quantile(sorted_times: list[float], q: float) -> float:
@@ -170,18 +173,29 @@ def capture_graph(fn: Callable[[], Any], warmup_calls: int = 2) -> tuple[Any, An
 
 class Measurer:
     """What the measuring classes share: the sweep ``settings``, the ``device``, the progress
-    callback ``step(note)`` (called after every figure) and an L2 flush of
-    ``settings.rotate_bytes`` (CUDA) for wall-clock calls; ``methods`` the ones that run on
-    ``device`` (``triton`` needs CUDA)."""
+    callback ``step(note)`` (called after every figure), an L2 flush of
+    ``settings.rotate_bytes`` (CUDA) for wall-clock calls and the run's CPU-speed ``probe``
+    (``noise.CpuProbe``, sampled around every timing by ``watched``; a new one when none is
+    given); ``methods`` the ones that run on ``device`` (``triton`` needs CUDA)."""
 
     def __init__(self, settings: Any, device: torch.device,
-                 step: Optional[Callable[[str], None]] = None) -> None:
+                 step: Optional[Callable[[str], None]] = None, *, probe: Any = None) -> None:
+        from hisparse_triton.benchmarks.noise import CpuProbe
+
         self.s = settings
         self.device = device
         self.cuda = device.type == "cuda"
         self.step = step or (lambda note: None)
         self.flush = L2Flush(device, settings.rotate_bytes if self.cuda else 0)
         self.methods = [m for m in settings.methods if self.cuda or m != "triton"]
+        self.probe = probe if probe is not None else CpuProbe()
+
+    def watched(self, measure: Callable[[], Timing]) -> Timing:
+        """``measure()`` with the CPU-speed probe sampled just before and just after it; the
+        slower sample goes into the timing's ``probe_us``."""
+        before = self.probe.sample()
+        timing = measure()
+        return timing._replace(probe_us=max(before, self.probe.sample()))
 
 
 def gbps(nbytes: int, ms: float) -> float:

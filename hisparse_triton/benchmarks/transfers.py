@@ -83,9 +83,10 @@ class TransferBench(Measurer):
 
     def _time(self, fn: Callable[[], Any], *, host_part: bool) -> Timing:
         if self.cuda and not host_part:
-            return device_time(fn, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms)
-        return wall_time(fn, self.device, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms,
-                         setup=self.flush)
+            return self.watched(lambda: device_time(fn, warmup_ms=self.s.warmup_ms,
+                                                    rep_ms=self.s.rep_ms))
+        return self.watched(lambda: wall_time(fn, self.device, warmup_ms=self.s.warmup_ms,
+                                              rep_ms=self.s.rep_ms, setup=self.flush))
 
     # ---- sweep
 
@@ -219,9 +220,10 @@ class TransferBench(Measurer):
         graph, _ = capture_graph(lambda: [run(i) for i in range(plans.variants)],
                                  warmup_calls=1)
         ok = self._verify(op, plans, pools, graph.replay)
-        t = device_time(graph.replay, warmup_ms=self.s.warmup_ms, rep_ms=self.s.rep_ms)
+        t = self.watched(lambda: device_time(graph.replay, warmup_ms=self.s.warmup_ms,
+                                             rep_ms=self.s.rep_ms))
         v = plans.variants
-        return Timing(t.median_ms / v, t.p20_ms / v, t.p80_ms / v, t.reps), ok
+        return Timing(t.median_ms / v, t.p20_ms / v, t.p80_ms / v, t.reps, t.probe_us), ok
 
     # ---- verification
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 from hisparse_triton.commands.argtypes import (
     bounded_int,
@@ -34,6 +35,7 @@ from hisparse_triton.commands.output import (
 )
 from hisparse_triton.link import DEFAULT_LINK_GBPS, DEFAULT_LINK_SOURCE
 from hisparse_triton.presets import DEFAULT_PRESET, list_presets
+from hisparse_triton.units import byte_unit, in_unit
 
 #: ``schema_version`` of ``advise --json`` (2: ``step_ms`` became ``step_model``, the
 #: all-GPU row, the crossover and ``recommended.mode`` were added).
@@ -97,7 +99,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--bench-json", metavar="PATH", default=None,
                         help="take the link speed from the gather figures of a GPU `bench "
                              "--json` (or bench/gpu_check.py) result: a file, or a directory "
-                             "(its newest such file); CPU results are refused")
+                             "(its newest such file); CPU results are refused (default: the "
+                             "--link-gbps default)")
     parser.add_argument("--step-ms", type=step_points, default=None, metavar="MS|B:MS,...",
                         help=f"decode step time without transfers: MS at any batch, or "
                              f"BATCH:MS points (linear in between), e.g. 1:25,256:50 (default "
@@ -125,7 +128,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="cap on requests decoded together (default: what fits)")
     parser.add_argument("--trace", metavar="FILE", type=existing_file, default=None,
                         help="measure miss rates on a recorded trace (.npz) instead of the "
-                             "calibrated generator")
+                             "calibrated generator (default: the generator)")
     parser.add_argument("--streams", type=bounded_int(1, 256), default=4,
                         help="calibrated streams (request x index group) to measure (default 4)")
     parser.add_argument("--steps", type=bounded_int(2, 4096), default=96,
@@ -133,22 +136,41 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "is left out as warm-up)")
     add_seed_flag(parser, what="the calibrated trace")
     parser.add_argument("--plot", metavar="PATH", type=output_path, default=None,
-                        help="write a PNG of the sweep (needs matplotlib: the 'bench' extra)")
+                        help="write a PNG of the sweep (needs matplotlib: the 'bench' extra; "
+                             "default: no plot)")
     add_progress_flag(parser)
     add_json_flag(parser, "the sweep and the recommendation")
     return parser
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 2**20:,.1f}"
-
-
-def _table_row(r: dict[str, Any], mark: str) -> str:
+def _table_row(r: dict[str, Any], mark: str, step_unit: tuple[str, int],
+               request_unit: tuple[str, int]) -> str:
     return (f"{r['block_size']:>5} {r['device_buffer_size']:>7} {100 * r['miss_rate']:>5.1f}% "
-            f"{r['rows_per_step']:>10,.0f} {_bytes(r['bytes_per_step']):>9} "
-            f"{_bytes(r['gpu_bytes_per_request']):>12} {r['concurrency']:>9.1f} "
+            f"{r['rows_per_step']:>10,.0f} {in_unit(r['bytes_per_step'], step_unit):>9} "
+            f"{in_unit(r['gpu_bytes_per_request'], request_unit):>12} {r['concurrency']:>9.1f} "
             f"{r['batch']:>6} {r['link_ms_per_step']:>8.2f} {r['step_ms']:>8.2f} "
             f"{r['tokens_per_s']:>9,.0f}{mark}")
+
+
+def partial_pages(p: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(block_size, device_buffer_size)`` of the swept settings whose hot buffer is not a
+    whole number of pages."""
+    return [(r["block_size"], r["device_buffer_size"]) for r in p["settings"]
+            if r["device_buffer_size"] % r["block_size"]]
+
+
+def partial_pages_note(p: dict[str, Any]) -> str:
+    """advise's own sentence for the settings ``partial_pages`` finds ("" when none)."""
+    pairs = partial_pages(p)
+    if not pairs:
+        return ""
+    each = ", ".join(f"buffer {buffer} at block {block} takes "
+                     f"{-(-buffer // block) * block} rows ({-(-buffer // block) * block - buffer}"
+                     f" unused)" for block, buffer in pairs)
+    return (f"note: the settings marked (part page) have a hot buffer that is not a whole number "
+            f"of pages; a hot buffer takes whole pages, so each request holds rows it never "
+            f"uses, and GPU memory per request counts them: {each}; a multiple of the block "
+            f"size uses every row")
 
 
 def _recommendation(p: dict[str, Any]) -> list[str]:
@@ -201,6 +223,10 @@ def format_advice(p: dict[str, Any]) -> str:
            f"accepted)" if p["mtp"] > 1 else "")
     overlap = (f"{100 * p['overlap']:g}% of the gathers hidden under compute" if p["overlap"]
                else "gathers not overlapped with compute")
+    step_unit = byte_unit([r["bytes_per_step"] for r in p["settings"] if "error" not in r])
+    request_unit = byte_unit([r["gpu_bytes_per_request"] for r in p["settings"]
+                              if "error" not in r] + [p["all_gpu"]["gpu_bytes_per_request"]])
+    step_head, request_head = f"{step_unit[0]}/step", f"GPU {request_unit[0]}/req"
     lines = [
         f"hisparse-triton advise: {p['preset']} ({p['sparse_layers']} sparse layers, "
         f"{p['index_groups']} index groups, {p['row_bytes']} B rows), {p['context_len']} tokens "
@@ -216,10 +242,11 @@ def format_advice(p: dict[str, Any]) -> str:
         f"decode step compute: {p['step_model']['text']} ({p['step_model']['source']}); "
         f"{overlap}",
         "",
-        f"{'block':>5} {'buffer':>7} {'miss':>6} {'rows/step':>10} {'MiB/step':>9} "
-        f"{'GPU MiB/req':>12} {'requests':>9} {'batch':>6} {'link ms':>8} {'step ms':>8} "
+        f"{'block':>5} {'buffer':>7} {'miss':>6} {'rows/step':>10} {step_head:>9} "
+        f"{request_head:>12} {'requests':>9} {'batch':>6} {'link ms':>8} {'step ms':>8} "
         f"{'tokens/s':>9}",
     ]
+    partial = set(partial_pages(p))
     best = p.get("recommended") or {}
     for r in p["settings"]:
         if "error" in r:
@@ -231,22 +258,44 @@ def format_advice(p: dict[str, Any]) -> str:
             (best.get("block_size"), best.get("device_buffer_size")) else ""
         if not r["supported"]:
             mark += f" (not {kernel})"
-        lines.append(_table_row(r, mark))
+        if (r["block_size"], r["device_buffer_size"]) in partial:
+            mark += " (part page)"
+        lines.append(_table_row(r, mark, step_unit, request_unit))
     gpu = p["all_gpu"]
     mark = " <-" if best.get("mode") == "all-gpu" else ""
     lines.append(f"{'  all-GPU (every layer on the GPU)':<41} "
-                 f"{_bytes(gpu['gpu_bytes_per_request']):>12} {gpu['concurrency']:>9.1f} "
+                 f"{in_unit(gpu['gpu_bytes_per_request'], request_unit):>12} "
+                 f"{gpu['concurrency']:>9.1f} "
                  f"{gpu['batch']:>6} {0.0:>8.2f} {gpu['step_ms']:>8.2f} "
                  f"{gpu['tokens_per_s']:>9,.0f}{mark}")
-    lines.append("(rows/step and MiB/step: gathered per request per decode step over all "
-                 "layers; link ms: the whole batch's gathers per step; step ms: compute and "
-                 "link together)")
+    lines.append(f"(rows/step and {step_head}: gathered per request per decode step over all "
+                 f"layers; link ms: the whole batch's gathers per step; step ms: compute and "
+                 f"link together)")
+    note = partial_pages_note(p)
+    if note:
+        lines.append(note)
     lines.append("")
     lines += _recommendation(p)
     lines.append(f"formula: {p['formula']}")
     if p.get("tp_split"):
         lines.append(f"split gather: {p['tp_split']['formula']}")
     return "\n".join(lines)
+
+
+def quietly_planned(sweep: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``sweep()`` without the planner's ``HiSparsePlanWarning`` on stderr: the sweep tries
+    settings the planner warns about on purpose (a hot buffer that is not whole pages), and
+    the report says so in its own words (``partial_pages_note``). Any other warning is passed
+    on as it was raised."""
+    from hisparse_triton.layout import HiSparsePlanWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        payload = sweep()
+    for w in caught:
+        if not issubclass(w.category, HiSparsePlanWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return payload
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     total = len(blocks) * len(buffers or DEFAULT_BUFFER_FACTORS)
     bar = Progress(total, "advise", enabled=default_enabled(args.progress), unit="setting")
     try:
-        payload = run_advise(settings, on_setting=bar.step)
+        payload = quietly_planned(lambda: run_advise(settings, on_setting=bar.step))
     finally:
         bar.close()
     print(format_advice(payload), file=report_stream(args.json))

@@ -27,6 +27,7 @@ from hisparse_triton.commands.argtypes import (
     ratio_list,
 )
 from hisparse_triton.commands.flags import (
+    add_device_flag,
     add_progress_flag,
     add_seed_flag,
     add_threads_flag,
@@ -74,7 +75,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sweep.add_argument("--preset", choices=list_presets(), default=None,
                        help="a model's real shapes: its MLA row size, top-k, and the layer "
                             "counts of one index group and of the whole-step mirror (e.g. 1 "
-                            "and 61 on DeepSeek-V3.2); explicit flags still win")
+                            "and 61 on DeepSeek-V3.2); explicit flags still win (default: none, "
+                            "the sweep's own defaults)")
     sweep.add_argument("--row-bytes", type=bounded_int_list(1, 1 << 20), default=None,
                        metavar="LIST", help="row sizes in bytes (GPU default 132,656,1152)")
     sweep.add_argument("--rows", type=bounded_int_list(1, MAX_ROWS), default=None,
@@ -102,12 +104,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="a small sweep (GPU: 656 B rows, 4k and 64k rows, miss ratios 1 "
                             "and 0.067, batch 64)")
     timing = parser.add_argument_group("timing")
-    timing.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="where to run (default: cuda when available)")
+    add_device_flag(timing, help="where to run the sweep")
     timing.add_argument("--warmup-ms", type=TIME_MS, default=None,
-                        help="warm-up per figure in ms")
+                        help="warm-up per figure in ms (default 10 on CUDA, 2 on a CPU; "
+                             "--quick: 5 and 1)")
     timing.add_argument("--rep-ms", type=TIME_MS, default=None,
-                        help="measurement time per figure in ms (the median is reported)")
+                        help="measurement time per figure in ms, the median is reported "
+                             "(default 50 on CUDA, 10 on a CPU; --quick: 25 and 5)")
     timing.add_argument("--no-verify", action="store_true",
                         help="skip checking the moved rows / resolve outputs against the "
                              "source rows / the torch reference")
@@ -133,7 +136,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_output_flags(out)
     out.add_argument("--plot", metavar="PATH", default=None, type=output_path,
                      help="write a PNG of GB/s vs rows moved, one line per method "
-                          "(needs matplotlib: the 'bench' extra)")
+                          "(needs matplotlib: the 'bench' extra; default: no plot)")
     return parser
 
 
@@ -205,14 +208,11 @@ def check_host_memory(settings: Any) -> None:
 
 
 def resolve_device(name: str) -> Any:
-    import torch
+    """The torch device of ``--device`` (``simulation.resolve_device``: the same values and
+    messages as ``simulate``)."""
+    from hisparse_triton.simulation import resolve_device as resolve
 
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() "
-                         "is False).")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return resolve(name)
 
 
 def run_decode_step(args: argparse.Namespace) -> int:
@@ -284,8 +284,6 @@ def run(args: argparse.Namespace) -> int:
     if device.type != "cuda" and set(settings.methods) == {"triton"}:
         raise ValueError("--methods triton needs a CUDA device (kernel timings need a GPU); "
                          "on this machine choose from torch, eager, contiguous.")
-    if device.type != "cuda" and "triton" in settings.methods:
-        print(f"hisparse-triton bench: {bm.KERNELS_NEED_GPU}.", file=sys.stderr)
     from hisparse_triton.benchmarks.progress import default_enabled
 
     progress = bm.Progress(bm.count_steps(settings, device), "bench",

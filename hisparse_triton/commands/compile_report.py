@@ -90,20 +90,43 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(payload), file=stream)
     if args.json is not None:
         write_json(json_document("compile-report", 1, payload), args.json)
-    return _check(payload) if args.check else 0
+    status = _check(payload) if args.check else 0
+    failed, line = verdict(payload)
+    if failed and not args.check:
+        line += " (--check would exit 1)"
+    print(line, file=stream)
+    return status
 
 
 def _check(payload: dict[str, Any]) -> int:
     """``--check``: 1 (with the failing launches on stderr) when a launch did not compile or
-    spills to memory (NVIDIA stack / local bytes; AMD scratch or VGPR spills)."""
-    bad = [f"{r['variant']}: {r['kernel']}: " + (r["error"] or "spills to memory")
-           for r in payload["launches"] if r.get("error") or r.get("spills")]
-    for line in bad:
-        print(f"compile-report --check: {line}", file=sys.stderr)
-    if not payload["launches"]:
-        print("compile-report --check: no launch was recorded", file=sys.stderr)
-        return 1
-    return 1 if bad else 0
+    spills to memory (``verdict``), or when no launch was recorded."""
+    failed, _ = verdict(payload)
+    for launch in failed:
+        print(f"compile-report --check: {launch}", file=sys.stderr)
+    return 1 if failed or not payload["launches"] else 0
+
+
+def verdict(payload: dict[str, Any]) -> tuple[list[str], str]:
+    """``(failing launches, the one-line verdict)`` of a report: a launch fails when it did
+    not compile or spills to memory (NVIDIA stack / local bytes; AMD scratch or VGPR spills;
+    SGPRs spilled into VGPR lanes cost no memory and do not fail)."""
+    launches = payload["launches"]
+    errors = [r for r in launches if r.get("error")]
+    spills = [r for r in launches if not r.get("error") and r.get("spills")]
+    failed = [f"{r['variant']}: {r['kernel']}: " + (r.get("error") or "spills to memory")
+              for r in errors + spills]
+    arch = payload.get("arch")
+    if not launches:
+        return failed, f"check: FAIL, no launch was recorded for {arch}"
+    count = f"{len(launches)} launch{'es' if len(launches) != 1 else ''}"
+    if not failed:
+        return failed, f"check: PASS, {count} compiled for {arch}, no spills to memory"
+    parts = [f"{len(errors)} did not compile" if errors else "",
+             f"{len(spills)} spill to memory" if spills else ""]
+    first = failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+    return failed, (f"check: FAIL, {len(failed)} of {count} for {arch}: "
+                    f"{', '.join(p for p in parts if p)}; first: {first}")
 
 
 def _flags(args: argparse.Namespace) -> list[str]:

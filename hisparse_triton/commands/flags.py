@@ -1,5 +1,6 @@
 """Flags spelled the same way in every subcommand (no torch import): ``--top-k`` (with the
-hidden old spelling ``--topk``), ``--seed``, ``--threads`` and ``--progress/--no-progress``.
+hidden old spelling ``--topk``), ``--seed``, ``--device``, ``--threads`` and
+``--progress/--no-progress``.
 ``--json`` is ``commands.output.add_json_flag``."""
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ def add_seed_flag(parser: Any, *, default: int = 0, what: str = "the workload") 
     """``--seed N`` in ``[0, 2**32 - 1]``."""
     parser.add_argument("--seed", type=seed, default=default, metavar="N",
                         help=f"random seed of {what}, in [0, {SEED_MAX}] (default {default})")
+
+
+def add_device_flag(parser: Any, *, help: str = "where to run") -> None:
+    """``--device auto|cpu|cuda|cuda:N`` (default auto: CUDA when available, else the CPU);
+    the command resolves it with ``simulation.resolve_device`` (one line naming a bad value)."""
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                        help=f"{help}: auto (default: cuda when available, else cpu), cpu, "
+                             f"cuda or cuda:N")
 
 
 def add_threads_flag(parser: Any, *, default: Optional[int], help: str) -> None:
@@ -62,5 +71,5 @@ def add_progress_flag(parser: Any) -> None:
                              "a terminal)")
 
 
-__all__ = ["add_progress_flag", "add_seed_flag", "add_threads_flag", "add_top_k_flag",
-           "available_cpus", "set_torch_threads"]
+__all__ = ["add_device_flag", "add_progress_flag", "add_seed_flag", "add_threads_flag",
+           "add_top_k_flag", "available_cpus", "set_torch_threads"]

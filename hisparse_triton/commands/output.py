@@ -35,7 +35,7 @@ def add_json_flag(parser: argparse.ArgumentParser, what: str = "the result") -> 
     parser.add_argument("--json", metavar="PATH|-", nargs="?", const="-", default=None,
                         type=output_path_or_stdout,
                         help=f"write {what} as JSON to PATH, or to stdout with '-' or no "
-                             f"value (the human report then goes to stderr)")
+                             f"value (the human report then goes to stderr; default: no JSON)")
 
 
 def report_stream(json_target: str | None):

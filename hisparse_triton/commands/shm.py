@@ -39,7 +39,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                               "alive or stale")
     clean = actions.add_parser("clean", help="remove stale pools, or one pool with --name")
     clean.add_argument("--name", default=None,
-                       help="remove only this pool (the host_pool_name it was created with)")
+                       help="remove only this pool (the host_pool_name it was created with; "
+                            "default: every stale pool)")
     clean.add_argument("--force", action="store_true",
                        help="with --name: remove the pool even if its creator is alive or "
                             "its state is unknown")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from hisparse_triton.commands.argtypes import (
@@ -23,6 +24,7 @@ from hisparse_triton.commands.argtypes import (
     output_path,
 )
 from hisparse_triton.commands.flags import (
+    add_device_flag,
     add_progress_flag,
     add_seed_flag,
     add_threads_flag,
@@ -98,9 +100,7 @@ def add_watermark_flag(group: Any) -> None:
 
 def add_runtime_flags(group: Any) -> None:
     """``--device``, ``--backend`` and ``--threads``."""
-    group.add_argument("--device", default="auto",
-                       help="auto (default: cuda when available, else cpu), cpu, cuda or "
-                            "cuda:N")
+    add_device_flag(group, help="where the runtime runs")
     group.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                        help="kernel backend (default auto: triton on CUDA, torch elsewhere)")
     add_threads_flag(group, default=1, help="CPU threads for torch (default 1, as bench: the "
@@ -142,9 +142,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="replay recorded top-k positions (.npz, see docs/tools.md) instead "
                            "of a generator; the trace sets requests, lengths and top-k, and "
                            "a trace written by --record also the preset, layers and pool "
-                           "settings (flags override)")
+                           "settings (flags override; default: the generator)")
     work.add_argument("--record", metavar="FILE", type=output_path, default=None,
-                      help="write this run's top-k positions as a trace (.npz)")
+                      help="write this run's top-k positions as a trace (.npz; default: not "
+                           "written)")
     work.add_argument("--prefill-chunk", type=bounded_int(1, 1 << 22), default=None,
                       help="prompt tokens appended and committed at a time (default 8192, "
                            "at most --max-num-batched-tokens)")
@@ -258,7 +259,8 @@ def _steady_line(r: dict[str, Any]) -> str:
         warm = f"each request's first {st['warmup_steps']} resolves per index group"
     if not st["columns"]:
         return f"steady state: nothing left after the warm-up ({warm}); see the whole run"
-    return (f"steady state: miss rate {_pct(st['miss_rate'])} after a warm-up of {warm}: "
+    return (f"steady state: miss rate {_pct(st['miss_rate'])} of top-k columns after a "
+            f"warm-up of {warm}: "
             f"{st['resolved_rows']} of {st['resolved_rows_total']} resolved rows counted "
             f"(the whole run's {_pct(r['miss_rate'])} includes each buffer's cold start)")
 
@@ -314,7 +316,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"top-k columns: {r['hits']} hits ({r['resident_hits']} from resident pages, "
         f"{r['hot_hits']} from the hot buffer), {r['misses']} misses (gathered), "
         f"{r['masked']} masked -> hit rate {_pct(r['hit_rate'])} (miss rate "
-        f"{_pct(r['miss_rate'])}, whole run)",
+        f"{_pct(r['miss_rate'])} of top-k columns, whole run)",
         _steady_line(r),
     ]
     if r.get("query_tokens"):
@@ -333,14 +335,16 @@ def format_report(r: dict[str, Any]) -> str:
     policies = r.get("policies")
     if policies:
         lines.append(f"hot-buffer policies on the same positions ({r['device_buffer_size']} "
-                     f"slots, {r['buffer_lookups']} lookups of pages not on the GPU):")
+                     f"slots; {r['buffer_lookups']} lookups: the distinct positions of each "
+                     f"step whose page was not on the GPU; miss rate here = misses / lookups, "
+                     f"not / top-k columns):")
         notes = {"lru": "the runtime's rule" + (
                      f": equals its {r['misses']} misses" if r.get("lru_matches_runtime")
                      else f": MISMATCH with the runtime's {r['misses']} misses"),
                  "fifo": "", "belady": "offline optimum (needs the future)"}
         for name, v in policies.items():
-            lines.append(f"  {name:<7}{v['misses']:>12} misses  {_pct(v['miss_rate']):>6}  "
-                         f"{notes[name]}".rstrip())
+            lines.append(f"  {name:<7}{v['misses']:>12} misses  {_pct(v['miss_rate']):>6} of "
+                         f"lookups  {notes[name]}".rstrip())
     scale = (f" (scaled to {r['model_index_groups']} index groups)" if r["sampled"] else "")
     link = "" if r.get("link_source", "given") == "given" else f" ({r['link_source']})"
     lines += [
@@ -366,7 +370,11 @@ def format_report(r: dict[str, Any]) -> str:
                      f"x top-k {rec['top_k']}, with the preset and pool settings) to "
                      f"{rec['path']}; replay it with: hisparse-triton simulate --trace "
                      f"{rec['path']}")
-    lines.append(f"wall time {r['wall_seconds']:.2f} s")
+    total = r.get("command_seconds")
+    lines.append(f"wall time {r['wall_seconds']:.2f} s" if total is None else
+                 f"wall time {total:.2f} s (the command from its start to this report, imports, "
+                 f"setup and checks included, Python's own start-up and exit not; the "
+                 f"decode loop took {r['wall_seconds']:.2f} s of it)")
     return "\n".join(lines)
 
 
@@ -408,6 +416,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``hisparse-triton simulate``."""
+    started = time.perf_counter()
     set_torch_threads(args.threads)  # refuses more threads than CPUs, naming the count
     settings = settings_from_args(args)
     from hisparse_triton.benchmarks.progress import Progress, default_enabled
@@ -438,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
             bar[0].close()
     for warning in report["warnings"]:
         print(f"hisparse-triton simulate: warning: {warning}.", file=sys.stderr)
+    report["command_seconds"] = time.perf_counter() - started
     print(format_report(report), file=out)
     if report.get("lru_matches_runtime") is False:
         print("hisparse-triton simulate: error: the LRU model disagrees with the runtime's "

@@ -76,7 +76,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=list_presets(), default=None,
                         help="tune for a model's real shapes: its MLA row size and the layer "
                              "counts of one index group and of the whole-step mirror (e.g. 1 "
-                             "and 61 on DeepSeek-V3.2); --row-bytes / --layers still win")
+                             "and 61 on DeepSeek-V3.2); --row-bytes / --layers still win "
+                             "(default: none)")
     parser.add_argument("--row-bytes", type=bounded_int(1, 1 << 20), default=None, metavar="N",
                         help=f"bytes of one row of one layer (default {DEFAULT_ROW_BYTES}, or "
                              f"the preset's; pages are 64 rows)")

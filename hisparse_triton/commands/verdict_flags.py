@@ -47,7 +47,7 @@ def add_verdict_flags(parser: Any, *, link_flag: bool) -> None:
     parser.add_argument("--bench-json", metavar="PATH", default=None,
                         help="the link speed from the gather figures of a GPU `bench --json` "
                              "result (a file, or a directory: its newest); CPU results are "
-                             "refused")
+                             "refused (default: the --link-gbps default)")
     if link_flag:
         add_link_flag(parser, "host->device gather speed of the verdict's model (or "
                               "--bench-json)")

@@ -190,7 +190,20 @@ def format_amd_report(payload: dict[str, Any], title: Optional[str] = None) -> s
                      f"{r['vgprs']:>4} {r['sgprs']:>4} {r['sgpr_spills']:>4} "
                      f"{r['scratch_bytes']:>4} {r['lds_bytes']:>6} {r['instructions']:>6} "
                      f"{r['waves_per_simd']:>6} {r['workgroups_per_cu']:>5} {r['limited_by']:<6}")
-    return "\n".join(lines)
+    return "\n".join(lines + AMD_LEGEND)
+
+
+#: What each column of the AMD table means (printed under it).
+AMD_LEGEND = [
+    "columns: grid = workgroups per launch (x by y); waves = wavefronts per workgroup; vgpr = "
+    "vector registers per lane; sgpr = scalar registers per wave;",
+    "  sspl = SGPRs spilled into VGPR lanes (no memory traffic: not a spill to memory); scr = "
+    "scratch bytes per lane (registers spilled to memory; 0 = none);",
+    "  lds = LDS bytes per workgroup; insts = machine instructions in the kernel (a size, not a "
+    "time); w/SIMD = waves resident per SIMD;",
+    "  wg/CU = workgroups resident per CU; limit = what bounds them (waves, vgprs, sgprs, lds, "
+    "lanes)",
+]
 
 
 _HANDOFF_IR = r'''

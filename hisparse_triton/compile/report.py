@@ -452,7 +452,18 @@ def format_report(payload: dict[str, Any]) -> str:
                      f"{r.get('stack_bytes', 0) + r.get('local_bytes', 0):>5} "
                      f"{r['shared_bytes']:>7} {r.get('sass_instructions', '?'):>6} "
                      f"{r['ctas_per_sm']:>6}")
-    return "\n".join(lines)
+    return "\n".join(lines + NVIDIA_LEGEND)
+
+
+#: What each column of the NVIDIA table means (printed under it).
+NVIDIA_LEGEND = [
+    "columns: grid = programs per launch (x by y); warps = warps of 32 threads per program; "
+    "regs = registers per thread;",
+    "  spill = bytes per thread spilled to memory (ptxas stack + local; 0 = none); smem = "
+    "shared memory per program, bytes;",
+    "  sass = SASS instructions in the kernel (a size, not a time); cta/SM = programs "
+    "resident per SM at these registers, threads and shared memory (0 = does not fit)",
+]
 
 
 if __name__ == "__main__":  # the same as `hisparse-triton compile-report`
