@@ -270,3 +270,37 @@ def test_random_async_steps_keep_the_bookkeeping_consistent():
         s.step()
         s.reset_prefix_cache()
         assert s.device_block_pool.num_free == initial
+
+
+def test_the_chunk_limit_counts_only_tokens_appended_since_the_last_plan():
+    """Under ``max_num_batched_tokens`` a rejection re-mirrors the moved tokens, which are
+    in a plan already: the next step's append is not refused for them."""
+    import dataclasses
+
+    from hisparse_triton.errors import UncommittedTokensError
+    from hisparse_triton.scheduler import HiSparseScheduler
+    from scheduler_plans import make_plan
+
+    plan = make_plan(device_blocks=200)
+    config = dataclasses.replace(plan.config, max_num_batched_tokens=4,
+                                 max_concurrent_batches=2)
+    s = HiSparseScheduler(plan.kv_cache_config, config, max_num_seqs=3)
+    s.add_request("a", 8, 30)
+    s.append_slots("a", 4)
+    s.step()
+    s.append_slots("a", 4)
+    s.step()
+    s.step()
+    s.append_slots("a", 4, num_draft_tokens=3)      # step N: 8..11
+    s.step()
+    s.append_slots("a", 4, num_draft_tokens=3)      # step N+1: 12..15, before N's verdict
+    s.step()
+    s.verify_drafts("a", 0)                          # 9..11 rejected: N+1 moves to 9..12
+    assert s.seq_len("a") == 13
+    s.append_slots("a", 4, num_draft_tokens=3)      # step N+2: 4 new tokens since the plan
+    assert s.seq_len("a") == 17
+    with pytest.raises(UncommittedTokensError):
+        s.append_slots("a", 1)                       # a fifth one is past the limit
+    s.step()
+    s.check_invariants()
+    assert s._requests["a"].scheduled_len == 17

@@ -185,7 +185,7 @@ class Capacity:
         if np.count_nonzero(positions >= cols.reserved[rows]):
             return None
         limit = self.max_num_batched_tokens
-        if limit is not None and np.count_nonzero(positions - cols.scheduled_len[rows] >= limit):
+        if limit is not None and np.count_nonzero(positions - cols.planned_len[rows] >= limit):
             return None
         if batch.tracking and any(reqs[i].chain_open for i in batch.tracking):
             return None

@@ -84,8 +84,10 @@ class Request:
     """One live request.
 
     Lengths (tokens): ``seq_len`` present (cached prefix + appended), ``scheduled_len`` in
-    an emitted plan's mirror, ``committed_len`` durable on the host; ``committed_len <=
-    scheduled_len <= seq_len <= reserved_tokens``. ``host_blocks``: one host block per
+    an emitted plan's mirror (less when a verification or an import needs positions
+    mirrored again), ``planned_len`` in an emitted plan (what ``max_num_batched_tokens``
+    counts from), ``committed_len`` durable on the host; ``committed_len <= scheduled_len
+    <= planned_len <= seq_len <= reserved_tokens``. ``host_blocks``: one host block per
     reserved page (``host_array`` the same as int64). ``token_ids``: the ids of tokens
     ``[0, len(token_ids))`` (the prompt, then the ids appended with ``append_slots(...,
     token_ids=)``; None for a request added without ids; ``chain_open`` False once an
@@ -136,10 +138,10 @@ class Request:
                 f"request {request_id!r}: appending {num_tokens} tokens to {self.seq_len} "
                 f"exceeds its reservation of {self.reserved_tokens} (prompt "
                 f"{self.prompt_len} + max_new_tokens {self.max_new_tokens}).", request_id)
-        if max_uncommitted is not None and new_len - self.scheduled_len > max_uncommitted:
+        if max_uncommitted is not None and new_len - self.planned_len > max_uncommitted:
             raise UncommittedTokensError(
                 f"request {request_id!r}: appending {num_tokens} tokens would leave "
-                f"{new_len - self.scheduled_len} tokens uncommitted, more than "
+                f"{new_len - self.planned_len} tokens uncommitted, more than "
                 f"max_num_batched_tokens={max_uncommitted}; commit (step) the chunk before "
                 f"appending more.", request_id)
         return new_len
@@ -244,7 +246,7 @@ class Request:
         """Comparable state (tests)."""
         return (self.row, self.prompt_len, self.max_new_tokens, list(self.host_blocks),
                 list(self.page_hashes), self.published_pages, self.seq_len,
-                self.scheduled_len, self.committed_len, self.released_pages,
+                self.scheduled_len, self.planned_len, self.committed_len, self.released_pages,
                 None if self.hot is None else {k: list(v) for k, v in self.hot.items()},
                 None if self.token_ids is None else list(self.token_ids), self.chain_open,
                 list(self.drafts), self.pending_from, self.importing)
@@ -298,11 +300,12 @@ class RequestColumns:
     here through properties. Entries of free rows mean nothing. Changes are journaled by
     their callers like any other state."""
 
-    LENGTHS = ("seq_len", "scheduled_len", "committed_len", "released_pages")
+    LENGTHS = ("seq_len", "scheduled_len", "planned_len", "committed_len", "released_pages")
 
     def __init__(self, max_num_seqs: int, host_width: int = 0) -> None:
         self.seq_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.scheduled_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.planned_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.committed_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.released_pages = np.zeros(max_num_seqs, dtype=np.int64)
         #: Scalar access as plain Python ints (``Request``'s properties).
@@ -478,7 +481,7 @@ class RequestTable:
         """A new request starts with its first ``pages`` prompt pages present and durable
         (a prefix hit; they are published already)."""
         j, cached = self._journal, pages * block_size
-        for name in ("seq_len", "scheduled_len", "committed_len"):
+        for name in ("seq_len", "scheduled_len", "planned_len", "committed_len"):
             j.setattr(req, name, cached)
         j.setattr(req, "published_pages", pages)
 
@@ -512,6 +515,7 @@ class RequestTable:
         j = self._journal
         j.setattr(req, "seq_len", new_len)
         j.setattr(req, "scheduled_len", min(req.scheduled_len, new_len))
+        j.setattr(req, "planned_len", min(req.planned_len, new_len))
         if req.drafts:
             self._set_drafts(req, [(start, min(count, new_len - start))
                                    for start, count in req.drafts if start < new_len])
@@ -556,6 +560,9 @@ class RequestTable:
         new_len = req.seq_len - rejected
         j.setattr(req, "seq_len", new_len)
         j.setattr(req, "scheduled_len", min(req.scheduled_len, first))
+        # Planned tokens past the rejected ones moved down with them (still planned).
+        j.setattr(req, "planned_len", req.planned_len - min(max(req.planned_len - first, 0),
+                                                            rejected))
         tokens = req.token_ids
         if tokens is not None and len(tokens) > first:
             tokens = tokens[:first] + tokens[first + rejected:]
@@ -577,6 +584,7 @@ class RequestTable:
         j, cols = self._journal, self.columns
         j.setattr(req, "seq_len", length)
         j.setattr(req, "scheduled_len", length)
+        j.setattr(req, "planned_len", length)
         j.write(cols.pending_from, req.row, durable)
         j.write(cols.importing, req.row, True)
         j.setattr(self, "num_importing", self.num_importing + 1)
@@ -632,6 +640,7 @@ class RequestTable:
         work = MirrorSpans(spans=spans, single_rows=rows_1, single_positions=start_1,
                            single_host=single_host)
         self._journal.write(cols.scheduled_len, rows, end)   # the unmoved keep theirs
+        self._journal.write(cols.planned_len, rows, end)
         return work
 
     # -- batches -------------------------------------------------------------------------
@@ -678,9 +687,11 @@ class RequestTable:
             if req.request_id != request_id:
                 problems.append(f"request {request_id!r} is filed as {req.request_id!r}")
             if not 0 <= req.committed_len <= min(req.scheduled_len, req.pending_from) \
-                    or not req.scheduled_len <= req.seq_len <= req.reserved_tokens:
+                    or not req.scheduled_len <= req.planned_len <= req.seq_len \
+                    <= req.reserved_tokens:
                 problems.append(f"request {request_id!r}: lengths out of order (committed "
                                 f"{req.committed_len}, scheduled {req.scheduled_len}, "
+                                f"planned {req.planned_len}, "
                                 f"pending from {req.pending_from}, seq {req.seq_len}, reserved "
                                 f"{req.reserved_tokens})")
             problems += _draft_problems(req)
