@@ -141,13 +141,19 @@ def test_two_tensor_parallel_ranks_roll_back_exactly(dense):
 
 
 @pytest.mark.skipif(not HAS_TRITON_BACKEND, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("kind", ["split", "facade"])
+@pytest.mark.parametrize("kind", ["split", "facade", "tp2"])
 def test_triton_backend_async_rollback_small(kind):
     spec = dataclasses.replace(SMALL, backend="triton")
     dense = dense_of(spec)
-    result, sched, work = run_store(kind, spec, dense.tokens)
-    assert tiny_dsa.compare(dense, result) == []
-    assert result.rejected_tokens > 0 and work.misses > 0
+    if kind == "tp2":
+        ranks = tiny_dsa.run_tp(spec, 2, drafts=dense.tokens)
+        runs = [(r.result, r.worker["misses"]) for r in ranks]
+    else:
+        result, sched, work = run_store(kind, spec, dense.tokens)
+        runs = [(result, work.misses)]
+    for result, misses in runs:
+        assert tiny_dsa.compare(dense, result) == []
+        assert result.rejected_tokens > 0 and misses > 0
 
 
 def test_the_cli_runs_async_and_refuses_it_with_cuda_graphs(capsys):

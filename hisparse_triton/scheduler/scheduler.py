@@ -8,6 +8,7 @@ rows and block ids do)::
     cached = scheduler.add_request(id, prompt_len, max_new_tokens, token_ids)  # admission
     rows = scheduler.append_slots(id, n)    # {layer: int64 [n]} device rows of n new tokens
     scheduler.truncate(id, new_len)         # rejected drafts, before the next step()
+    scheduler.verify_drafts(id, accepted)   # async: drafts appended with num_draft_tokens
     scheduler.free_request(id)              # a finished request
     plan = scheduler.step()                 # -> every worker: worker.apply(plan)
     ...  forward: the model writes KV at `rows`, worker.resolve_rows(...) per index group  ...
