@@ -265,7 +265,8 @@ class HiSparseScheduler(SchedulerQueries):
             self.durability.run_reclaim(reclaim)
             self._grow(req, new_len, counts, ids)
             self._requests.mark_drafts(req, drafts)
-        return self.devices.rows(req, start, new_len)
+            rows = self.devices.rows(req, start, new_len)
+        return rows
 
     def can_append(self, request_id: Hashable, num_tokens: int) -> bool:
         """Whether ``append_slots(request_id, num_tokens)`` would succeed now."""
