@@ -135,7 +135,7 @@ def test_two_tensor_parallel_ranks_roll_back_exactly(dense):
     zero, one = ranks
     assert zero.worker["misses"] == one.worker["misses"] > 0
     assert zero.worker["d2h_bytes"] > 0 and one.worker["d2h_bytes"] == 0
-    leftover = [f for f in os.listdir("/dev/shm") if f.startswith("tiny-dsa-")] \
+    leftover = [f for f in os.listdir("/dev/shm") if f.startswith("hisparse-tiny-dsa-")] \
         if os.path.isdir("/dev/shm") else []
     assert not leftover, leftover
 
