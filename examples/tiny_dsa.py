@@ -54,6 +54,12 @@ from a drafter, the dense greedy continuation): their top-k selections resolve a
 (``--draft-error``): the model's outputs accept 0..Q drafts per step and the rejected ones
 are rolled back (``truncate``, after the forward, before the step commits), still
 bit-identical to the dense one-token-at-a-time run; without it every draft must be accepted.
+With ``--async`` the loop runs in vLLM's async-scheduling order (``max_concurrent_batches``
+2): step N+1 is scheduled (its drafts appended as drafts, ``append_slots(...,
+num_draft_tokens=)``) and run (its KV written at the positions step N's accepted tokens
+give, read through the block tables) before the runtime hears step N's verification
+(``verify_drafts``: the rejected drafts leave, step N+1's tokens move down), still
+bit-identical to the dense run.
 
 Run it::
 
@@ -61,12 +67,16 @@ Run it::
     python examples/tiny_dsa.py --tp 2 --spec-tokens 2 --shared-prefix-len 64 \
         --max-running 2 --check
     python examples/tiny_dsa.py --mtp 3 --free-block-watermark 1 --check
+    python examples/tiny_dsa.py --mtp 3 --draft-error 0.4 --async --requests 3 \
+        --max-running 2 --prompt-len 40 60 --max-new-tokens 80 --free-block-watermark 1 --check
     python examples/tiny_dsa.py --requests 1 --prompt-len 2048 2048 --max-model-len 2056 \
         --chunk-size 128 --max-num-batched-tokens 128 --device-blocks 180 --check
 
 The last one prefills a 2,048-token prompt (plus the 8 new tokens: ``--max-model-len`` must
 hold 2,056) in 16 chunks of 128 through the prefill staging, over a pool of 180 blocks that
-cannot keep its history on the GPU. ``tests/test_tiny_dsa.py`` runs every command above.
+cannot keep its history on the GPU. The async one generates 80 tokens per request so that
+pages whose positions held rejected drafts leave the GPU and are read back from the host.
+``tests/test_tiny_dsa.py`` runs every command above.
 """
 
 from __future__ import annotations
@@ -233,6 +243,23 @@ class KVStore(Protocol):
     def truncate(self, request: Hashable, new_len: int) -> None:
         """Keep the request's first ``new_len`` tokens (rejected drafts dropped; after the
         forward that verified them, before ``commit``)."""
+        ...
+
+    def append_drafts(self, request: Hashable, num_tokens: int, num_drafts: int) -> None:
+        """Async scheduling (the pooled stores only): ``append`` of ``num_tokens`` tokens
+        whose last ``num_drafts`` are drafts the forward verifies; the store may be told
+        their verification a step later (``verify``)."""
+        ...
+
+    def place(self, request: Hashable, start: int) -> None:
+        """Async scheduling: this step's tokens of the request sit at positions ``start,
+        start + 1, ...`` (the corrected positions: the previous step's rejected drafts are
+        not dropped from the store yet); ``write`` puts their rows there."""
+        ...
+
+    def verify(self, request: Hashable, num_accepted: int) -> None:
+        """Async scheduling: the request's oldest ``append_drafts`` run was verified: its
+        first ``num_accepted`` drafts stay, the others leave and later tokens move down."""
         ...
 
     def commit(self) -> None:
@@ -590,6 +617,8 @@ class _PoolStore(abc.ABC):
         self.resolve_shapes: list[tuple[str, tuple[int, ...]]] = []
         #: Prefill staging calls as (leader, [tokens, K]).
         self.prefill_shapes: list[tuple[str, tuple[int, ...]]] = []
+        #: Async scheduling: where each request's tokens of this step start (``place``).
+        self._starts: dict[Hashable, int] = {}
 
     # Subclass hooks ------------------------------------------------------------------
     @abc.abstractmethod
@@ -621,8 +650,21 @@ class _PoolStore(abc.ABC):
         self._len[request] = cached
         return cached
 
+    def place(self, request: Hashable, start: int) -> None:
+        self._starts[request] = start
+
+    def _placed_slots(self, layer: str, request: Hashable, count: int) -> torch.Tensor:
+        """``[count] int64`` device rows of positions ``start ..`` (``place``), read through
+        the layer's block table as a model runner computes its slot mapping from corrected
+        positions: a rejected draft's position gets the next token's bytes."""
+        blocks, _ = self._history(layer, request)
+        B = self.cache(layer).shape[1]
+        positions = torch.arange(self._starts[request], self._starts[request] + count)
+        return blocks[positions // B] * B + positions % B
+
     def write(self, layer: str, request: Hashable, rows: torch.Tensor) -> None:
-        slots = self._slots(request, layer)
+        slots = (self._placed_slots(layer, request, rows.shape[0]) if request in self._starts
+                 else self._slots(request, layer))
         cache = self.cache(layer)
         data = rows.contiguous().view(torch.uint8)
         if data.shape != (slots.numel(), cache.shape[2]):
@@ -668,6 +710,7 @@ class _PoolStore(abc.ABC):
 
     def _forget(self, request: Hashable) -> None:
         self._len.pop(request, None)
+        self._starts.pop(request, None)
 
 
 class RuntimeLike(Protocol):
@@ -678,7 +721,9 @@ class RuntimeLike(Protocol):
 
     def add_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
                     token_ids: Optional[Sequence[int]] = None) -> int: ...
-    def append_slots(self, request_id: Hashable, num_tokens: int) -> dict[str, torch.Tensor]: ...
+    def append_slots(self, request_id: Hashable, num_tokens: int, *,
+                     num_draft_tokens: int = 0) -> dict[str, torch.Tensor]: ...
+    def verify_drafts(self, request_id: Hashable, num_accepted: int) -> None: ...
     def device_cache(self, layer_name: str) -> torch.Tensor: ...
     def block_table(self, request_id: Hashable, layer_name: str) -> list[int]: ...
     def seq_len(self, request_id: Hashable) -> int: ...
@@ -708,7 +753,10 @@ class HiSparseStore(_PoolStore):
             request, prompt_len, max_new_tokens, token_ids))
 
     def append(self, request: Hashable, num_tokens: int) -> None:
-        rows = self.runtime.append_slots(request, num_tokens)
+        self.append_drafts(request, num_tokens, 0)
+
+    def append_drafts(self, request: Hashable, num_tokens: int, num_drafts: int) -> None:
+        rows = self.runtime.append_slots(request, num_tokens, num_draft_tokens=num_drafts)
         earlier = self._slot_rows.get(request)
         if earlier is not None:
             rows = {layer: torch.cat([earlier[layer], r]) for layer, r in rows.items()}
@@ -740,9 +788,13 @@ class HiSparseStore(_PoolStore):
         self.runtime.truncate(request, new_len)   # before commit(): not durable yet
         self._len[request] = new_len
 
+    def verify(self, request: Hashable, num_accepted: int) -> None:
+        self.runtime.verify_drafts(request, num_accepted)   # before commit(): undurable
+
     def commit(self) -> None:
         self.runtime.commit()
         self._slot_rows.clear()
+        self._starts.clear()
 
     def free(self, request: Hashable) -> None:
         self.runtime.free_request(request)
@@ -859,12 +911,22 @@ class SplitStore(_PoolStore):
         return self._admitted(request, int(outcome))
 
     def append(self, request: Hashable, num_tokens: int) -> None:
+        self.append_drafts(request, num_tokens, 0)
+
+    def append_drafts(self, request: Hashable, num_tokens: int, num_drafts: int) -> None:
         if self.leads:
-            entry = self.scheduler.append_slots(request, num_tokens)
+            entry = self.scheduler.append_slots(request, num_tokens,
+                                                num_draft_tokens=num_drafts)
         else:
             entry = num_tokens
         self._appended.setdefault(request, []).append(entry)
         self._len[request] += num_tokens
+
+    def verify(self, request: Hashable, num_accepted: int) -> None:
+        """Rank 0's scheduler takes the verification (the next plan carries it to every
+        rank); every rank knows the outcome (it computed the same tokens)."""
+        if self.leads:
+            self.scheduler.verify_drafts(request, num_accepted)
 
     def truncate(self, request: Hashable, new_len: int) -> None:
         """Rank 0's scheduler rolls back (the next plan carries it to every rank); its
@@ -911,6 +973,7 @@ class SplitStore(_PoolStore):
                 torch.cuda.synchronize(self.worker.device)   # the mirror has run
             self.link.barrier()    # rank 0's mirror is in the shared pool before any read
         self._plan = None
+        self._starts.clear()
 
     # ------------------------------------------------------------------ worker side
     def cache(self, layer: str) -> torch.Tensor:
@@ -1241,7 +1304,8 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
                   max_running: Optional[int] = None, spec_tokens: int = 1,
                   drafts: Optional[dict[str, list[int]]] = None,
                   rollback: bool = False,
-                  decode_step: Optional[Callable[..., torch.Tensor]] = None) -> DecodeResult:
+                  decode_step: Optional[Callable[..., torch.Tensor]] = None,
+                  async_scheduling: bool = False) -> DecodeResult:
     """Greedy decoding of ``workload`` through ``store`` (continuous batching).
 
     A request is admitted (``store.add`` with its prompt's token ids; it starts after the
@@ -1255,6 +1319,15 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
     are not durable yet), else ``DraftRejectedError``. ``DecodeResult.rejected_tokens``
     counts them. ``decode_step(requests, tokens, starts)``: runs a step in which every
     request decodes one token instead of ``model.forward`` (``GraphDecode``).
+
+    ``async_scheduling`` (vLLM's async scheduling, ``max_concurrent_batches=2``; a pooled
+    store): the store learns a step's verification one step late, in vLLM's order:
+    schedule step N+1 (``append_drafts``: the last token and the drafts, appended after
+    step N's drafts as if all were accepted), its forward (``place``: the tokens at the
+    positions the accepted ones give, as a model runner corrects them), then ``verify`` step
+    N's drafts (the rejected ones leave the store, step N+1's tokens move down), ``commit``.
+    Each request reserves ``spec_tokens - 1`` more tokens: the store holds the unverified
+    drafts of the step before on top of them.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
@@ -1270,11 +1343,15 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
     running: list[GenRequest] = []
     done: list[GenRequest] = []
     steps = cached_total = computed_total = rejected_total = 0
+    lookahead = spec_tokens - 1 if async_scheduling else 0
+    #: Async: per request, the drafts its last step verified and how many it accepted (the
+    #: store hears it after the next step's forward).
+    unverified: dict[str, tuple[int, int]] = {}
     while waiting or running:
         while waiting and len(running) < max_running:
             request = waiting.pop(0)
             cached = store.add(request.request_id, len(request.prompt),
-                               request.max_new_tokens, request.prompt)
+                               request.max_new_tokens + lookahead, request.prompt)
             if not 0 <= cached < len(request.prompt):
                 raise ValueError(f"{request.request_id}: the store reports {cached} cached "
                                  f"tokens of a {len(request.prompt)}-token prompt (the last "
@@ -1286,23 +1363,40 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
                                    drafts.get(request.request_id) if drafts else None)
                for request in running]
         for request, tokens in zip(running, fed):
-            store.append(request.request_id, len(tokens))
+            if async_scheduling:
+                drafting = request.computed >= len(request.prompt)
+                store.append_drafts(request.request_id, len(tokens),
+                                    len(tokens) - 1 if drafting else 0)
+            else:
+                store.append(request.request_id, len(tokens))
         store.begin()
         ids, starts = [r.request_id for r in running], [r.computed for r in running]
+        if async_scheduling:
+            for request in running:
+                store.place(request.request_id, request.computed)
         if decode_step is not None and all(len(tokens) == 1 and r.computed >= len(r.prompt)
                                            for r, tokens in zip(running, fed)):
             logits = decode_step(ids, fed, starts)
         else:
             logits = model.forward(store, ids, fed, starts)
         for r, (request, tokens) in enumerate(zip(running, fed)):
+            decoding = request.computed >= len(request.prompt)
             rejected = request.accept(tokens, logits[r, :len(tokens)], rollback=rollback)
-            if rejected:
+            rejected_total += rejected
+            if async_scheduling:
+                earlier = unverified.pop(request.request_id, None)
+                if earlier is not None:            # step N's verification reaches the store
+                    store.verify(request.request_id, earlier[1])
+                if decoding and len(tokens) > 1:
+                    unverified[request.request_id] = (len(tokens) - 1,
+                                                      len(tokens) - 1 - rejected)
+            elif rejected:
                 store.truncate(request.request_id, request.computed)
-                rejected_total += rejected
         store.commit()
         steps += 1
         computed_total += sum(len(tokens) for tokens in fed)
         for request in [r for r in running if len(r.tokens) >= r.max_new_tokens]:
+            unverified.pop(request.request_id, None)     # freed with the request
             store.free(request.request_id)
             running.remove(request)
             done.append(request)
@@ -1328,6 +1422,8 @@ class RunSpec:
     prefill staging region comes on top of them.
     ``cuda_graph``: decode steps through a ``GraphDecode`` of ``max_running`` rows (a
     ``SplitStore`` on one rank, one query token per step).
+    ``async_scheduling``: vLLM's async scheduling (``greedy_decode``): drafts verified a
+    step late, the engine's ``max_concurrent_batches`` 2.
     """
 
     num_requests: int = 4
@@ -1348,6 +1444,7 @@ class RunSpec:
     seed: int = 0
     max_model_len: Optional[int] = None
     cuda_graph: bool = False
+    async_scheduling: bool = False
 
     @property
     def context(self) -> int:
@@ -1375,6 +1472,12 @@ class RunSpec:
     @property
     def running(self) -> int:
         return self.max_running or self.num_requests
+
+    @property
+    def lookahead(self) -> int:
+        """Tokens a request reserves past its own: the unverified drafts of the step before
+        under async scheduling."""
+        return self.spec_tokens - 1 if self.async_scheduling else 0
 
     def runtime_options(self) -> dict[str, Any]:
         """Scheduler keyword arguments of this run."""
@@ -1411,7 +1514,7 @@ def plan_for_spec(spec: RunSpec, *, tensor_parallel_size: int = 1) -> WorkloadPl
     kv_spec = build_kv_cache_spec(PRESET, num_layers=config.num_layers)
 
     def plan(device_blocks: Optional[int]) -> WorkloadPlan:
-        return plan_for_workload(kv_spec, max_model_len=workload.max_len,
+        return plan_for_workload(kv_spec, max_model_len=workload.max_len + spec.lookahead,
                                  num_requests=spec.running, topk=config.topk,
                                  prompt_len=spec.chunk_size * spec.running,
                                  device_blocks=device_blocks, max_num_batched_tokens=limit,
@@ -1424,8 +1527,9 @@ def plan_for_spec(spec: RunSpec, *, tensor_parallel_size: int = 1) -> WorkloadPl
     rows = spec.prefill_staging_rows()
     staged = plan(sized.kv_cache_config.num_blocks + cdiv(rows, sized.block_size))
     hisparse = dataclasses.replace(staged.config.hisparse, prefill_staging_rows=rows)
-    return dataclasses.replace(staged, config=dataclasses.replace(staged.config,
-                                                                  hisparse=hisparse))
+    batches = 2 if spec.async_scheduling else 1       # vLLM's async scheduling: 2 in flight
+    return dataclasses.replace(staged, config=dataclasses.replace(
+        staged.config, hisparse=hisparse, max_concurrent_batches=batches))
 
 
 def build_runtime(spec: RunSpec) -> HiSparseRuntime:
@@ -1489,22 +1593,25 @@ def run(spec: RunSpec, store: KVStore,
                               spec.seed)
     model = TinyDSA(spec.model_config(), seed=spec.seed, device=spec.device)
     decode_step = None
+    if spec.async_scheduling and not isinstance(store, _PoolStore):
+        raise ValueError("async scheduling runs through a pooled store (split or facade).")
     if spec.cuda_graph:
         if not isinstance(store, SplitStore) or not isinstance(store.link, LocalLink) \
-                or spec.spec_tokens != 1:
+                or spec.spec_tokens != 1 or spec.async_scheduling:
             raise ValueError("cuda_graph decodes through the scheduler + worker pair on one "
                              "rank (--store split, --tp 1), one query token per step.")
         decode_step = store.graph = GraphDecode(model, store, spec.running)
     return greedy_decode(model, store, spec.workload(), chunk_size=spec.chunk_size,
                          max_running=spec.max_running, spec_tokens=spec.spec_tokens,
                          drafts=drafts, rollback=spec.draft_error > 0,
-                         decode_step=decode_step)
+                         decode_step=decode_step, async_scheduling=spec.async_scheduling)
 
 
 def run_dense(spec: RunSpec) -> DecodeResult:
     """The reference: every row dense, every prompt token computed, one query token per
     decode step."""
-    plain = dataclasses.replace(spec, spec_tokens=1, draft_error=0.0, cuda_graph=False)
+    plain = dataclasses.replace(spec, spec_tokens=1, draft_error=0.0, cuda_graph=False,
+                                async_scheduling=False)
     return run(plain, dense_store_for(spec.model_config(), spec.device))
 
 
@@ -1744,6 +1851,10 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser.add_argument("--draft-error", type=bounded_number(0.0, 1.0), default=0.3,
                         help="with --mtp: the chance that a draft token is wrong "
                              "(default 0.3)")
+    parser.add_argument("--async", dest="async_scheduling", action="store_true",
+                        help="vLLM's async scheduling (max_concurrent_batches 2): step N+1 is "
+                             "scheduled and run before the runtime hears how many of step N's "
+                             "drafts were accepted (verify_drafts after the next forward)")
     parser.add_argument("--device-blocks", type=positive_int, default=None,
                         help="device pool blocks (default: sized for the workload)")
     parser.add_argument("--free-block-watermark", type=bounded_number(0.0, 1.0), default=None,
@@ -1787,14 +1898,16 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                    offload_threshold_pages=args.offload_threshold_pages,
                    free_block_watermark=args.free_block_watermark,
                    backend=args.backend, device=args.device, seed=args.seed,
-                   max_model_len=args.max_model_len, cuda_graph=args.cuda_graph)
+                   max_model_len=args.max_model_len, cuda_graph=args.cuda_graph,
+                   async_scheduling=args.async_scheduling)
     try:
         if args.tp > 1 and args.store != "split":
             raise ValueError("--tp > 1 runs the scheduler + worker split (--store split).")
         if args.cuda_graph and (args.store != "split" or args.tp > 1
-                                or spec.spec_tokens > 1):
+                                or spec.spec_tokens > 1 or args.async_scheduling):
             raise ValueError("--cuda-graph runs the scheduler + worker pair on one rank "
-                             "(--store split, --tp 1), one query token per step.")
+                             "(--store split, --tp 1), one query token per step, without "
+                             "--async.")
         workload = spec.workload()
         plan = plan_for_spec(spec, tensor_parallel_size=args.tp)
     except ValueError as exc:
@@ -1804,7 +1917,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
           f"{list(workload.prompt_lens)} tokens ({spec.shared_prefix_len} shared), "
           f"{spec.max_new_tokens} new tokens each, prefill chunks of {spec.chunk_size}, "
           f"{spec.spec_tokens} query token(s) per decode step, {args.store} store, "
-          f"tp {args.tp}, backend {spec.backend}")
+          f"tp {args.tp}, backend {spec.backend}"
+          f"{', async scheduling' if spec.async_scheduling else ''}")
     dense = run_dense(spec) if args.check or spec.spec_tokens > 1 else None
     drafts = dense.tokens if dense is not None and spec.spec_tokens > 1 else None
     start = time.perf_counter()

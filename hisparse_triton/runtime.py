@@ -87,6 +87,7 @@ from hisparse_triton.scheduler import (
     SchedulerStats,
     check_id_list,
 )
+from hisparse_triton.scheduler.transfer import KVExport, KVImport
 from hisparse_triton.specs import KVCacheConfig
 from hisparse_triton.staging import scheduler_host_rows_bound
 from hisparse_triton.step_plan import StepPlan
@@ -141,8 +142,8 @@ def _prefill_state_rows(scheduler: HiSparseScheduler, request_ids: Sequence[Opti
     if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != len(request_ids):
         raise ValueError(f"topk has {topk.shape[0]} rows but {len(request_ids)} request ids "
                          f"were given (one per query token).")
-    rows = {rid: scheduler.state_row(rid) for rid in dict.fromkeys(request_ids)
-            if rid is not None}
+    distinct = [rid for rid in dict.fromkeys(request_ids) if rid is not None]
+    rows = dict(zip(distinct, scheduler.state_rows(distinct).tolist()))
     state_rows = torch.tensor([rows[rid] if rid is not None else -1 for rid in request_ids],
                               dtype=torch.int32)
     check_prefill_topk(topk, state_rows)
@@ -344,7 +345,8 @@ class HiSparseRuntime:
         return self.scheduler.reset_prefix_cache()
 
     def append_slots(self, request_id: Hashable, num_tokens: int,
-                     token_ids: Optional[Sequence[int]] = None) -> dict[str, torch.Tensor]:
+                     token_ids: Optional[Sequence[int]] = None, *,
+                     num_draft_tokens: int = 0) -> dict[str, torch.Tensor]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
 
         Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
@@ -352,12 +354,15 @@ class HiSparseRuntime:
         layers). Layers of one group share one tensor; different groups get different rows.
         ``token_ids``: the appended tokens' ids: a request added with ``token_ids`` then
         publishes its generated pages for prefix reuse too (``HiSparseScheduler.append_slots``).
-        ``ReservationExceededError`` past ``prompt_len + max_new_tokens``;
+        ``num_draft_tokens``: the last that many tokens are drafts, never durable until
+        ``verify_drafts`` accepts them (``docs/runtime.md``, "Rollback under async
+        scheduling"). ``ReservationExceededError`` past ``prompt_len + max_new_tokens``;
         ``CapacityError`` when the device pool is full. Nothing changes on error.
         """
         self._check_open()
         with self._journal.transaction():
-            per_group = self.scheduler.append_group_rows(request_id, num_tokens, token_ids)
+            per_group = self.scheduler.append_group_rows(request_id, num_tokens, token_ids,
+                                                         num_draft_tokens=num_draft_tokens)
             # One copy for all groups: their rows stacked, one view per group.
             views = self.worker.to_device(np.stack(per_group), torch.int64).unbind(0)
             return {name: view for view, names in zip(views, self._row_names)
@@ -370,6 +375,60 @@ class HiSparseRuntime:
         worker with the next plan (the next resolve or commit)."""
         self._check_open()
         self.scheduler.truncate(request_id, new_len)
+
+    def verify_drafts(self, request_id: Hashable, num_accepted: int) -> None:
+        """The forward verified the request's oldest drafts (appended with
+        ``num_draft_tokens``): the first ``num_accepted`` stay, the others are dropped and
+        the tokens appended after them (steps scheduled before this verification, whose KV
+        the caller wrote at the corrected positions) move down; call it before or after
+        later steps' appends and resolves, before the ``commit()`` that should make the
+        accepted ones durable (``HiSparseScheduler.verify_drafts``). The changes reach the
+        worker with the next plan."""
+        self._check_open()
+        self.scheduler.verify_drafts(request_id, num_accepted)
+
+    def pending_drafts(self, request_id: Hashable) -> list[tuple[int, int]]:
+        """The request's draft runs waiting for ``verify_drafts``: ``[(start, count)]``."""
+        return self.scheduler.pending_drafts(request_id)
+
+    # ------------------------------------------------------------------ disaggregation
+    def import_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
+                       token_ids: Optional[Sequence[int]] = None) -> KVImport:
+        """Admit a request whose prompt KV a transport writes (decode side): returns the
+        ``KVImport`` naming, per layer, the host rows (``host_cache``) and device rows
+        (``device_cache``) each prompt token's bytes go to; then ``finish_import`` once the
+        transport completed, or ``abort_import``. See ``HiSparseScheduler.import_request``
+        and ``docs/runtime.md``, "Prefill/decode disaggregation"."""
+        self._check_open()
+        return self.scheduler.import_request(request_id, prompt_len, max_new_tokens,
+                                             token_ids)
+
+    def finish_import(self, request_id: Hashable) -> None:
+        """The transport wrote every byte of the import (and, on CUDA, the writes are
+        visible to the runtime's stream): the prompt's host part is durable and published,
+        its tail is mirrored with the next ``commit()``; the request decodes from here on."""
+        self._check_open()
+        self.scheduler.finish_import(request_id)
+
+    def abort_import(self, request_id: Hashable) -> None:
+        """The transfer failed: everything the import took goes back (blocks, hot region,
+        state row); no transport may write its rows afterwards."""
+        self._check_open()
+        self.scheduler.abort_import(request_id)
+
+    def export_request(self, request_id: Hashable) -> KVExport:
+        """Where a request's KV lives, for a transport to read (prefill side): every
+        token's host row (source layers) and device rows (indexer, regular layers); needs
+        every token durable (``commit()`` first) and, on CUDA, the mirror finished before
+        the host rows are read (``torch.cuda.synchronize()``). Keep the request until the
+        transport read them. See ``HiSparseScheduler.export_request``."""
+        self._check_open()
+        return self.scheduler.export_request(request_id)
+
+    def is_importing(self, request_id: Hashable) -> bool:
+        """Whether a transport is writing the request's prompt (``import_request`` until
+        ``finish_import``)."""
+        return self.scheduler.is_importing(request_id)
 
     def mirror_draft(self) -> None:
         """Copy the draft layers' rows of the step's tokens to the host: call it once the

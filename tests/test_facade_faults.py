@@ -113,6 +113,7 @@ def calls(rt: HiSparseRuntime) -> dict[str, Callable[[], object]]:
         "commit": rt.commit,
         "flush": rt.flush,
         "append_slots": lambda: rt.append_slots("a", 3),
+        "append_drafts": lambda: rt.append_slots("a", 3, num_draft_tokens=2),
         "add_request": lambda: rt.add_request("c", 4, 4),
         "truncate": lambda: rt.truncate("a", 32),
         "free_request": lambda: rt.free_request("b"),
@@ -159,7 +160,8 @@ def test_the_runtime_is_exact_after_refused_calls(pending) -> None:
 
 # ---------------------------------------------------------------------- line faults
 @pytest.mark.parametrize("name", ["resolve", "resolve_rows", "resolve_rows_stream",
-                                  "resolve_prefill", "commit", "flush", "append_slots"])
+                                  "resolve_prefill", "commit", "flush", "append_slots",
+                                  "append_drafts"])
 def test_a_fault_at_any_line_of_a_facade_call_changes_nothing(pending, name) -> None:
     rt, _ = pending
     call = calls(rt)[name]
@@ -186,11 +188,8 @@ class FailAt(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", ["resolve", "resolve_rows", "resolve_rows_stream",
-                                  "resolve_prefill", "commit", "flush", "append_slots"])
-def test_torch_raising_at_any_call_changes_nothing(pending, name) -> None:
-    rt, _ = pending
-    call = calls(rt)[name]
+def torch_sweep(rt: HiSparseRuntime, name: str, call: Callable[[], object]) -> None:
+    """Torch raises at the k-th call of ``call``, k = 1, 2, ...: nothing changes each time."""
     before = state(rt)
     for k in range(1, 100_000):
         mode = FailAt(k)
@@ -202,6 +201,48 @@ def test_torch_raising_at_any_call_changes_nothing(pending, name) -> None:
             continue
         break
     assert k > 3, f"{name} made only {k - 1} torch calls"
+
+
+@pytest.mark.parametrize("name", ["resolve", "resolve_rows", "resolve_rows_stream",
+                                  "resolve_prefill", "commit", "flush", "append_slots",
+                                  "append_drafts"])
+def test_torch_raising_at_any_call_changes_nothing(pending, name) -> None:
+    rt, _ = pending
+    torch_sweep(rt, name, calls(rt)[name])
+
+
+# ---------------------------------------------------------------------- async rollback
+@pytest.fixture
+def verified():
+    """Async scheduling on ``make_pending``'s runtime: ``a`` appends the last token and 2
+    drafts, commits, appends the next step's 3 tokens (2 drafts) before the verification,
+    then hears that none of the first drafts was accepted: the pending plan carries the
+    freed pages, the hot slots to empty and the re-mirror of every moved position."""
+    rt, _ = make_pending(8)
+    rt.commit()
+    rt.append_slots("a", 3, num_draft_tokens=2)
+    rt.commit()
+    rt.append_slots("a", 3, num_draft_tokens=2)
+    rt.verify_drafts("a", 0)
+    assert rt.pending_drafts("a") == [(35, 2)] and rt.scheduler.has_pending_changes
+    yield rt
+    rt.close()
+
+
+def verified_calls(rt: HiSparseRuntime) -> dict[str, Callable[[], object]]:
+    return {"resolve": lambda: rt.resolve(L0, ["a", "b"], topk_of(36, 9)),
+            "commit": rt.commit, "flush": rt.flush}
+
+
+@pytest.mark.parametrize("name", ["resolve", "commit", "flush"])
+def test_a_fault_handing_over_a_verification_changes_nothing(verified, name) -> None:
+    rt = verified
+    assert sweep(verified_calls(rt)[name], lambda: state(rt), where=WHERE) > 5
+
+
+@pytest.mark.parametrize("name", ["resolve", "commit", "flush"])
+def test_torch_raising_handing_over_a_verification_changes_nothing(verified, name) -> None:
+    torch_sweep(verified, name, verified_calls(verified)[name])
 
 
 # ---------------------------------------------------------------------- lent staging rows

@@ -70,6 +70,7 @@ def reference_build(s, *, commit: bool, released_pages: int):
         if req.scheduled_len != req.seq_len:
             spans.append((req.host_array, req.row, req.scheduled_len, req.seq_len))
             s.journal.setattr(req, "scheduled_len", req.seq_len)
+        s.journal.setattr(req, "planned_len", req.seq_len)   # every token is in a plan now
     host_rows, device_rows = mirror_rows(spans, [m.blocks for m in s.devices.resident],
                                          s.block_size)
     return s.plan_builder.build(commit=commit, mirror_host_rows=host_rows,

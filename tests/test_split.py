@@ -439,7 +439,7 @@ def test_every_call_after_close_raises_runtime_closed_error():
     args = {"request_id": "a", "prompt_len": 4, "max_new_tokens": 4, "num_tokens": 1,
             "layer_name": L0, "leader_layer": L0, "request_ids": ["a"],
             "topk": torch.zeros(1, TOPK, dtype=torch.int32),
-            "state_rows": torch.zeros(1, dtype=torch.int32), "new_len": 1}
+            "state_rows": torch.zeros(1, dtype=torch.int32), "new_len": 1, "num_accepted": 0}
     called = 0
     for name, fn in inspect.getmembers(type(rt), inspect.isfunction):
         if name.startswith("_") or name == "close":

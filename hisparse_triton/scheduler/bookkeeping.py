@@ -10,7 +10,7 @@ construction):
 | each block pool (device, host) | ``BYTES_PER_POOL_BLOCK`` (24) per block |
 | the paged groups' block tables | 4 per ``max_num_seqs`` x block-table column |
 | the requests' host block lists (at most) | ``BYTES_PER_HOST_ENTRY`` (48) per ``max_num_seqs`` x host page |
-| the requests' lengths (``RequestColumns``) | ``BYTES_PER_STATE_ROW`` (41) per ``max_num_seqs`` |
+| the requests' lengths (``RequestColumns``) | ``BYTES_PER_STATE_ROW`` (58) per ``max_num_seqs`` |
 
 Costs that grow with use are small and bounded by what is live: a pending plan (a few
 dozen bytes per table entry written), a prefix-cache entry (about 400 B per published page)
@@ -29,8 +29,8 @@ BYTES_PER_POOL_BLOCK = 24
 #: A request's host block list entry: a list slot, a Python int, an int64 array copy, and
 #: its int32 entry in the request columns' host table.
 BYTES_PER_HOST_ENTRY = 48
-#: The request columns' entries of a state row: five int64 numbers and a flag.
-BYTES_PER_STATE_ROW = 41
+#: The request columns' entries of a state row: seven int64 numbers and two flags.
+BYTES_PER_STATE_ROW = 58
 
 
 def bookkeeping_items(groups: PlanGroups, layout: TableLayout, *, num_device_blocks: int,

@@ -14,7 +14,7 @@ error. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -109,8 +109,12 @@ class Capacity:
         return reclaim, available
 
     def admission(self, request_id: Hashable, prompt_len: object, max_new_tokens: object,
-                  token_ids: Optional[Sequence[int]]) -> Admission:
-        """Count a new request (errors as ``add_request`` but for a duplicate id)."""
+                  token_ids: Optional[Sequence[int]],
+                  imported: Optional[Callable[[int, int], int]] = None) -> Admission:
+        """Count a new request (errors as ``add_request`` but for a duplicate id).
+        ``imported(prompt_len, cached_pages)``: the device blocks the pages of a prompt a
+        transport writes take besides the hot region (``import_request``); they must fit
+        too."""
         prompt_len, max_new_tokens = check_lengths(request_id, prompt_len, max_new_tokens,
                                                    self.max_model_len)
         B = self.block_size
@@ -131,20 +135,24 @@ class Capacity:
                 resource="host blocks", needed=new_host, available=host_free,
                 request_id=request_id)
         hot_cost = self.devices.hot_cost
-        reclaim, available = self.fit(hot_cost + len(hits) * len(self.devices.paged))
+        extra = imported(prompt_len, len(hits)) if imported is not None else 0
+        reclaim, available = self.fit(hot_cost + extra + len(hits) * len(self.devices.paged))
         freed = reclaim.freed if reclaim is not None else frozenset()
         kept = self.holds.keeps   # held blocks were never counted available
         available -= sum(1 for e in hits for b in e.blocks.values()
                          if b and (self.device_pool.is_free(b) or b in freed) and not kept(b))
-        if hot_cost > available:
+        if hot_cost + extra > available:
             held = self.holds.total()
             because = (f", and {held} held until the step ends for rows a resolve read in "
                        f"place: retry after commit" if held else "")
+            what = (f"its hot region and the {extra} blocks of its imported prompt need "
+                    f"{hot_cost + extra}" if imported is not None
+                    else f"its hot region needs {hot_cost}")
             raise CapacityError(
-                f"cannot add request {request_id!r}: its hot region needs {hot_cost} "
+                f"cannot add request {request_id!r}: {what} "
                 f"device blocks, {max(available, 0)} of {self.device_pool.capacity} "
                 f"are available (free minus the hot regions reserved for the other "
-                f"requests{because}).", resource="device blocks", needed=hot_cost,
+                f"requests{because}).", resource="device blocks", needed=hot_cost + extra,
                 available=max(available, 0), request_id=request_id)
         return Admission(prompt_len=prompt_len, max_new_tokens=max_new_tokens, hashes=hashes,
                          hits=hits, new_host=new_host, reclaim=reclaim, token_ids=token_ids)
@@ -171,11 +179,13 @@ class Capacity:
         if batch is None:
             return None
         cols, reqs, rows = self.requests.columns, batch.reqs, batch.rows
+        if self.requests.num_importing and np.count_nonzero(cols.importing[rows]):
+            return None
         positions = cols.seq_len[rows]
         if np.count_nonzero(positions >= cols.reserved[rows]):
             return None
         limit = self.max_num_batched_tokens
-        if limit is not None and np.count_nonzero(positions - cols.scheduled_len[rows] >= limit):
+        if limit is not None and np.count_nonzero(positions - cols.planned_len[rows] >= limit):
             return None
         if batch.tracking and any(reqs[i].chain_open for i in batch.tracking):
             return None

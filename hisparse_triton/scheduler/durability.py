@@ -64,8 +64,9 @@ class Durability:
             self.release_resident(req, pressure=True)
 
     def make_durable(self) -> int:
-        """Mark the mirrored tokens durable; publish and release what that allows. Returns
-        the pages released (unpinned or out of every window).
+        """Mark the mirrored tokens durable (up to each request's first pending position:
+        unverified drafts and imports in flight never are); publish and release what that
+        allows. Returns the pages released (unpinned or out of every window).
 
         The lengths move for every request at once; then the requests with something to
         publish or release act, in table order (as if one after the other: each acts on
@@ -75,14 +76,16 @@ class Durability:
         pressure = self.policy.under_pressure(self.device_pool.num_truly_free)
         reqs, rows = self.requests.in_order()
         cols = self.requests.columns
-        scheduled = cols.scheduled_len[rows]
-        newly = scheduled > cols.committed_len[rows]
-        if np.count_nonzero(newly):   # committed_len <= scheduled_len: all take scheduled
-            self.journal.write(cols.committed_len, rows, scheduled)
+        # Mirrored tokens become durable up to the first pending one (a draft not verified
+        # yet, an imported prompt a transport still writes).
+        durable = np.minimum(cols.scheduled_len[rows], cols.pending_from[rows])
+        newly = durable > cols.committed_len[rows]
+        if np.count_nonzero(newly):   # committed_len <= durable: all take durable
+            self.journal.write(cols.committed_len, rows, durable)
         # Only requests added with token ids have page hashes to publish.
         tracking = self.requests.tracking_in_order() if self.prefix is not None else None
         publish = newly & tracking if tracking is not None else None
-        release = (self.policy.releasable_limits(scheduled, cols.seq_len[rows])
+        release = (self.policy.releasable_limits(durable, cols.seq_len[rows])
                    > cols.released_pages[rows]) if self.devices.resident else None
         acting = self.devices.windowed or _any(publish) or _any(release)
         for i in range(len(reqs)) if acting else ():
@@ -90,14 +93,21 @@ class Durability:
                       release is not None and release[i], pressure)
         return values["unpinned_pages"] + values["window_released_pages"] - before
 
+    def publish(self, req: Request) -> None:
+        """Publish ``req``'s full pages that became durable since the last call (a request
+        added with token ids; no-op without prefix caching)."""
+        if self.prefix is None or not req.page_hashes:
+            return
+        keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave at once
+        self.prefix.publish_durable(req, partial(
+            self.devices.page_blocks, req, resident=keep_gpu_copies),
+            self.prefix_required, self.block_size)
+
     def _act(self, req: Request, publish: bool, release: bool, pressure: bool) -> None:
         """What newly durable tokens let ``req`` do: publish its full pages, release its
         resident pages (``release``: it has some past those released), its window pages."""
-        if publish and req.page_hashes:
-            keep_gpu_copies = not self.policy.always_offload   # 1.0: pages leave at once
-            self.prefix.publish_durable(req, partial(
-                self.devices.page_blocks, req, resident=keep_gpu_copies),
-                self.prefix_required, self.block_size)
+        if publish:
+            self.publish(req)
         if release:
             self.release_resident(req, pressure)
         self.devices.release_windows(req)

@@ -110,9 +110,12 @@ class PagedManager(GroupManager):
         return self.group.new_pages(req.seq_len, new_len)
 
     def allocate(self, req: Request, new_len: int, count: int) -> None:
+        self.allocate_pages(req, self.group.pages(req.seq_len), count)
+
+    def allocate_pages(self, req: Request, first: int, count: int) -> None:
+        """Take ``count`` blocks as the request's pages ``first, first + 1, ...``."""
         if not count:
             return
-        first = self.group.pages(req.seq_len)
         blocks = self.pool.allocate(count, request_id=req.request_id)
         self.journal.write(self.blocks[req.row], slice(first, first + count), blocks)
         self.plan_builder.write_blocks(req.row, self.position, first, blocks)

@@ -66,6 +66,11 @@ class SchedulerQueries:
         "the host).")
     is_offloaded = _per_request(lambda r: r.hot is not None, "Whether the request holds a "
                                 "hot region (its committed pages may leave the GPU).")
+    pending_drafts = _per_request(
+        lambda r: list(r.drafts), "The request's draft runs waiting for ``verify_drafts``: "
+        "``[(start, count)]``, oldest first (empty: none).")
+    is_importing = _per_request(lambda r: r.importing, "Whether a transport is writing the "
+                                "request's prompt (``import_request`` until ``finish_import``).")
     state_row = _per_request(lambda r: r.row,
                              "The request's row in the workers' per-request tables.")
     host_block_table = _per_request(lambda r: list(r.host_blocks),

@@ -28,6 +28,10 @@ from hisparse_triton.scheduler.plan_builder import MirrorSpans
 from hisparse_triton.scheduler.prefix_cache import page_hashes
 from hisparse_triton.specs import cdiv
 
+#: ``pending_from`` of a request with nothing pending (no unverified draft, no import in
+#: flight): every token it has may become durable.
+NO_PENDING = int(np.iinfo(np.int64).max)
+
 
 def int_at_least(name: str, value: object, minimum: int) -> int:
     """``value`` as an int; ``ValueError`` naming ``name`` unless it is an int >= ``minimum``."""
@@ -80,8 +84,10 @@ class Request:
     """One live request.
 
     Lengths (tokens): ``seq_len`` present (cached prefix + appended), ``scheduled_len`` in
-    an emitted plan's mirror, ``committed_len`` durable on the host; ``committed_len <=
-    scheduled_len <= seq_len <= reserved_tokens``. ``host_blocks``: one host block per
+    an emitted plan's mirror (less when a verification or an import needs positions
+    mirrored again), ``planned_len`` in an emitted plan (what ``max_num_batched_tokens``
+    counts from), ``committed_len`` durable on the host; ``committed_len <= scheduled_len
+    <= planned_len <= seq_len <= reserved_tokens``. ``host_blocks``: one host block per
     reserved page (``host_array`` the same as int64). ``token_ids``: the ids of tokens
     ``[0, len(token_ids))`` (the prompt, then the ids appended with ``append_slots(...,
     token_ids=)``; None for a request added without ids; ``chain_open`` False once an
@@ -104,6 +110,7 @@ class Request:
     hot: Optional[dict[int, list[int]]] = None
     token_ids: Optional[list[int]] = None
     chain_open: bool = True
+    drafts: list[tuple[int, int]] = field(default_factory=list)
     #: Where the lengths live (``RequestTable.columns``; a row of its own if not given).
     columns: "RequestColumns" = field(default=None, repr=False)  # type: ignore[assignment]
 
@@ -124,16 +131,17 @@ class Request:
         the last plan (``max_num_batched_tokens``; None: no limit)."""
         request_id = self.request_id
         num_tokens = int_at_least(f"request {request_id!r}: num_tokens", num_tokens, 0)
+        self.check_not_importing("append to")
         new_len = self.seq_len + num_tokens
         if new_len > self.reserved_tokens:
             raise ReservationExceededError(
                 f"request {request_id!r}: appending {num_tokens} tokens to {self.seq_len} "
                 f"exceeds its reservation of {self.reserved_tokens} (prompt "
                 f"{self.prompt_len} + max_new_tokens {self.max_new_tokens}).", request_id)
-        if max_uncommitted is not None and new_len - self.scheduled_len > max_uncommitted:
+        if max_uncommitted is not None and new_len - self.planned_len > max_uncommitted:
             raise UncommittedTokensError(
                 f"request {request_id!r}: appending {num_tokens} tokens would leave "
-                f"{new_len - self.scheduled_len} tokens uncommitted, more than "
+                f"{new_len - self.planned_len} tokens uncommitted, more than "
                 f"max_num_batched_tokens={max_uncommitted}; commit (step) the chunk before "
                 f"appending more.", request_id)
         return new_len
@@ -184,6 +192,7 @@ class Request:
         naming the request unless ``committed_len <= new_len <= seq_len`` (durable tokens
         may be on the host only, published or shared: they are never rolled back)."""
         new_len = int_at_least(f"request {self.request_id!r}: new_len", new_len, 0)
+        self.check_not_importing("truncate")
         if new_len > self.seq_len:
             raise ValueError(f"request {self.request_id!r}: cannot truncate to {new_len} "
                              f"tokens, it has {self.seq_len}.")
@@ -191,16 +200,77 @@ class Request:
             raise ValueError(
                 f"request {self.request_id!r}: cannot truncate to {new_len} tokens: its "
                 f"first {self.committed_len} are durable (committed by a step() or "
-                f"commit()); roll back rejected tokens before the step that commits them.")
+                f"commit()); roll back rejected tokens before the step that commits them, "
+                f"or append them with num_draft_tokens (drafts stay undurable until "
+                f"verify_drafts).")
         return new_len
+
+    def check_not_importing(self, what: str) -> None:
+        """``ValueError`` naming the request while a transport writes its prompt."""
+        if self.importing:
+            raise ValueError(f"request {self.request_id!r}: cannot {what} it while its "
+                             f"prompt's KV is being imported (finish_import or abort_import "
+                             f"first).")
+
+    def check_drafts(self, num_tokens: int, num_draft_tokens: object) -> int:
+        """``num_draft_tokens`` as an int if the last that many of an append of
+        ``num_tokens`` tokens may be drafts: ``ValueError`` naming the request unless
+        ``0 <= num_draft_tokens <= num_tokens`` and the drafts come after the prompt."""
+        count = int_at_least(f"request {self.request_id!r}: num_draft_tokens",
+                             num_draft_tokens, 0)
+        if count > num_tokens:
+            raise ValueError(f"request {self.request_id!r}: num_draft_tokens {count} exceeds "
+                             f"the {num_tokens} tokens appended.")
+        start = self.seq_len + num_tokens - count
+        if count and start < self.prompt_len:
+            raise ValueError(f"request {self.request_id!r}: draft tokens start at position "
+                             f"{start}, inside its {self.prompt_len}-token prompt (drafts "
+                             f"follow the prompt).")
+        return count
+
+    def check_verify(self, num_accepted: object) -> tuple[int, int, int]:
+        """``(start, count, num_accepted)`` of the oldest pending draft run if
+        ``verify_drafts`` may accept ``num_accepted`` of its drafts; ``ValueError`` naming
+        the request without a pending run or unless ``0 <= num_accepted <= count``."""
+        accepted = int_at_least(f"request {self.request_id!r}: num_accepted", num_accepted, 0)
+        if not self.drafts:
+            raise ValueError(f"request {self.request_id!r}: no draft tokens wait for "
+                             f"verification (append them with num_draft_tokens).")
+        start, count = self.drafts[0]
+        if accepted > count:
+            raise ValueError(f"request {self.request_id!r}: {accepted} drafts accepted of the "
+                             f"{count} appended at positions {start}..{start + count - 1}.")
+        return start, count, accepted
 
     def snapshot(self) -> tuple:
         """Comparable state (tests)."""
         return (self.row, self.prompt_len, self.max_new_tokens, list(self.host_blocks),
                 list(self.page_hashes), self.published_pages, self.seq_len,
-                self.scheduled_len, self.committed_len, self.released_pages,
+                self.scheduled_len, self.planned_len, self.committed_len, self.released_pages,
                 None if self.hot is None else {k: list(v) for k, v in self.hot.items()},
-                None if self.token_ids is None else list(self.token_ids), self.chain_open)
+                None if self.token_ids is None else list(self.token_ids), self.chain_open,
+                list(self.drafts), self.pending_from, self.importing)
+
+
+def _draft_problems(req: Request) -> list[str]:
+    """Broken rules of ``req``'s pending drafts: runs ordered, disjoint, after the prompt,
+    inside ``seq_len``; ``pending_from`` their first position (or the import's)."""
+    end, problems = req.prompt_len, []
+    for start, count in req.drafts:
+        if count < 1 or start < end or start + count > req.seq_len:
+            problems.append(f"request {req.request_id!r}: draft runs {req.drafts} are not "
+                            f"ordered runs after its prompt inside its {req.seq_len} tokens")
+            break
+        end = start + count
+    expected = req.drafts[0][0] if req.drafts else NO_PENDING
+    if req.importing:
+        if req.drafts or req.pending_from != req.committed_len:
+            problems.append(f"request {req.request_id!r}: importing with drafts or pending "
+                            f"from {req.pending_from}, not its {req.committed_len} cached")
+    elif req.pending_from != expected:
+        problems.append(f"request {req.request_id!r}: pending from {req.pending_from}, its "
+                        f"drafts say {expected}")
+    return problems
 
 
 _ROW = attrgetter("row")
@@ -223,22 +293,27 @@ class RequestColumns:
     """The requests' per-state-row numbers, for the batch paths (decode, step) to read and
     write many at once: the lengths ``seq_len``, ``scheduled_len``, ``committed_len``,
     ``released_pages`` and the reservation ``reserved`` (``[max_num_seqs] int64``),
-    ``tracks_ids`` (``bool``: added with token ids) and ``host`` (``[max_num_seqs, pages]
+    ``tracks_ids`` (``bool``: added with token ids), ``pending_from`` (``int64``: the
+    first position that may not become durable, ``NO_PENDING`` for none), ``importing``
+    (``bool``: a transport writes the prompt) and ``host`` (``[max_num_seqs, pages]
     int32``: the host blocks, 0 past the last). A ``Request`` reads and writes its lengths
     here through properties. Entries of free rows mean nothing. Changes are journaled by
     their callers like any other state."""
 
-    LENGTHS = ("seq_len", "scheduled_len", "committed_len", "released_pages")
+    LENGTHS = ("seq_len", "scheduled_len", "planned_len", "committed_len", "released_pages")
 
     def __init__(self, max_num_seqs: int, host_width: int = 0) -> None:
         self.seq_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.scheduled_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.planned_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.committed_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.released_pages = np.zeros(max_num_seqs, dtype=np.int64)
         #: Scalar access as plain Python ints (``Request``'s properties).
         self.views = {name: memoryview(getattr(self, name)) for name in self.LENGTHS}
         self.reserved = np.zeros(max_num_seqs, dtype=np.int64)
         self.tracks_ids = np.zeros(max_num_seqs, dtype=bool)
+        self.pending_from = np.full(max_num_seqs, NO_PENDING, dtype=np.int64)
+        self.importing = np.zeros(max_num_seqs, dtype=bool)
         self.host = np.zeros((max_num_seqs, host_width), dtype=np.int32)
 
     def set_host_row(self, row: int, blocks: Sequence[int]) -> None:
@@ -264,6 +339,12 @@ def _length(name: str) -> property:
 
 for _name in RequestColumns.LENGTHS:
     setattr(Request, _name, _length(_name))
+Request.pending_from = property(   # type: ignore[attr-defined]
+    lambda req: int(req.columns.pending_from[req._slot]),
+    doc="The first position that may not become durable (``RequestColumns``).")
+Request.importing = property(   # type: ignore[attr-defined]
+    lambda req: bool(req.columns.importing[req._slot]),
+    doc="Whether a transport is writing the prompt (``RequestColumns``).")
 
 
 class RequestTable:
@@ -278,6 +359,8 @@ class RequestTable:
         self._order: Optional[tuple[list[Request], np.ndarray]] = None   # in_order()
         self._tracking: Optional[tuple[Optional[np.ndarray]]] = None   # tracking_in_order()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() -> lowest row
+        #: Live requests whose prompt a transport is writing (``importing``).
+        self.num_importing = 0
 
     # -- mapping ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -379,6 +462,8 @@ class RequestTable:
             j.write(getattr(cols, name), row, 0)
         j.write(cols.reserved, row, prompt_len + max_new_tokens)
         j.write(cols.tracks_ids, row, token_ids is not None)
+        j.write(cols.pending_from, row, NO_PENDING)
+        j.write(cols.importing, row, False)
         old_host = cols.host[row].tolist()
         cols.set_host_row(row, host_blocks)
         j.record(lambda: cols.set_host_row(row, old_host))
@@ -396,7 +481,7 @@ class RequestTable:
         """A new request starts with its first ``pages`` prompt pages present and durable
         (a prefix hit; they are published already)."""
         j, cached = self._journal, pages * block_size
-        for name in ("seq_len", "scheduled_len", "committed_len"):
+        for name in ("seq_len", "scheduled_len", "planned_len", "committed_len"):
             j.setattr(req, name, cached)
         j.setattr(req, "published_pages", pages)
 
@@ -425,11 +510,15 @@ class RequestTable:
 
     def truncate(self, req: Request, new_len: int, block_size: int) -> None:
         """``req`` keeps its first ``new_len`` tokens (``check_truncate`` passed): its
-        lengths, and the ids and page hashes of tokens past the end (the prompt's ids
-        stay: they are known)."""
+        lengths, its pending drafts (those past the end dropped), and the ids and page
+        hashes of tokens past the end (the prompt's ids stay: they are known)."""
         j = self._journal
         j.setattr(req, "seq_len", new_len)
         j.setattr(req, "scheduled_len", min(req.scheduled_len, new_len))
+        j.setattr(req, "planned_len", min(req.planned_len, new_len))
+        if req.drafts:
+            self._set_drafts(req, [(start, min(count, new_len - start))
+                                   for start, count in req.drafts if start < new_len])
         if req.token_ids is not None:
             keep = max(new_len, req.prompt_len)
             if len(req.token_ids) > keep:
@@ -440,15 +529,90 @@ class RequestTable:
                 j.setattr(req, "page_hashes",
                           req.page_hashes[:len(req.token_ids) // block_size])
 
+    # -- drafts ----------------------------------------------------------------------------
+    def _set_drafts(self, req: Request, runs: list[tuple[int, int]]) -> None:
+        """``req``'s pending draft runs become ``runs`` (oldest first), ``pending_from``
+        their first position."""
+        self._journal.setattr(req, "drafts", runs)
+        first = runs[0][0] if runs else NO_PENDING
+        if req.pending_from != first:
+            self._journal.write(self.columns.pending_from, req.row, first)
+
+    def mark_drafts(self, req: Request, count: int) -> None:
+        """The last ``count`` tokens of ``req`` (just appended) are drafts."""
+        if count:
+            self._set_drafts(req, [*req.drafts, (req.seq_len - count, count)])
+
+    def verify(self, req: Request, num_accepted: int, block_size: int) -> tuple[int, int]:
+        """The oldest pending run of ``req`` was verified (``check_verify`` passed):
+        ``num_accepted`` of its drafts stay, the rest leave the sequence and every later
+        token moves down by their count (its KV was written at the moved position: the
+        stack corrects the positions of steps scheduled before the verification). Returns
+        ``(first, rejected)``: the first position whose bytes changed and the count
+        removed. Tokens from ``first`` on are mirrored again (``scheduled_len``); their ids
+        and the page hashes from ``first``'s page on are spliced and hashed again."""
+        (start, count), *later = req.drafts
+        first, rejected = start + num_accepted, count - num_accepted
+        self._set_drafts(req, [(s - rejected, c) for s, c in later])
+        if not rejected:
+            return first, 0
+        j = self._journal
+        new_len = req.seq_len - rejected
+        j.setattr(req, "seq_len", new_len)
+        j.setattr(req, "scheduled_len", min(req.scheduled_len, first))
+        # Planned tokens past the rejected ones moved down with them (still planned).
+        j.setattr(req, "planned_len", req.planned_len - min(max(req.planned_len - first, 0),
+                                                            rejected))
+        tokens = req.token_ids
+        if tokens is not None and len(tokens) > first:
+            tokens = tokens[:first] + tokens[first + rejected:]
+            j.setattr(req, "token_ids", tokens)
+            pages = first // block_size
+            hashes = req.page_hashes[:pages]
+            hashes += page_hashes(np.asarray(tokens, dtype=np.int64), block_size, pages,
+                                  hashes[-1] if hashes else b"")
+            j.setattr(req, "page_hashes", hashes)
+            if len(tokens) >= new_len:
+                j.setattr(req, "chain_open", True)
+        return first, rejected
+
+    # -- imports ---------------------------------------------------------------------------
+    def start_import(self, req: Request, length: int, durable: int) -> None:
+        """``req`` holds ``length`` tokens whose bytes a transport writes; the first
+        ``durable`` (a cached prefix) are durable, nothing else may become durable or be
+        mirrored until ``finish_import``."""
+        j, cols = self._journal, self.columns
+        j.setattr(req, "seq_len", length)
+        j.setattr(req, "scheduled_len", length)
+        j.setattr(req, "planned_len", length)
+        j.write(cols.pending_from, req.row, durable)
+        j.write(cols.importing, req.row, True)
+        j.setattr(self, "num_importing", self.num_importing + 1)
+
+    def finish_import(self, req: Request, durable: int) -> None:
+        """The transport wrote every byte: tokens ``[0, durable)`` (on the host) are
+        durable, the rest (on the device) are mirrored with the next plan."""
+        j, cols = self._journal, self.columns
+        j.setattr(req, "committed_len", durable)
+        j.setattr(req, "scheduled_len", durable)
+        j.write(cols.pending_from, req.row, NO_PENDING)
+        j.write(cols.importing, req.row, False)
+        j.setattr(self, "num_importing", self.num_importing - 1)
+
     def remove(self, req: Request) -> None:
         """Forget ``req``; its state row is free again."""
         j = self._journal
+        if req.importing:
+            j.write(self.columns.importing, req.row, False)
+            j.setattr(self, "num_importing", self.num_importing - 1)
         j.replace_list(self._free_rows, sorted([*self._free_rows, req.row], reverse=True))
         j.delitem(self._by_id, req.request_id)
         self._reorder()
 
     def clear(self) -> None:
         self._by_id.clear()
+        self.num_importing = 0
+        self.columns.importing[:] = False
         self._forget_order()
 
     def schedule_mirror(self, block_size: int) -> MirrorSpans:
@@ -476,6 +640,7 @@ class RequestTable:
         work = MirrorSpans(spans=spans, single_rows=rows_1, single_positions=start_1,
                            single_host=single_host)
         self._journal.write(cols.scheduled_len, rows, end)   # the unmoved keep theirs
+        self._journal.write(cols.planned_len, rows, end)
         return work
 
     # -- batches -------------------------------------------------------------------------
@@ -499,7 +664,9 @@ class RequestTable:
             if request_id is None:
                 rows.append(-1)
                 continue
-            row = self.get(request_id, "resolve").row
+            req = self.get(request_id, "resolve")
+            req.check_not_importing("resolve")
+            row = req.row
             if row in seen:
                 raise DuplicateRequestError(f"request {request_id!r} appears twice in one "
                                             f"batch.", request_id)
@@ -519,16 +686,28 @@ class RequestTable:
         for request_id, req in self._by_id.items():
             if req.request_id != request_id:
                 problems.append(f"request {request_id!r} is filed as {req.request_id!r}")
-            if not 0 <= req.committed_len <= req.scheduled_len <= req.seq_len \
+            if not 0 <= req.committed_len <= min(req.scheduled_len, req.pending_from) \
+                    or not req.scheduled_len <= req.planned_len <= req.seq_len \
                     <= req.reserved_tokens:
                 problems.append(f"request {request_id!r}: lengths out of order (committed "
-                                f"{req.committed_len}, scheduled {req.scheduled_len}, seq "
-                                f"{req.seq_len}, reserved {req.reserved_tokens})")
+                                f"{req.committed_len}, scheduled {req.scheduled_len}, "
+                                f"planned {req.planned_len}, "
+                                f"pending from {req.pending_from}, seq {req.seq_len}, reserved "
+                                f"{req.reserved_tokens})")
+            problems += _draft_problems(req)
             if req.host_array.tolist() != req.host_blocks or 0 in req.host_blocks \
                     or len(req.host_blocks) != cdiv(req.reserved_tokens, block_size):
                 problems.append(f"request {request_id!r}: host blocks inconsistent")
             problems += self._column_problems(req)
-        return problems
+        return problems + self.importing_problems()
+
+    def importing_problems(self) -> list[str]:
+        """Whether ``num_importing`` counts the live requests marked importing."""
+        marked = sum(req.importing for req in self._by_id.values())
+        if marked != self.num_importing or \
+                int(np.count_nonzero(self.columns.importing)) != marked:
+            return [f"requests: {marked} importing, counted {self.num_importing}"]
+        return []
 
     def _column_problems(self, req: Request) -> list[str]:
         """Whether ``req``'s entries of ``columns`` (but its lengths) say what it holds."""
@@ -549,5 +728,5 @@ class RequestTable:
                 list(self._free_rows))
 
 
-__all__ = ["Batch", "Request", "RequestTable", "check_id_list", "check_lengths", "check_request_id",
+__all__ = ["NO_PENDING", "Batch", "Request", "RequestTable", "check_id_list", "check_lengths", "check_request_id",
            "int_at_least", "state_rows_of"]

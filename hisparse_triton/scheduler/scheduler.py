@@ -8,6 +8,7 @@ rows and block ids do)::
     cached = scheduler.add_request(id, prompt_len, max_new_tokens, token_ids)  # admission
     rows = scheduler.append_slots(id, n)    # {layer: int64 [n]} device rows of n new tokens
     scheduler.truncate(id, new_len)         # rejected drafts, before the next step()
+    scheduler.verify_drafts(id, accepted)   # async: drafts appended with num_draft_tokens
     scheduler.free_request(id)              # a finished request
     plan = scheduler.step()                 # -> every worker: worker.apply(plan)
     ...  forward: the model writes KV at `rows`, worker.resolve_rows(...) per index group  ...
@@ -41,11 +42,11 @@ run in a ``journal.transaction()``. ``can_admit`` / ``can_append`` answer withou
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 
-from hisparse_triton.config import EngineConfig
+from hisparse_triton.config import ACTIVE_TAIL_PAGES, EngineConfig
 from hisparse_triton.errors import HiSparseError, PrefillStagingError, SchedulerStateError
 from hisparse_triton.groups import PlanGroups
 from hisparse_triton.scheduler.block_pool import BlockPool
@@ -67,7 +68,8 @@ from hisparse_triton.scheduler.requests import (
 )
 from hisparse_triton.scheduler.residency import ResidencyPolicy, watermark_value
 from hisparse_triton.scheduler.stats import Counters, SchedulerStats
-from hisparse_triton.specs import KVCacheConfig
+from hisparse_triton.scheduler.transfer import KVExport, KVImport
+from hisparse_triton.specs import KVCacheConfig, cdiv
 from hisparse_triton.staging import PrefillStaging
 from hisparse_triton.step_plan import StepPlan, TableLayout
 
@@ -217,7 +219,8 @@ class HiSparseScheduler(SchedulerQueries):
 
     # ------------------------------------------------------------------ appending
     def append_slots(self, request_id: Hashable, num_tokens: int,
-                     token_ids: Optional[Sequence[int]] = None) -> dict[str, np.ndarray]:
+                     token_ids: Optional[Sequence[int]] = None, *,
+                     num_draft_tokens: int = 0) -> dict[str, np.ndarray]:
         """Allocate device pages for ``num_tokens`` new tokens; where to write their KV.
 
         Returns ``{layer_name: [num_tokens] int64}`` device rows for every device layer
@@ -226,33 +229,44 @@ class HiSparseScheduler(SchedulerQueries):
         Layers of one group share one array. ``token_ids``: the appended tokens' ids
         (``num_tokens`` ints): for a request added with ``token_ids`` its generated pages
         are hashed like prompt pages and published once durable (an append without them
-        ends that: later pages are not published). ``ReservationExceededError`` past
-        ``prompt_len + max_new_tokens``; ``UncommittedTokensError`` past
-        ``max_num_batched_tokens`` tokens since the request's last plan; ``CapacityError``
-        when the device pool is full; ``ValueError`` for bad ``token_ids``. Nothing changes
-        on error.
+        ends that: later pages are not published). ``num_draft_tokens``: the last that many
+        of the tokens are drafts a later forward verifies: mirrored like any token but
+        never durable (never published, never leaving the GPU) until ``verify_drafts``
+        accepts them; an async stack may append (and step) further tokens before that
+        (``docs/runtime.md``, "Rollback under async scheduling").
+        ``ReservationExceededError`` past ``prompt_len + max_new_tokens``;
+        ``UncommittedTokensError`` past ``max_num_batched_tokens`` tokens since the
+        request's last plan; ``CapacityError`` when the device pool is full; ``ValueError``
+        for bad ``token_ids``, a bad draft count or drafts inside the prompt, or a request
+        whose prompt is being imported. Nothing changes on error.
         """
-        per_group = self.append_group_rows(request_id, num_tokens, token_ids)
+        per_group = self.append_group_rows(request_id, num_tokens, token_ids,
+                                           num_draft_tokens=num_draft_tokens)
         return {name: rows for rows, names in zip(per_group, self.devices.row_names)
                 for name in names}
 
     def append_group_rows(self, request_id: Hashable, num_tokens: int,
-                          token_ids: Optional[Sequence[int]] = None) -> list[np.ndarray]:
+                          token_ids: Optional[Sequence[int]] = None, *,
+                          num_draft_tokens: int = 0) -> list[np.ndarray]:
         """``append_slots`` with one ``[num_tokens] int64`` array of rows per paged group (in
         ``row_layer_names`` order) instead of a dict per layer (cheaper on the decode path)."""
         self._check_open()
         req = self._request(request_id, "append_slots")
         new_len, counts, reclaim = self.capacity.append(req, num_tokens)
         ids = req.new_token_ids(new_len - req.seq_len, token_ids)
+        drafts = (req.check_drafts(new_len - req.seq_len, num_draft_tokens)
+                  if num_draft_tokens else 0)
         start = req.seq_len
-        if counts is None:   # the decode step: one token, no new page
+        if counts is None and not drafts:   # the decode step: one token, no new page
             rows = self.devices.row_at(req, start)
             self._grow(req, new_len, None, ids)
             return [np.array([row], dtype=np.int64) for row in rows]
-        with self.journal.transaction() if reclaim is not None else nullcontext():
+        with self.journal.transaction() if reclaim is not None or drafts else nullcontext():
             self.durability.run_reclaim(reclaim)
             self._grow(req, new_len, counts, ids)
-        return self.devices.rows(req, start, new_len)
+            self._requests.mark_drafts(req, drafts)
+            rows = self.devices.rows(req, start, new_len)
+        return rows
 
     def can_append(self, request_id: Hashable, num_tokens: int) -> bool:
         """Whether ``append_slots(request_id, num_tokens)`` would succeed now."""
@@ -332,23 +346,60 @@ class HiSparseScheduler(SchedulerQueries):
         ``docs/runtime.md``, rollback): ``seq_len`` back, the device blocks of pages past the
         end freed in every group, hot slots holding the dropped host rows emptied (the next
         plan's ``invalidate``), dropped token ids and page hashes forgotten (never
-        published). The host blocks stay reserved, so a mirror already planned for the
-        dropped tokens writes only the request's own rows past its end (read by nothing,
-        overwritten later). ``ValueError`` past ``seq_len`` or below the durable prefix
-        (``committed_len``); nothing changes on error."""
+        published), pending drafts past the end dropped. The host blocks stay reserved, so a
+        mirror already planned for the dropped tokens writes only the request's own rows
+        past its end (read by nothing, overwritten later). ``ValueError`` past ``seq_len``
+        or below the durable prefix (``committed_len``: with drafts appended as such, it
+        never passes the oldest unverified one); nothing changes on error."""
         req = self._request(request_id, "truncate")
         new_len = req.check_truncate(new_len)
         if new_len == req.seq_len:
             return
+        self._roll_back(req, new_len, new_len,
+                        lambda: self._requests.truncate(req, new_len, self.block_size))
+
+    def verify_drafts(self, request_id: Hashable, num_accepted: int) -> None:
+        """The forward verified the request's oldest pending drafts (``append_slots(...,
+        num_draft_tokens=k)``): the first ``num_accepted`` of those ``k`` stay (they may
+        become durable once mirrored), the other ``k - num_accepted`` leave the sequence.
+
+        Tokens appended after the run (steps an async stack scheduled before this
+        verification) move down by the rejected count: the stack wrote their KV at the
+        moved positions (as vLLM's model runner corrects the positions of a step scheduled
+        on optimistic ones), so the request ends ``rejected`` tokens shorter. What changes,
+        as ``truncate``: the device blocks of pages past the new end are freed (kept until
+        the step ends when a resolve read the request in place), hot slots holding host
+        rows from the first rejected position on are emptied by the next plan, every token
+        from that position on is mirrored again with the next plan (its bytes changed), the
+        token ids (when tracked) and page hashes from there are spliced and hashed again.
+        Call it once per run, oldest first, when the verification is known (before or
+        after later steps were scheduled). ``ValueError`` when no drafts are pending or
+        ``num_accepted`` is not in ``[0, k]``; nothing changes on error."""
+        req = self._request(request_id, "verify_drafts")
+        start, count, accepted = req.check_verify(num_accepted)
+        rejected = count - accepted
+        if not rejected:
+            with self.journal.transaction():
+                self._requests.verify(req, accepted, self.block_size)
+            return
+        self._roll_back(req, start + accepted, req.seq_len - rejected,
+                        lambda: self._requests.verify(req, accepted, self.block_size))
+
+    def _roll_back(self, req: Request, first: int, new_len: int,
+                   lengths: Callable[[], object]) -> None:
+        """Positions of ``req`` from ``first`` on change (dropped, or rewritten), and it ends
+        at ``new_len``: hot slots holding their host rows are emptied, the blocks of pages
+        past ``new_len`` freed (kept until the step ends for a request a resolve read in
+        place), then ``lengths()`` updates the request table; all or nothing."""
         holds = self.read_holds
         with self.journal.transaction():
             if req.hot is not None:   # hot slots may hold the dropped host rows
                 self.plan_builder.invalidate(req.row, req.host_row_ranges(
-                    new_len, req.seq_len, self.block_size))
+                    first, req.seq_len, self.block_size))
             # A resolve may have read the dropped pages in place: keep their blocks.
             self.devices.truncate(req, new_len,
                                   holds.keep if holds.is_held(req.row) else None)
-            self._requests.truncate(req, new_len, self.block_size)
+            lengths()
             self.plan_builder.write_seq_len(req.row, new_len)
 
     # ------------------------------------------------------------------ ending
@@ -363,6 +414,133 @@ class HiSparseScheduler(SchedulerQueries):
             self.plan_builder.reset_row(req.row)
             self.read_holds.forget(req.row)     # its rows end with it
             self._requests.remove(req)
+
+    # ------------------------------------------------------------------ disaggregation
+    def import_request(self, request_id: Hashable, prompt_len: int, max_new_tokens: int,
+                       token_ids: Optional[Sequence[int]] = None) -> KVImport:
+        """Admit a request whose prompt KV a transport writes (the decode side of
+        prefill/decode disaggregation); returns where each prompt token's bytes go.
+
+        Like ``add_request`` (host pages for ``prompt_len + max_new_tokens``, a state row,
+        with ``token_ids`` the longest cached prefix reused and left out of the transfer),
+        then the prompt's memory: the source layers' pages before the resident tail (the
+        last ``ACTIVE_TAIL_PAGES`` pages, where new tokens are appended) stay in the host
+        pool only (the request starts offloaded, with its hot region), the tail's pages and
+        every page of the other device groups (indexer, regular) get device blocks. The
+        ``KVImport`` names the host rows and, per device layer, the device rows the
+        transport writes (``docs/runtime.md``, "Prefill/decode disaggregation"). Until
+        ``finish_import`` the request cannot be appended to, resolved, rolled back or
+        exported, and nothing of it becomes durable, published or mirrored; ``abort_import``
+        (or ``free_request``) returns everything. Errors as ``add_request`` (the device
+        blocks of the prompt's pages count with the hot region); nothing changes on error.
+        """
+        self._check_open()
+        self._requests.check_new(request_id)
+        admission = self.capacity.admission(request_id, prompt_len, max_new_tokens, token_ids,
+                                            imported=self._import_blocks)
+        B, prompt_len = self.block_size, admission.prompt_len
+        with self.journal.transaction():
+            self.durability.run_reclaim(admission.reclaim)
+            cached = self._admit(request_id, admission, token_ids is not None)
+            req = self._requests[request_id]
+            pages = cdiv(prompt_len, B)
+            tail = self._import_tail(pages, cached // B)
+            if tail and req.hot is None:
+                self.durability.offload(req)
+            # Pages before the tail are host-only (a cached page's GPU copy stays readable).
+            self.devices.unpin(req, 0, tail, drop=self.policy.always_offload)
+            resident = self.devices.resident_positions
+            for m in self.devices.paged:
+                first = tail if m.position in resident else m.group.pages(cached)
+                m.allocate_pages(req, first, m.group.pages(prompt_len) - first)
+            self._requests.start_import(req, prompt_len, cached)
+            self.plan_builder.write_seq_len(req.row, prompt_len)
+            self.durability.track_peaks()
+        tail_start = tail * B
+        positions = np.arange(cached, tail_start, dtype=np.int64)
+        host_rows = req.host_array[positions // B] * B + positions % B
+        device_rows = {}
+        for m, names in zip(self.devices.paged, self.devices.row_names):
+            start = tail_start if m.position in resident else cached
+            rows = m.rows(req, start, prompt_len)
+            device_rows.update(dict.fromkeys(names, rows))
+        return KVImport(request_id=request_id, state_row=req.row, cached_len=cached,
+                        tail_start=tail_start, prompt_len=prompt_len, host_rows=host_rows,
+                        device_rows=device_rows, source_layers=tuple(self.source_layers))
+
+    @staticmethod
+    def _import_tail(pages: int, cached_pages: int) -> int:
+        """The first page of an imported prompt of ``pages`` pages that goes to the device
+        (the resident tail; the cached prefix's pages come before it)."""
+        return max(pages - ACTIVE_TAIL_PAGES, cached_pages)
+
+    def _import_blocks(self, prompt_len: int, cached_pages: int) -> int:
+        """Device blocks an imported prompt's pages take: the resident tail in every
+        resident group, every page past the cached prefix in the other paged groups."""
+        B, resident = self.block_size, self.devices.resident_positions
+        tail = self._import_tail(cdiv(prompt_len, B), cached_pages)
+        return sum(m.group.pages(prompt_len) - (tail if m.position in resident
+                                                 else m.group.pages(cached_pages * B))
+                   for m in self.devices.paged)
+
+    def finish_import(self, request_id: Hashable) -> None:
+        """The transport wrote every byte ``import_request`` named (call it only once all of
+        them completed and are visible to the workers): the host part of the prompt is
+        durable now and its full pages are published for prefix reuse (with
+        ``token_ids``); the tail, on the device, is mirrored with the next plan and durable
+        from the step after, as appended tokens are. The request decodes from here on.
+        ``ValueError`` for a request that is not importing; nothing changes on error."""
+        req = self._request(request_id, "finish_import")
+        if not req.importing:
+            raise ValueError(f"request {request_id!r}: finish_import of a request that is not "
+                             f"being imported.")
+        with self.journal.transaction():
+            # The pages before the tail are exactly those released at import.
+            self._requests.finish_import(req, min(req.released_pages * self.block_size,
+                                                  req.seq_len))
+            self.durability.publish(req)
+            self.devices.release_windows(req)
+
+    def abort_import(self, request_id: Hashable) -> None:
+        """The transport failed or was cancelled: return everything ``import_request`` took
+        (host and device blocks, the hot region, the state row; a cached prefix it shared
+        stays cached), as ``free_request``. No transport may write its rows afterwards.
+        ``ValueError`` for a request that is not importing; nothing changes on error."""
+        req = self._request(request_id, "abort_import")
+        if not req.importing:
+            raise ValueError(f"request {request_id!r}: abort_import of a request that is not "
+                             f"being imported (free_request ends a request).")
+        self.free_request(request_id)
+
+    def export_request(self, request_id: Hashable) -> KVExport:
+        """Where a request's KV lives, for a transport to read (the prefill side of
+        prefill/decode disaggregation): the host row of every token for the source layers
+        (the host pool holds all of them once durable) and the device rows of every other
+        device layer (``KVExport``). The rows keep their bytes while the request lives: free
+        it only once the transport read them. ``ValueError`` while tokens are not durable
+        (``step()`` / ``commit_mirrors()`` after the mirror of the last plan that carried
+        them; the facade's ``commit()``) or the request is being imported; nothing changes."""
+        req = self._request(request_id, "export_request")
+        req.check_not_importing("export")
+        n = req.seq_len
+        if req.committed_len < n:
+            raise ValueError(f"request {request_id!r}: tokens {req.committed_len}..{n - 1} "
+                             f"are not durable yet (their host copies come with the mirror of "
+                             f"the plan that carries them): step() or commit_mirrors() after "
+                             f"that mirror first (the facade: commit()).")
+        B = self.block_size
+        positions = np.arange(n, dtype=np.int64)
+        host_rows = req.host_array[positions // B] * B + positions % B
+        device_rows = {}
+        resident = self.devices.resident_positions
+        for m, names in zip(self.devices.paged, self.devices.row_names):
+            if m.position in resident:
+                continue
+            blocks = m.blocks[req.row, positions // m.block_size].astype(np.int64)
+            rows = np.where(blocks > 0, blocks * m.block_size + positions % m.block_size, -1)
+            device_rows.update(dict.fromkeys(names, rows))
+        return KVExport(request_id=request_id, num_tokens=n, host_rows=host_rows,
+                        device_rows=device_rows, source_layers=tuple(self.source_layers))
 
     def reset_prefix_cache(self) -> int:
         """Forget every published prefix page (their free blocks become truly free);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hisparse_triton.groups import PlanGroups
@@ -76,6 +77,35 @@ class PoolLayers:
             row_bytes=row_bytes, block_size=B, block_stride=B * row_bytes,
             num_rows=self.num_host_blocks * B, device=self.device)
         return device_table, host_table, row_bytes
+
+    def row_offsets(self, layer_name: str, rows: object, *, host: bool) -> np.ndarray:
+        """``[n] int64`` byte offsets of ``rows`` (``[n]`` row ids, as the scheduler names
+        them) of a layer from the start of its pool's buffer: the host pool for ``host``
+        (a source layer's host rows), else the device pool. ``ValueError`` for a row outside
+        the pool, ``KeyError`` for a layer the pool does not hold."""
+        if host:
+            name = underlying_layer_name(layer_name)
+            if name not in self.groups.host_tensors:
+                raise KeyError(f"{layer_name!r} is not a source (sparse) layer of this "
+                               f"worker.")
+            tensor, block_size = self.groups.host_tensors[name], self.block_size
+            num_rows, stride = self.num_host_blocks * block_size, tensor.block_stride
+        else:
+            name = self.groups.device_layer_name(layer_name)
+            tensor = self.groups.device_tensors[name]
+            block_size = self.groups.groups[self.groups.layer_group[name]].block_size
+            num_rows, stride = self.num_device_blocks * block_size, self.bytes_per_block
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+            raise ValueError(f"rows must be a 1-D integer array, got {rows.dtype} of shape "
+                             f"{rows.shape}.")
+        rows = rows.astype(np.int64)
+        bad = (rows < 0) | (rows >= num_rows)
+        if bad.any():
+            raise ValueError(f"row {int(rows[bad][0])} is outside the {'host' if host else 'device'}"
+                             f" pool's {num_rows} rows of layer {layer_name!r}.")
+        row_bytes = self.row_bytes(name, host=host)
+        return tensor.offset + rows // block_size * stride + rows % block_size * row_bytes
 
     def device_cache(self, layer_name: str) -> torch.Tensor:
         """``[num_blocks, block_size, row_bytes] uint8`` view of a device layer (any name

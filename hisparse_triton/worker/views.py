@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from hisparse_triton.errors import RuntimeClosedError
@@ -65,6 +66,24 @@ class WorkerViews:
         rows (on CUDA, read it on the CPU only after synchronising with the mirror)."""
         self._check_open()
         return self._layers.host_cache(layer_name)
+
+    def row_bytes(self, layer_name: str) -> int:
+        """Bytes of one row of a device layer (a sparse layer's host rows are the same
+        size)."""
+        self._check_open()
+        return self._layers.row_bytes(self.groups.device_layer_name(layer_name), host=False)
+
+    def row_offsets(self, layer_name: str, rows: object, *, host: bool = False) -> np.ndarray:
+        """``[n] int64`` byte offsets of ``rows`` (``[n]`` row ids: a ``KVImport``'s or
+        ``KVExport``'s, ``append_slots``'s) of a layer from the start of its pool: the host
+        pool (``host=True``: a source layer's host rows; the address is
+        ``host_pool.data_ptr`` + offset) or the device pool (``device_pool.tensor.data_ptr()``
+        + offset). Each row is ``row_bytes(layer)`` contiguous bytes (the rows of one page
+        are consecutive). For a transport that addresses registered memory (RDMA;
+        ``docs/runtime.md``, "Prefill/decode disaggregation"). ``ValueError`` for a row
+        outside the pool, ``KeyError`` for an unknown layer."""
+        self._check_open()
+        return self._layers.row_offsets(layer_name, rows, host=host)
 
     def block_tables(self, layer_name: str) -> torch.Tensor:
         """``[max_num_seqs, pages] int32`` device block table of a layer's group, by state
