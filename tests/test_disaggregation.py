@@ -158,6 +158,7 @@ def test_a_prompt_prefilled_on_one_runtime_decodes_exactly_on_another(backend, p
         transport(P, D, imp, export, limit=half)
         decode(D, od, tokens, ["v"], 2, gen)
         assert D.is_importing("a")
+        D.scheduler.check_invariants()
         with pytest.raises(ValueError, match="being imported"):
             D.export_request("a")
         transport(P, D, imp, export)
@@ -171,6 +172,7 @@ def test_a_prompt_prefilled_on_one_runtime_decodes_exactly_on_another(backend, p
         assert D.stats().misses > 0
         for rid in ("a", "v"):
             D.free_request(rid)
+        D.scheduler.check_invariants()
         assert pools(D) == initial
         assert op.rows_checked == 0 and od.rows_checked > 0
 
@@ -261,6 +263,7 @@ def test_an_aborted_import_leaks_nothing(end):
         row = imp.state_row
         transport(P, D, imp, export, limit=2)
         getattr(D, end)("a")
+        D.scheduler.check_invariants()
         assert not D.has_request("a")
         assert pools(D) == initial
         D.commit()
