@@ -198,11 +198,12 @@ def test_the_sliding_window_keeps_only_the_rows_it_reads():
         od.check_pages("a")
 
 
-def test_an_import_publishes_its_prompt_and_reuses_a_cached_prefix():
+@pytest.mark.parametrize("watermark", [1.0, 0.1])
+def test_an_import_publishes_its_prompt_and_reuses_a_cached_prefix(watermark):
     """``finish_import`` publishes the prompt's full pages (``token_ids``): a request added
     later with the same prompt starts cached; an import sharing a cached prefix leaves it
-    out of the transfer; both decode exactly."""
-    P, D = pair(max_num_seqs=3, regular=False)
+    out of the transfer; both decode exactly (cached pages kept on the GPU or not)."""
+    P, D = pair(max_num_seqs=3, regular=False, free_block_watermark=watermark)
     with P, D:
         tokens = Tokens(P.device_layers)
         op, od = oracle_for(P, tokens), oracle_for(D, tokens)
@@ -391,6 +392,21 @@ def test_bad_calls_are_refused_and_change_nothing():
         tokens.ids["i"] = list(range(25))
         export = prefill(P, op, "i", list(tokens.ids["i"]))
         imp = D.import_request("i", 25, 4)
+        # can_import answers what import_request would do, counting the prompt's pages.
+        answers = []
+        for n in (0, 8, 24, 40, 60):
+            before = D._debug_snapshot()
+            answers.append(D.scheduler.can_import(n, 4))
+            assert D._debug_snapshot() == before
+            try:
+                D.import_request(f"t{n}", n, 4)
+            except (ValueError, CapacityError):
+                assert not answers[-1]
+            else:
+                assert answers[-1]
+                D.abort_import(f"t{n}")
+        assert answers == [False, True, True, False, False]
+        assert D.scheduler.can_admit(40, 4)   # its hot region fits, its prompt's pages do not
         D.add_request("d", 10, 4)
         D.append_slots("d", 10)
         calls = _bad_calls(D, imp)
