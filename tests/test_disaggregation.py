@@ -15,8 +15,6 @@ and a sliding-window layer unless ``regular=False``: prefix reuse needs full his
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
@@ -27,19 +25,11 @@ from hisparse_triton.oracle import DenseOracle, SplitView, position_bytes
 from hisparse_triton.scheduler import KVExport, KVImport
 from test_runtime import B, FULL, L0, SWA, TOPK, make_runtime
 from test_runtime_oracle import TRITON_DEVICE
+from test_serving import Oracle
 from test_split import halves, run_plan
 
 
 # ----------------------------------------------------------------------------- helpers
-def prefix_keys(tokens) -> list[int]:
-    """One key per position that depends on the tokens up to it (what a model's KV does)."""
-    keys, h = [], b""
-    for t in tokens:
-        h = hashlib.sha256(h + int(t).to_bytes(8, "little", signed=True)).digest()
-        keys.append(int.from_bytes(h[:5], "little"))
-    return keys
-
-
 class Tokens:
     """The token ids of every request (prompt and generated), and the oracle content that
     follows from them."""
@@ -49,7 +39,7 @@ class Tokens:
         self.ids: dict = {}
 
     def content(self, rid, layer, positions, row_bytes):
-        keys = torch.tensor(prefix_keys(self.ids[rid]), dtype=torch.int64)[positions]
+        keys = torch.tensor(Oracle.prefix_keys(self.ids[rid]), dtype=torch.int64)[positions]
         return position_bytes(keys, self.layers.index(layer), positions, row_bytes)
 
 
@@ -109,12 +99,14 @@ def pools(rt):
             s.host_blocks, s.hot_blocks, s.num_requests)
 
 
-def pair(backend="torch", **kwargs):
+def sides(backend="torch", **kwargs):
+    """A prefill runtime, a decode runtime of the same plan, the tokens and an oracle each."""
     kwargs.setdefault("max_num_seqs", 2)
     kwargs.setdefault("max_model_len", 64)
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    return (make_runtime(backend=backend, device=device, **kwargs),
-            make_runtime(backend=backend, device=device, **kwargs))
+    P, D = (make_runtime(backend=backend, device=device, **kwargs) for _ in range(2))
+    tokens = Tokens(P.device_layers)
+    return P, D, tokens, oracle_for(P, tokens), oracle_for(D, tokens)
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -128,10 +120,8 @@ def test_a_prompt_prefilled_on_one_runtime_decodes_exactly_on_another(backend, p
     the importing prompt durable); D's state row and hot slots were used before. The
     prompt's pages before its resident tail go to the host pool only (the request starts
     offloaded), whatever the watermark; a prompt of at most two pages goes to the GPU."""
-    P, D = pair(backend, free_block_watermark=watermark)
+    P, D, tokens, op, od = sides(backend, free_block_watermark=watermark)
     with P, D:
-        tokens = Tokens(P.device_layers)
-        op, od = oracle_for(P, tokens), oracle_for(D, tokens)
         gen = torch.Generator().manual_seed(1)
         initial = pools(D)
         # D serves a request first: the import reuses its state row and hot slots.
@@ -180,10 +170,8 @@ def test_a_prompt_prefilled_on_one_runtime_decodes_exactly_on_another(backend, p
 def test_the_sliding_window_keeps_only_the_rows_it_reads():
     """A sliding-window layer's pages the prefill side released are -1 in the export and
     left out of the copies; the decode side still decodes exactly and frees them at once."""
-    P, D = pair(max_model_len=96)
+    P, D, tokens, op, od = sides(max_model_len=96)
     with P, D:
-        tokens = Tokens(P.device_layers)
-        op, od = oracle_for(P, tokens), oracle_for(D, tokens)
         tokens.ids["a"] = list(range(40))
         export = prefill(P, op, "a", list(tokens.ids["a"]))
         assert (export.device_rows[SWA] == -1).any() and (export.device_rows[FULL] >= 0).all()
@@ -203,10 +191,8 @@ def test_an_import_publishes_its_prompt_and_reuses_a_cached_prefix(watermark):
     """``finish_import`` publishes the prompt's full pages (``token_ids``): a request added
     later with the same prompt starts cached; an import sharing a cached prefix leaves it
     out of the transfer; both decode exactly (cached pages kept on the GPU or not)."""
-    P, D = pair(max_num_seqs=3, regular=False, free_block_watermark=watermark)
+    P, D, tokens, op, od = sides(max_num_seqs=3, regular=False, free_block_watermark=watermark)
     with P, D:
-        tokens = Tokens(P.device_layers)
-        op, od = oracle_for(P, tokens), oracle_for(D, tokens)
         gen = torch.Generator().manual_seed(3)
         prompt = list(range(7, 7 + 30))
         tokens.ids["a"] = list(prompt)
@@ -244,10 +230,8 @@ def test_an_aborted_import_leaks_nothing(end):
     """A transfer cut short and aborted gives back every block, the hot region and the
     state row; a cached prefix the import shared stays cached; the next import into the
     same row decodes exactly (no stale byte is read)."""
-    P, D = pair(regular=False)
+    P, D, tokens, op, od = sides(regular=False)
     with P, D:
-        tokens = Tokens(P.device_layers)
-        op, od = oracle_for(P, tokens), oracle_for(D, tokens)
         gen = torch.Generator().manual_seed(4)
         prompt = list(range(300, 300 + 24))
         tokens.ids["p"] = list(prompt)
