@@ -314,6 +314,17 @@ class HiSparseRuntime:
         "host_cache", "``[host_num_blocks, block_size, row_bytes] uint8`` view of a source "
         "layer's host rows. On CUDA, reading it on the CPU right after ``commit()`` needs a "
         "``torch.cuda.synchronize()`` first (the mirror runs asynchronously).")
+    row_bytes = _worker_read(
+        "row_bytes", "Bytes of one row of a device layer (a sparse layer's host rows are the "
+        "same size).")
+    row_offsets = _worker_read(
+        "row_offsets", "``[n] int64`` byte offsets of rows (``[n]`` row ids: a ``KVImport``'s, "
+        "a ``KVExport``'s) of a layer from the start of its pool: the host pool's "
+        "(``host=True``, ``worker.host_pool.data_ptr`` + offset) or the device pool's "
+        "(``worker.device_pool.tensor.data_ptr()`` + offset); each row is ``row_bytes(layer)`` "
+        "contiguous bytes. For a transport that addresses registered memory "
+        "(``docs/runtime.md``, \"Prefill/decode disaggregation\"). ``ValueError`` for a row "
+        "outside the pool, ``KeyError`` for an unknown layer.")
     block_tables = _worker_read(
         "block_tables", "``[max_num_seqs, pages] int32`` device block table of a layer's "
         "group, by state row (indexer / regular layers: every page; sparse layers: resident "

@@ -42,6 +42,7 @@ run in a ``journal.transaction()``. ``can_admit`` / ``can_append`` answer withou
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
@@ -467,6 +468,13 @@ class HiSparseScheduler(SchedulerQueries):
         return KVImport(request_id=request_id, state_row=req.row, cached_len=cached,
                         tail_start=tail_start, prompt_len=prompt_len, host_rows=host_rows,
                         device_rows=device_rows, source_layers=tuple(self.source_layers))
+
+    def can_import(self, prompt_len: int, max_new_tokens: int,
+                   token_ids: Optional[Sequence[int]] = None) -> bool:
+        """Whether ``import_request`` with these arguments (and a new id) would succeed now
+        (the prompt's device pages counted with the hot region); changes nothing."""
+        return self._answers(partial(self.capacity.admission, imported=self._import_blocks),
+                             "<new>", prompt_len, max_new_tokens, token_ids)
 
     @staticmethod
     def _import_tail(pages: int, cached_pages: int) -> int:
