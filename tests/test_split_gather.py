@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 import random
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import reporting_errors, spawn_ranks
 
 from hisparse_triton.row_table import RowTable
 from hisparse_triton.worker import split_capacity as sc
@@ -121,7 +121,7 @@ def _plan_of(gen: random.Random, rows: int, cols: int, miss: float):
 
 
 def _rank_main(rank: int, world: int, init_file: str, result_dir: str, backend: str) -> None:
-    try:
+    with reporting_errors(result_dir, rank):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
         torch.set_num_threads(1)
@@ -171,20 +171,11 @@ def _rank_main(rank: int, world: int, init_file: str, result_dir: str, backend: 
             out.write("\n".join(lines) + "\n")
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(result_dir, f"rank{rank}.error"), "w") as out:
-            out.write(traceback.format_exc())
-        raise
 
 
 def _run(tmp_path, world: int, backend: str) -> list[str]:
-    try:
-        mp.start_processes(_rank_main, args=(world, str(tmp_path / "pg"), str(tmp_path),
-                                             backend),
-                           nprocs=world, join=True, start_method="spawn")
-    except Exception:
-        errors = [p.read_text() for p in tmp_path.glob("rank*.error")]
-        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    spawn_ranks(_rank_main, world, (world, str(tmp_path / "pg"), str(tmp_path), backend),
+                tmp_path)
     return [(tmp_path / f"rank{r}").read_text() for r in range(world)]
 
 
@@ -247,3 +238,38 @@ def test_a_capture_keeps_the_warm_up_capacity(tmp_path, monkeypatch):
             sc.capacity_rows(4, 12, 1, 1 / 64)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the lab's bench
+def test_split_bench_on_gloo_is_exact_and_records_the_bytes():
+    """``lab.split_bench --device cpu`` (what ``bench/results/`` records, and what
+    ``gpu_check``'s decode-checks run on GPUs): every variant exact against the plain
+    gather, the bytes exchanged per step as the capacity says, and gpu_check's summary
+    lines read it."""
+    from lab import split_bench
+
+    from test_cli_bench import _gpu_check_module
+
+    report = split_bench.run("cpu", [1, 2], rows=5, top_k=64, row_bytes=16, steps=18,
+                             misses="binomial", variants=["fixed-0.25-serial", "auto"])
+    one, two = report["runs"]
+    assert (one["ranks"], two["ranks"]) == (1, 2) and report["backend"] == "gloo"
+    for run in (one, two):
+        assert len(run["misses_per_step"]) == 18
+        for name, v in run["variants"].items():
+            assert v["exact"], (run["ranks"], name)
+            assert [s[0] for s in v["per_step"]] == run["misses_per_step"]
+    auto = two["variants"]["auto"]
+    for misses, exchanged, _, fraction in auto["per_step"]:
+        rpc, n = sc.chunk_rows(5, 2)   # 5 rows: one chunk (fewer than 2 x MIN_CHUNK_ROWS)
+        assert (rpc, n) == (5, 1)
+        assert exchanged == (2 - 1) * sc.capacity_rows(rpc, 64, 2, fraction) * n * 16
+    assert one["variants"]["auto"]["exchange_bytes_per_step"] == 0   # one rank: nothing
+    gpu_check = _gpu_check_module()
+    lines = gpu_check.split_gather_lines(report)
+    assert len(lines) == 2 and "auto" in lines[1] and "NOT EXACT" not in "".join(lines)
+    # gpu_check's summary routes the decode-checks section there, and flags a wrong pool
+    wrapped = {"steps": {"decode-checks": {"result": {"sections": {"split_gather": report}}}}}
+    assert gpu_check.decode_check_lines(wrapped) == lines
+    two["variants"]["auto"]["exact"] = False
+    assert "auto" in gpu_check.split_gather_lines(report)[1].split("NOT EXACT")[0]

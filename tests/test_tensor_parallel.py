@@ -12,14 +12,14 @@ random steps, with offloads, misses, requests coming and going, both ranks are e
 import dataclasses
 import os
 import random
-import traceback
 import uuid
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import reporting_errors, spawn_ranks
 
 from hisparse_triton.distributed import broadcast_host_pool_secret, broadcast_plan
 from hisparse_triton.layout import get_hisparse_kv_cache_config, get_hisparse_kv_cache_groups
@@ -118,7 +118,7 @@ def _check_rows(worker: HiSparseWorker, leader: str, script: dict, rows: torch.T
 def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir: str,
                split: bool = False, backend: str = "torch", steps: int = STEPS,
                fraction: "float | str" = 0.25) -> None:
-    try:
+    with reporting_errors(result_dir, rank):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
         torch.set_num_threads(1)
@@ -179,23 +179,14 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         dist.barrier()
         worker.close()
         dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(result_dir, f"rank{rank}.error"), "w") as out:
-            out.write(traceback.format_exc())
-        raise
 
 
 def _run_two_ranks(tmp_path, split: bool = False, backend: str = "torch",
                    steps: int = STEPS, fraction: "float | str" = 0.25,
                    world: int = 2) -> list[list[int]]:
     name = f"test-tp-{uuid.uuid4().hex}"
-    try:
-        mp.start_processes(_rank_main, args=(world, str(tmp_path / "pg"), name, str(tmp_path),
-                                             split, backend, steps, fraction),
-                           nprocs=world, join=True, start_method="spawn")
-    except Exception:
-        errors = [p.read_text() for p in tmp_path.glob("rank*.error")]
-        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    spawn_ranks(_rank_main, world, (world, str(tmp_path / "pg"), name, str(tmp_path), split,
+                                    backend, steps, fraction), tmp_path)
     leftover = [f for f in os.listdir(pools.shared_host_pool_dir()) if name in f]
     assert not leftover, leftover
     results = [(tmp_path / f"rank{r}").read_text().split() for r in range(world)]
