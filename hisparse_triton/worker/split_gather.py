@@ -30,7 +30,7 @@ The capacity: ``fraction`` fixed (``split_gather_fraction`` a number), or ``"aut
 starts at ``SPLIT_START_FRACTION`` and follows the observed miss fraction with a headroom
 (``split_capacity``). Each exchange counts on the device, per call, the misses, the rows
 past its capacity, the bytes it exchanged, and the plan's columns; ``on_plan`` (called by
-the worker after each ``apply``) reads them every ``SPLIT_RETUNE_PLANS`` plans from a copy
+the worker in each ``apply``) reads them every ``SPLIT_RETUNE_PLANS`` plans from a copy
 made that many plans earlier (so the read never waits for the device), agreed over the group
 (an ``all_reduce``), and retunes. A new capacity is a new exchange shape (its buffers are
 kept: a CUDA graph captured at a capacity keeps using that one and stays exact). A capture
@@ -253,7 +253,9 @@ class SplitGather:
 
     # ---------------------------------------------------------------- capacity
     def on_plan(self, step: int) -> None:
-        """After the worker applied plan ``step`` (every rank, same order). With ``"auto"``,
+        """When the worker applies plan ``step`` (every rank, same order; before its tables
+        are written; a step seen before, e.g. retried after a refused plan, does nothing).
+        With ``"auto"``,
         every ``period`` plans: snapshot the exchanges' device sums (agreed over the group:
         a collective), read the snapshot of ``period`` plans ago (long copied: no wait) and
         retune the capacity from the miss fraction of the calls between it and the snapshot

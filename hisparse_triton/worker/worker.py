@@ -251,12 +251,13 @@ class HiSparseWorker(WorkerViews):
         With ``split_gather`` at ``split_gather_fraction="auto"``, every
         ``split_capacity.SPLIT_RETUNE_PLANS``-th plan also retunes the split gather's
         capacity, agreed over its group (a small ``all_reduce``: every rank applies every
-        plan, in order).
+        plan, in order). The retune runs before the plan is written (it changes a capacity,
+        no table), so the tables' write stays the call's last step.
         """
         self._check_open()
-        self._tables.apply(plan)
         if self.split_gather is not None:   # every few plans: retune its capacity
             self.split_gather.on_plan(plan.step)
+        self._tables.apply(plan)
 
     def revert(self, plan: StepPlan) -> None:
         """Undo ``apply(plan)`` when later work of the same call failed: the tables, the hot
