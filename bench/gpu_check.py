@@ -25,8 +25,9 @@ step that cannot start inside the budget is recorded as skipped):
 1. ``decode-checks``: issue 20's decode-path points in one subprocess
    (``lab.decode_checks``): host time per eager launch (bound vs checked), resolve
    variants, a step with and without the side-stream overlap (grid capped vs not), the
-   split gather (2+ GPUs, else skipped with the reason), the vLLM ops; each section records
-   its own error and is saved as soon as it is done;
+   split gather against the plain gather on the same miss plans (``lab.split_bench``: one
+   GPU, and every GPU when there are 2+, else that run skipped with the reason), the vLLM
+   ops; each section records its own error and is saved as soon as it is done;
    ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
    index groups, every request on the host path): the eager step and the graph-replayed
    step (the decode forward from one CUDA graph, a new plan each step), device and host time
@@ -378,10 +379,31 @@ def decode_check_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"  decode-checks {name}: ERROR {section['error'][:120]}")
         elif "skipped" in section:
             lines.append(f"  decode-checks {name}: skipped ({section['skipped'][:100]})")
+        elif name == "split_gather" and section.get("runs"):
+            lines += split_gather_lines(section)
         else:
             figures = {k: v for k, v in section.items()
                        if k not in ("note", "wall_s") and not isinstance(v, (list, str))}
             lines.append(f"  decode-checks {name}: {json.dumps(figures)[:300]}")
+    return lines
+
+
+def split_gather_lines(section: dict[str, Any]) -> list[str]:
+    """Summary lines of the decode-checks ``split_gather`` section (``lab.split_bench``):
+    per rank count, the plain gather's and each split variant's median us per call,
+    whether it is exact, and the bytes it exchanged per missed byte."""
+    lines = []
+    for run in section["runs"]:
+        head = f"  split gather, {run.get('ranks')} rank(s):"
+        if "skipped" in run:
+            lines.append(f"{head} skipped ({run['skipped'][:100]})")
+            continue
+        parts = [f"plain {run.get('plain_us', {}).get('median')} us"]
+        for name, v in (run.get("variants") or {}).items():
+            parts.append(f"{name} {v.get('us', {}).get('median')} us"
+                         f"{'' if v.get('exact') else ' NOT EXACT'} (x{v.get('exchange_per_miss')}"
+                         f" exchanged/missed)")
+        lines.append(f"{head} miss rate {run.get('miss_rate')}; " + ", ".join(parts))
     return lines
 
 

@@ -25,8 +25,12 @@ step, 1 without speculative decoding):
 
 With ``tp_split = N`` tensor-parallel ranks splitting the gather (``HiSparseWorker(
 split_gather=True)``), ``link_s`` is per rank: 1/N of the missed rows over its own host link
-plus the fixed exchange of the other ranks' shares at ``exchange_gbps`` (``SPLIT_FORMULA``;
-it assumes each GPU has its own host link).
+and the exchange of the other ranks' shares at ``exchange_gbps``, pipelined in
+``split_chunks`` chunks (``SPLIT_FORMULA``; it assumes each GPU has its own host link). The
+exchange carries a capacity fraction of the columns: by default (``split_fraction=None``,
+the worker's ``"auto"``) the capacity rule of ``worker.split_capacity`` at the setting's
+miss rate (the miss rate plus a 25% headroom, rounded up to a level), which is also the
+fraction recommended for ``split_gather_fraction``.
 
 The all-GPU row keeps every layer's whole history on the GPU (``get_all_gpu_baseline_
 concurrency``): ``tokens_per_s = Q x batch / step(batch)``, no transfers. The crossover is the
@@ -61,6 +65,8 @@ from hisparse_triton.config import (
 from hisparse_triton.link import DEFAULT_LINK_GBPS
 from hisparse_triton.presets import ModelGeometry, build_kv_cache_spec, get_preset
 from hisparse_triton.specs import cdiv
+from hisparse_triton.worker.split_capacity import (SPLIT_CHUNKS, SPLIT_HEADROOM,
+                                                   capacity_fraction)
 
 #: Swept by default: hot-buffer rows (x Q x top-k) and KV block sizes (tokens) of a preset
 #: whose attention kernel takes any block size.
@@ -155,17 +161,21 @@ class AdviseSettings:
     link_by_rows: Optional[Callable[[int], float]] = field(default=None, compare=False)
     tp_split: int = 1
     exchange_gbps: float = DEFAULT_EXCHANGE_GBPS
-    split_fraction: float = 0.25
+    split_fraction: Optional[float] = None
+    split_chunks: int = SPLIT_CHUNKS
 
 
 SPLIT_FORMULA = ("with N TP ranks splitting (worker split_gather): m = miss x Q x top_k "
-                 "columns per index group, C = ceil(split_fraction x Q x top_k / N); per rank "
-                 "PCIe bytes = (min(m, N x C) / N + max(0, m - N x C)) x layers x row_bytes, "
-                 "exchange bytes received = (N - 1) x C x layers x row_bytes (fixed shapes), "
-                 "link_s = batch x (PCIe bytes / link_Bps + exchange bytes / exchange_Bps); "
+                 "columns per index group, f = the capacity fraction (auto: the smallest "
+                 "level >= miss x 1.25), C = ceil(f x Q x top_k / N); per rank PCIe bytes = "
+                 "(min(m, N x C) / N + max(0, m - N x C)) x layers x row_bytes, exchange "
+                 "bytes received = (N - 1) x C x layers x row_bytes (fixed shapes), pcie_s = "
+                 "batch x PCIe bytes / link_Bps, exchange_s = batch x exchange bytes / "
+                 "exchange_Bps, link_s = max(pcie_s, exchange_s) + min(pcie_s, exchange_s) / "
+                 "chunks (the pull of a chunk runs while the previous one is exchanged); "
                  "assumes every GPU has its own host link (a PCIe switch shared by two GPUs "
-                 "halves the gain) and rows' misses spread evenly (a row past N x C misses "
-                 "pulls the rest itself)")
+                 "halves the gain) and a batch's misses pooled over its rows (past N x C "
+                 "every rank pulls the rest itself)")
 
 
 def split_bytes(miss_columns: float, columns: int, bytes_per_column: float, ranks: int,
@@ -180,6 +190,14 @@ def split_bytes(miss_columns: float, columns: int, bytes_per_column: float, rank
     split = min(miss_columns, ranks * cap)
     pcie = (split / ranks + max(0.0, miss_columns - ranks * cap)) * bytes_per_column
     return pcie, (ranks - 1) * cap * bytes_per_column
+
+
+def split_fraction(settings: AdviseSettings, miss_rate: float) -> float:
+    """The split gather's capacity fraction at ``miss_rate``: ``settings.split_fraction``
+    when given, else the worker's ``"auto"`` rule (``split_capacity.capacity_fraction``)."""
+    if settings.split_fraction is not None:
+        return settings.split_fraction
+    return capacity_fraction(miss_rate)
 
 
 def default_buffers(mtp: int, top_k: int) -> tuple[int, ...]:
@@ -233,21 +251,29 @@ def trace_miss_curve(settings: AdviseSettings, top_k: int, context_len: int) -> 
     return TraceMissCurve(streams, settings.warmup, source)
 
 
+def stream_step_misses(rows: Sequence[np.ndarray], seqs: Sequence[int], capacity: int,
+                       block_size: int) -> np.ndarray:
+    """``[steps] int64``: the LRU misses of every step of one stream (``rows``: each step's
+    top-k positions, ``seqs``: its sequence length) with a hot buffer of ``capacity`` rows,
+    the last ``ACTIVE_TAIL_PAGES`` pages of ``block_size`` tokens resident."""
+    from hisparse_triton.policies import step_keys, stream_misses
+
+    through = []
+    for row, seq in zip(rows, seqs):
+        keys = step_keys(row[(row >= 0) & (row < seq)])
+        tail = (cdiv(seq, block_size) - ACTIVE_TAIL_PAGES) * block_size
+        through.append(keys[keys < tail])
+    return stream_misses("lru", through, capacity, distinct=True)
+
+
 def steady_miss_rate(streams: Sequence[tuple[list[np.ndarray], list[int]]], capacity: int,
                      block_size: int, warmup: int) -> float:
     """LRU misses / valid columns after ``warmup`` steps, the last ``ACTIVE_TAIL_PAGES``
     pages of ``block_size`` tokens resident (see the module docstring)."""
-    from hisparse_triton.policies import step_keys, stream_misses
-
     misses = columns = 0
     for rows, seqs in streams:
-        through = []
-        for row, seq in zip(rows, seqs):
-            keys = step_keys(row[(row >= 0) & (row < seq)])
-            tail = (cdiv(seq, block_size) - ACTIVE_TAIL_PAGES) * block_size
-            through.append(keys[keys < tail])
         skip = min(warmup, max(0, len(rows) - 1))
-        misses += int(stream_misses("lru", through, capacity, distinct=True)[skip:].sum())
+        misses += int(stream_step_misses(rows, seqs, capacity, block_size)[skip:].sum())
         columns += sum(int(((row >= 0) & (row < seq)).sum())
                        for row, seq in list(zip(rows, seqs))[skip:])
     return misses / columns if columns else 0.0
@@ -357,10 +383,12 @@ def step_seconds(settings: AdviseSettings, batch: int, bytes_per_step: float,
                  gbps: float, *, exchange_bytes: float = 0.0) -> tuple[float, float, float]:
     """``(compute_s, link_s, step_s)`` of one decode step of ``batch`` requests
     (``bytes_per_step`` over the host link per request, ``exchange_bytes`` per request
-    between the GPUs at ``settings.exchange_gbps``: the split gather)."""
+    between the GPUs at ``settings.exchange_gbps``: the split gather, pipelined in
+    ``settings.split_chunks`` chunks: ``SPLIT_FORMULA``)."""
     compute = settings.step.ms(batch) / 1e3
-    link = batch * bytes_per_step / (gbps * 1e9) + batch * exchange_bytes / (
-        settings.exchange_gbps * 1e9)
+    pcie = batch * bytes_per_step / (gbps * 1e9)
+    exchange = batch * exchange_bytes / (settings.exchange_gbps * 1e9)
+    link = max(pcie, exchange) + min(pcie, exchange) / settings.split_chunks
     return compute, link, compute + link - min(settings.overlap * link, compute)
 
 
@@ -372,8 +400,13 @@ def crossover(settings: AdviseSettings, row: dict[str, Any],
         b = min(demand, all_gpu["batch"])
         return settings.mtp * b / (settings.step.ms(b) / 1e3) if b else 0.0
 
+    pcie, exchange = row["bytes_per_step"], 0.0
+    if settings.tp_split > 1 and row["batch"]:   # per rank and request, as run_advise's
+        pcie = row["pcie_bytes_per_rank_per_step"] / row["batch"]
+        exchange = row["exchange_bytes_per_rank_per_step"] / row["batch"]
     for demand in range(1, row["batch"] + 1):
-        _, _, step = step_seconds(settings, demand, row["bytes_per_step"], row["link_gbps"])
+        _, _, step = step_seconds(settings, demand, pcie, row["link_gbps"],
+                                  exchange_bytes=exchange)
         if settings.mtp * demand / step > all_gpu_tokens(demand) * (1 + RECOMMEND_TOLERANCE):
             return demand
     return None
@@ -405,8 +438,10 @@ def run_advise(settings: AdviseSettings,
                          f"selection per request and step.")
     if not isinstance(settings.tp_split, int) or settings.tp_split < 1:
         raise ValueError(f"--tp-split must be an int >= 1, got {settings.tp_split!r}.")
-    if not 0.0 < settings.split_fraction <= 1.0:
+    if settings.split_fraction is not None and not 0.0 < settings.split_fraction <= 1.0:
         raise ValueError(f"--split-fraction must be in (0, 1], got {settings.split_fraction!r}.")
+    if not isinstance(settings.split_chunks, int) or settings.split_chunks < 1:
+        raise ValueError(f"--split-chunks must be an int >= 1, got {settings.split_chunks!r}.")
     if not settings.exchange_gbps > 0:
         raise ValueError(f"--exchange-gbps must be positive, got {settings.exchange_gbps!r}.")
     if not 0.0 <= settings.overlap <= 1.0:
@@ -447,9 +482,10 @@ def run_advise(settings: AdviseSettings,
             gbps = settings.link_gbps
             if settings.link_by_rows is not None and batch:
                 gbps = settings.link_by_rows(max(1, round(miss * q * top_k * batch)))
+            fraction = split_fraction(settings, miss)
             pcie_rank, exchange_rank = split_bytes(
                 miss * q * top_k, q * top_k, geometry.num_layers * geometry.mla_row_bytes,
-                settings.tp_split, settings.split_fraction)
+                settings.tp_split, fraction)
             compute_s, link_s, step_s = step_seconds(
                 settings, batch, pcie_rank, gbps,
                 exchange_bytes=exchange_rank) if batch else (0.0, 0.0, 0.0)
@@ -464,6 +500,8 @@ def run_advise(settings: AdviseSettings,
                 "pcie_bytes_per_rank_per_step": pcie_rank * batch,
                 "exchange_bytes_per_rank_per_step": exchange_rank * batch,
             })
+            if settings.tp_split > 1:
+                row["split_fraction"] = fraction
             rows_out.append(row)
             if on_setting is not None:
                 on_setting(label)
@@ -497,7 +535,12 @@ def run_advise(settings: AdviseSettings,
                        "source": settings.step.source, "text": settings.step.describe()},
         "overlap": settings.overlap, "max_batch": settings.max_batch,
         "tp_split": {"ranks": settings.tp_split, "exchange_gbps": settings.exchange_gbps,
-                     "fraction": settings.split_fraction, "formula": SPLIT_FORMULA}
+                     "fraction": "auto" if settings.split_fraction is None
+                     else settings.split_fraction,
+                     "chunks": settings.split_chunks, "headroom": SPLIT_HEADROOM,
+                     "recommended_fraction": None if best is None
+                     else capacity_fraction(best["miss_rate"]),
+                     "formula": SPLIT_FORMULA}
         if settings.tp_split > 1 else None,
         "link_gbps": settings.link_gbps, "link_source": settings.link_source,
         "attention_kernel": kernel,
@@ -625,7 +668,7 @@ __all__ = ["ATTENTION_KERNELS", "AdviseSettings", "DEFAULT_BLOCK_SIZES",
            "default_buffers",
            "ObservedMissCurve", "TraceMissCurve",
            "RECOMMEND_TOLERANCE", "StepModel", "THROUGHPUT_FORMULA", "all_gpu_row",
-           "DEFAULT_EXCHANGE_GBPS", "SPLIT_FORMULA", "split_bytes",
+           "DEFAULT_EXCHANGE_GBPS", "SPLIT_FORMULA", "split_bytes", "split_fraction",
            "attention_kernel", "crossover", "find_bench_result", "link_from_bench",
            "plan_setting", "recommend", "run_advise", "step_seconds",
-           "steady_miss_rate", "trace_miss_curve", "trace_streams"]
+           "steady_miss_rate", "stream_step_misses", "trace_miss_curve", "trace_streams"]

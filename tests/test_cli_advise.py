@@ -284,3 +284,34 @@ def test_tp_split_divides_the_link_time(capsys):
     assert "own host link" in table and "split gather:" in table
     rc = main([*SMALL, "--tp-split", "0"])
     assert rc == 2
+
+
+def test_tp_split_sizes_the_exchange_by_the_miss_rate(capsys):
+    """By default (``--split-fraction auto``) each setting's exchange carries the worker's
+    auto capacity at its miss rate, so the bytes exchanged follow the misses; the
+    recommended setting's capacity is printed as the ``split_gather_fraction`` to use."""
+    from hisparse_triton.worker.split_capacity import SPLIT_HEADROOM, capacity_fraction
+
+    flags = ("--link-gbps", "1", "--step-ms", "1", "--tp-split", "4")
+    auto, table = run_json(capsys, *flags)
+    fixed, _ = run_json(capsys, *flags, "--split-fraction", "0.25")
+    one_chunk, _ = run_json(capsys, *flags, "--split-chunks", "1")
+    split = auto["tp_split"]
+    assert split["fraction"] == "auto" and split["chunks"] == 2
+    assert fixed["tp_split"]["fraction"] == 0.25
+    q_k, bpc = 32, 8 * 64          # tiny: top-k 32, 8 layers of 64 B rows
+    for a, f, c in zip(auto["settings"], fixed["settings"], one_chunk["settings"]):
+        if "error" in a or not a["batch"]:
+            continue
+        frac = capacity_fraction(a["miss_rate"])
+        assert a["split_fraction"] == frac >= a["miss_rate"] * (1 + SPLIT_HEADROOM)
+        assert f["split_fraction"] == 0.25
+        cap = math.ceil(frac * q_k / 4)
+        assert a["exchange_bytes_per_rank_per_step"] == pytest.approx(
+            3 * cap * bpc * a["batch"])
+        assert c["link_ms_per_step"] > a["link_ms_per_step"]   # pipelining hides some
+    best = auto["recommended"]
+    assert split["recommended_fraction"] == capacity_fraction(best["miss_rate"])
+    assert f"split_gather_fraction {split['recommended_fraction']:g}" in table
+    assert main([*SMALL, "--tp-split", "2", "--split-fraction", "0"]) == 2
+    assert main([*SMALL, "--tp-split", "2", "--split-chunks", "0"]) == 2

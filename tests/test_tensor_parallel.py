@@ -12,14 +12,14 @@ random steps, with offloads, misses, requests coming and going, both ranks are e
 import dataclasses
 import os
 import random
-import traceback
 import uuid
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import reporting_errors, spawn_ranks
 
 from hisparse_triton.distributed import broadcast_host_pool_secret, broadcast_plan
 from hisparse_triton.layout import get_hisparse_kv_cache_config, get_hisparse_kv_cache_groups
@@ -41,7 +41,7 @@ def plan(tp: int = 2):
     stride = cdiv(groups[0].page_size_bytes, 4096) * 4096
     kvc = get_hisparse_kv_cache_config(config, groups, 0,
                                        base.kv_cache_config.hisparse_host_num_blocks * stride)
-    assert kvc.hisparse_shared_host_pool
+    assert kvc.hisparse_shared_host_pool == (tp > 1)
     return kvc, config
 
 
@@ -117,8 +117,8 @@ def _check_rows(worker: HiSparseWorker, leader: str, script: dict, rows: torch.T
 
 def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir: str,
                split: bool = False, backend: str = "torch", steps: int = STEPS,
-               fraction: float = 0.25) -> None:
-    try:
+               fraction: "float | str" = 0.25) -> None:
+    with reporting_errors(result_dir, rank):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world)
         torch.set_num_threads(1)
@@ -126,11 +126,14 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
         scheduler = HiSparseScheduler(kvc, config, max_num_seqs=SEQS,
                                       free_block_watermark=1.0) if rank == 0 else None
         worker = None
+        if world == 1:  # one rank: a private host pool
+            pool_name = None
         if rank == 0:  # rank 0 creates the pool first; the others get its secret
             worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
                                     backend=backend, tp_rank=0, host_pool_name=pool_name,
                                     split_gather=split, split_gather_fraction=fraction)
-        secret = broadcast_host_pool_secret(worker.host_pool_secret if rank == 0 else None)
+        secret = broadcast_host_pool_secret(worker.host_pool_secret if rank == 0 else None) \
+            if world > 1 else None
         if rank != 0:
             worker = HiSparseWorker(kvc, config, max_num_seqs=SEQS, device="cpu",
                                     backend=backend, tp_rank=rank, host_pool_name=pool_name,
@@ -164,31 +167,29 @@ def _rank_main(rank: int, world: int, init_file: str, pool_name: str, result_dir
             worker.mirror(step_plan)                      # after the forward
             dist.barrier()  # rank 0's mirror is in the shared pool before anyone reads it
         stats = worker.stats()
+        extra = ""
+        if split:   # every miss went through the split gather; what it exchanged
+            sg = worker.split_gather.stats()
+            assert sg.misses == stats.misses and 0 < sg.calls <= steps * len(worker.leaders)
+            extra = (f" {sg.miss_bytes} {sg.exchange_bytes} {sg.overflow_bytes} "
+                     f"{int(sg.fraction * 64)} {sg.plan_columns}")
         with open(os.path.join(result_dir, f"rank{rank}"), "w") as out:
             out.write(f"{checked} {stats.misses} {stats.hits} {stats.d2h_bytes} "
-                      f"{step_plan.step}\n")
+                      f"{step_plan.step}{extra}\n")
         dist.barrier()
         worker.close()
         dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(result_dir, f"rank{rank}.error"), "w") as out:
-            out.write(traceback.format_exc())
-        raise
 
 
 def _run_two_ranks(tmp_path, split: bool = False, backend: str = "torch",
-                   steps: int = STEPS, fraction: float = 0.25) -> list[list[int]]:
+                   steps: int = STEPS, fraction: "float | str" = 0.25,
+                   world: int = 2) -> list[list[int]]:
     name = f"test-tp-{uuid.uuid4().hex}"
-    try:
-        mp.start_processes(_rank_main, args=(2, str(tmp_path / "pg"), name, str(tmp_path),
-                                             split, backend, steps, fraction),
-                           nprocs=2, join=True, start_method="spawn")
-    except Exception:
-        errors = [p.read_text() for p in tmp_path.glob("rank*.error")]
-        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    spawn_ranks(_rank_main, world, (world, str(tmp_path / "pg"), name, str(tmp_path), split,
+                                    backend, steps, fraction), tmp_path)
     leftover = [f for f in os.listdir(pools.shared_host_pool_dir()) if name in f]
     assert not leftover, leftover
-    results = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
+    results = [(tmp_path / f"rank{r}").read_text().split() for r in range(world)]
     return [[int(v) for v in r] for r in results]
 
 
@@ -202,8 +203,9 @@ def test_two_ranks_one_scheduler_one_shared_host_pool(tmp_path):
 
 
 @pytest.mark.parametrize("backend,steps,fraction", [
-    ("torch", STEPS, 0.25),   # 1 split column per row and rank: most misses pulled by both
+    ("torch", STEPS, 0.25),   # a fixed capacity: rows past it pulled by both ranks
     ("torch", STEPS, 1.0),    # every miss column split and exchanged
+    ("torch", STEPS, "auto"),  # the capacity follows the miss fraction
     ("triton", 30, 0.5)])
 def test_two_ranks_split_the_gather_and_stay_exact(tmp_path, backend, steps, fraction):
     """``split_gather=True``: each rank pulls half of every step's missed rows and the ranks
@@ -212,8 +214,30 @@ def test_two_ranks_split_the_gather_and_stay_exact(tmp_path, backend, steps, fra
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" \
             and not torch.cuda.is_available():
         pytest.skip("the Triton backend on CPU needs TRITON_INTERPRET=1")
-    (checked0, misses0, hits0, _, steps0), (checked1, misses1, hits1, _, steps1) = \
+    (checked0, misses0, hits0, _, steps0, *split0), (checked1, misses1, hits1, _, steps1,
+                                                     *split1) = \
         _run_two_ranks(tmp_path, split=True, backend=backend, steps=steps, fraction=fraction)
+    assert split0 == split1       # the same misses, exchange and capacity on both ranks
     assert checked0 == checked1 > (2000 if steps == STEPS else 100)
     assert misses0 == misses1 > (50 if steps == STEPS else 5) and hits0 == hits1
     assert steps0 == steps1 == steps
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_one_and_four_ranks_split_the_gather_at_auto_capacity(tmp_path, world):
+    """``split_gather_fraction="auto"`` on 1 and 4 gloo ranks: every row any rank resolves
+    is exact, and the ranks agree on every count and on the capacity they retuned to."""
+    results = _run_two_ranks(tmp_path, split=True, steps=48, fraction="auto", world=world)
+    assert all(r[:3] + r[4:] == results[0][:3] + results[0][4:] for r in results)
+    checked, misses, hits, _, steps, miss_bytes, exchange, overflow, level, cols = results[0]
+    assert checked > 300 and misses > 20 and hits > 0 and steps == 48
+    assert 0 <= overflow <= miss_bytes
+    if world == 1:
+        assert exchange == 0     # nothing to exchange with
+    else:
+        # retuned away from the 1/4 it starts at, to a level of the rule (this workload
+        # misses about 30% of its columns; the rule itself: tests/test_split_gather.py)
+        from hisparse_triton.worker.split_capacity import CAPACITY_LEVELS
+
+        assert 0 < exchange and level != 16 and level / 64 in CAPACITY_LEVELS
+        assert level / 64 >= misses / cols

@@ -14,8 +14,10 @@ Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
 - ``overlap_step``: a DeepSeek-V3.2 decode step at batch 64 with a stand-in compute kernel
   per layer (a bf16 matmul), without and with the side-stream mode (``resolve_rows(...,
   stream=)``), and with the gather grid uncapped vs capped (``gather_programs_per_sm``);
-- ``split_gather``: needs 2 or more GPUs (skipped with the reason otherwise): two ranks
-  (NCCL) split every gather of a step and exchange the rows, against both pulling all;
+- ``split_gather``: ``lab.split_bench`` on CUDA: the split gather against the plain one on
+  the same miss plans, on one GPU (the split's own cost) and, with 2+ GPUs, on every GPU
+  (NCCL; recorded as skipped with the reason on one); fixed and auto capacity, serial and
+  pipelined, exactness and bytes exchanged per step;
 - ``vllm_ops``: ``lab.vllm_ops.device_time`` (the vLLM plugin's ops).
 
     PYTHONPATH=bench python -m lab.decode_checks --device cuda --json OUT.json
@@ -161,20 +163,26 @@ def overlap_step(device: torch.device, quick: bool, **kwargs: Any) -> dict[str, 
 
 # ----------------------------------------------------------------------------- split gather
 def split_gather(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Two NCCL ranks splitting every gather vs not (needs >= 2 GPUs)."""
+    """``lab.split_bench``: the split gather against the plain one on the same miss plans,
+    on 1 rank and on every GPU (NCCL; a rank count above the GPUs is recorded as skipped
+    with the reason)."""
     if device.type != "cuda":
-        return {"skipped": "needs CUDA"}
-    count = torch.cuda.device_count()
-    if count < 2:
-        return {"skipped": f"needs 2 or more GPUs, this machine has {count} (the split "
-                           f"gather is exact on CPU: tests/test_tensor_parallel.py)"}
+        return {"skipped": "needs CUDA (the split gather is exact on CPU: "
+                           "tests/test_split_gather.py; its gloo figures: lab.split_bench "
+                           "--device cpu)"}
     import os
     import subprocess
 
     from lab import child_env
 
-    proc = subprocess.run([sys.executable, "-m", "lab.split_bench"], capture_output=True,
-                          text=True, timeout=150, env=child_env(dict(os.environ)))
+    count = min(torch.cuda.device_count(), 8)
+    ranks = sorted({1, max(2, count)})
+    cmd = [sys.executable, "-m", "lab.split_bench", "--device", "cuda",
+           "--ranks", ",".join(map(str, ranks)), "--steps", "16" if quick else "32"]
+    if quick:
+        cmd += ["--variants", "fixed-0.25-serial,auto-serial,auto"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=45 if quick else 70,
+                          env=child_env(dict(os.environ)))
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -64,6 +64,16 @@ def step_points(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(points)
 
 
+def split_fraction(text: str) -> "float | None":
+    """``--split-fraction``: ``auto`` (None) or a number in ``(0, 1]``."""
+    if text.strip().lower() == "auto":
+        return None
+    value = fraction(text)
+    if value <= 0.0:
+        raise argparse.ArgumentTypeError(f"must be auto or in (0, 1], got {text!r}")
+    return value
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``advise`` and its flags."""
     parser = subparsers.add_parser(
@@ -117,9 +127,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         default=None, help="with --tp-split: GPU-to-GPU all_gather speed "
                                            "per GPU, GB/s (default 360: an assumption for "
                                            "NVLink 4)")
-    parser.add_argument("--split-fraction", type=fraction, default=0.25,
-                        help="with --tp-split: share of a row's top-k columns the exchange "
-                             "carries (split_gather_fraction, default 0.25)")
+    parser.add_argument("--split-fraction", type=split_fraction, default=None,
+                        metavar="auto|F",
+                        help="with --tp-split: share of the top-k columns the exchange "
+                             "carries (split_gather_fraction); default auto: each setting's "
+                             "miss rate plus a 25%% headroom, rounded up to a level (the "
+                             "worker's auto rule), which advise recommends")
+    parser.add_argument("--split-chunks", metavar="N", type=bounded_int(1, 64), default=2,
+                        help="with --tp-split: chunks the split gather is pipelined in "
+                             "(split_gather_chunks, default 2)")
     parser.add_argument("--mtp", metavar="Q", type=bounded_int(1, 16), default=1,
                         help="query tokens per decode step (speculative decoding): Q top-k "
                              "selections looked up as one union, Q tokens per step (every "
@@ -210,6 +226,25 @@ def _recommendation(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _split_recommendation(p: dict[str, Any]) -> list[str]:
+    """The capacity fraction ``--tp-split`` recommends for ``split_gather_fraction``."""
+    split, best = p["tp_split"], p.get("recommended") or {}
+    fraction = split.get("recommended_fraction")
+    if fraction is None:
+        return []
+    where = (f"block_size {best['block_size']}, device_buffer_size "
+             f"{best['device_buffer_size']}" if best.get("mode") == "hisparse"
+             else "the best HiSparse setting")
+    rows = [r for r in p["settings"] if "error" not in r and r.get("batch")]
+    row = next((r for r in rows if best.get("mode") == "hisparse"
+                and (r["block_size"], r["device_buffer_size"]) ==
+                (best["block_size"], best["device_buffer_size"])), None)
+    miss = row["miss_rate"] if row else best.get("miss_rate") or 0.0
+    return [f"split gather capacity: split_gather_fraction {fraction:g} for {where} (miss "
+            f"rate {100 * miss:.1f}% + {100 * split['headroom']:g}% headroom, rounded up to "
+            f"a level; 'auto', the default, settles there from the observed misses)"]
+
+
 def format_advice(p: dict[str, Any]) -> str:
     """The human-readable sweep and recommendation."""
     kernel = p.get("attention_kernel")
@@ -279,6 +314,7 @@ def format_advice(p: dict[str, Any]) -> str:
     lines.append(f"formula: {p['formula']}")
     if p.get("tp_split"):
         lines.append(f"split gather: {p['tp_split']['formula']}")
+        lines += _split_recommendation(p)
     return "\n".join(lines)
 
 
@@ -338,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch, trace=args.trace, streams=args.streams, steps=args.steps,
         warmup=max(1, args.steps // 4), seed=args.seed, link_by_rows=by_rows,
         tp_split=args.tp_split, split_fraction=args.split_fraction,
+        split_chunks=args.split_chunks,
         exchange_gbps=args.exchange_gbps or DEFAULT_EXCHANGE_GBPS)
     blocks = args.block_sizes or attention_kernel(geometry.name)[1] or (16, 32, 64)
     total = len(blocks) * len(buffers or DEFAULT_BUFFER_FACTORS)

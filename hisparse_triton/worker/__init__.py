@@ -5,6 +5,8 @@
 - ``hot_cache``: per index group, the hot slots, their LRU order, the counters and the bound
   resolve + gather (the only part that calls ``hisparse_triton.ops`` and the kernels);
 - ``mirror``: the device -> host mirror of a plan's new rows;
+- ``split_gather``, ``split_capacity``: tensor-parallel ranks splitting each gather, and
+  the rule that sizes its exchange by the observed miss fraction;
 - ``layers``: where each layer's rows lie in the two pools;
 - ``stats``: ``WorkerStats`` and reading the device counters;
 - ``options``, ``placement``: constructor checks; small inputs onto the device;

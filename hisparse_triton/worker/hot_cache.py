@@ -94,22 +94,26 @@ def copy_rows(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: to
     load_ops().copy_rows(dst, src, src_rows, dst_rows, counts, backend=backend)
 
 
-def split_copy(backend: str, device: torch.device):
+def split_copy(backend: str, device: torch.device, *, programs_per_sm: int = 0):
     """The copy a ``SplitGather`` runs: ``copy_rows(dst, src, src_rows, dst_rows, counts)``
     on the worker's backend (``kernel_backend(backend, device)``); on Triton through a
-    ``MirrorCopy`` (a ``BoundCopy`` per table pair)."""
+    ``MirrorCopy`` (a ``BoundCopy`` per table pair) at ``programs_per_sm`` (the decode
+    gathers' grid budget, which leaves SMs to the exchange running beside the pulls).
+    ``copy.set_programs_per_sm(n)`` changes the budget."""
     kernel = kernel_backend(backend, device)
-    copier = MirrorCopy(kernel)
+    copier = MirrorCopy(kernel, programs_per_sm=programs_per_sm)
 
     def copy(dst: RowTable, src: RowTable, src_rows: torch.Tensor, dst_rows: torch.Tensor,
              counts: Optional[torch.Tensor] = None) -> None:
         copier(dst, src, src_rows, dst_rows, counts, backend=kernel)
 
+    copy.set_programs_per_sm = copier.set_programs_per_sm   # type: ignore[attr-defined]
     return copy
 
 
 def make_split_gather(enabled: object, group: object, device: torch.device, backend: str, *,
-                      fraction: float) -> Optional["SplitGather"]:
+                      fraction: "float | str", chunks: int,
+                      programs_per_sm: int = 0) -> Optional["SplitGather"]:
     """The worker's ``SplitGather`` over ``group`` (``worker.split_gather``) when ``enabled``
     (a bool; ``ValueError`` otherwise), with ``split_copy``'s copies; None when not."""
     if not isinstance(enabled, bool):
@@ -118,7 +122,9 @@ def make_split_gather(enabled: object, group: object, device: torch.device, back
         return None
     from hisparse_triton.worker.split_gather import SplitGather
 
-    return SplitGather(group, device, split_copy(backend, device), fraction=fraction)
+    return SplitGather(group, device, split_copy(backend, device,
+                                                 programs_per_sm=programs_per_sm),
+                       fraction=fraction, chunks=chunks)
 
 
 class HostEvent:
@@ -159,12 +165,19 @@ class MirrorCopy:
     Triton backend, outside tracing, each table pair gets a ``BoundCopy``: checks and launch
     arguments once per plan layout, then one ``kernel[grid](...)`` launch per call;
     otherwise ``ops.copy_rows``. ``kernel``: the worker's resolved backend (``"triton"`` or
-    ``"torch"``)."""
+    ``"torch"``); ``programs_per_sm``: the bound copies' grid budget (0 = none)."""
 
-    def __init__(self, kernel: str) -> None:
+    def __init__(self, kernel: str, *, programs_per_sm: int = 0) -> None:
         self.kernel = kernel
+        self.programs_per_sm = programs_per_sm
         self._bound: dict[tuple[int, int], tuple] = {}
         self._ops: Optional[ModuleType] = None   # hisparse_triton.ops, on first use
+
+    def set_programs_per_sm(self, programs_per_sm: int) -> None:
+        """The grid budget of the bound copies (``BoundCopy``'s ``programs_per_sm``); they
+        bind again on their next call."""
+        self.programs_per_sm = programs_per_sm
+        self._bound.clear()
 
     def __call__(self, dst: RowTable, src: RowTable, src_rows: torch.Tensor,
                  dst_rows: torch.Tensor, counts: Optional[torch.Tensor] = None, *,
@@ -182,8 +195,8 @@ class MirrorCopy:
 
             # the direction names the launch config, as ops.copy_rows does
             kernel = "backup" if dst.pool.is_cpu and not src.pool.is_cpu else "gather"
-            entry = self._bound[key] = (dst, src, BoundCopy(dst, src, pages=False,
-                                                            kernel=kernel))
+            entry = self._bound[key] = (dst, src, BoundCopy(
+                dst, src, pages=False, kernel=kernel, programs_per_sm=self.programs_per_sm))
         entry[2](src_rows, dst_rows, counts)
 
 

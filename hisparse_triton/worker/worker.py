@@ -87,10 +87,13 @@ class HiSparseWorker(WorkerViews):
       every gather: each pulls 1/N of the missed rows from the host pool and the ranks
       exchange them (``all_gather``), so every rank's hot buffers are identical
       (``worker.split_gather``). Every rank must resolve the same index groups in the same
-      order (a collective per resolve); the host pool must hold the same rows on every rank.
-      ``split_gather_fraction`` (default 0.25): the share of a row's top-k columns the
-      exchange carries (fixed shapes: ``ceil(fraction x K / N)`` rows per row and rank);
-      misses past it are pulled by every rank itself (``worker.split_gather``).
+      order (a collective per resolve) and apply the same plans; the host pool must hold the
+      same rows on every rank. ``split_gather_fraction``: the exchange's capacity as a share
+      of the miss plan's columns (fixed shapes): ``"auto"`` (default: follows the observed
+      miss fraction plus a headroom, ``worker.split_capacity``) or a number in (0, 1];
+      misses past it are pulled by every rank itself, so every row stays exact.
+      ``split_gather_chunks`` (default 2): the pull of chunk ``i + 1`` over the host link
+      runs while chunk ``i`` is exchanged.
     - ``device_pool_tensor``, ``host_pool_tensor``: memory the caller allocated, adopted as
       the device pool (on ``device``) and the host pool (a CPU tensor; not with a shared
       pool) instead of allocating them; each at least ``pool_bytes(kv_cache_config)`` bytes,
@@ -123,7 +126,8 @@ class HiSparseWorker(WorkerViews):
                  draft_layers: Sequence[str] = (),
                  gather_programs_per_sm: int = hot_cache.DEFAULT_GATHER_PROGRAMS_PER_SM,
                  split_gather: bool = False, split_gather_group: object = None,
-                 split_gather_fraction: float = 0.25) -> None:
+                 split_gather_fraction: "float | str" = "auto",
+                 split_gather_chunks: int = 2) -> None:
         max_num_seqs, tp_rank = check_options(
             kv_cache_config, config, max_num_seqs, backend, tp_rank, host_pool_name,
             host_ram_fraction, host_pool_secret, host_pool_group)
@@ -142,7 +146,8 @@ class HiSparseWorker(WorkerViews):
         #: The TP ranks' split of every gather (``worker.split_gather``), or None.
         self.split_gather = hot_cache.make_split_gather(
             split_gather, split_gather_group, self.device, backend,
-            fraction=split_gather_fraction)
+            fraction=split_gather_fraction, chunks=split_gather_chunks,
+            programs_per_sm=self.gather_programs_per_sm)
         # Everything this worker will allocate, checked together before anything is built.
         check_memory(memory_requests(
             kv_cache_config, config, max_num_seqs=max_num_seqs, device=self.device,
@@ -242,8 +247,16 @@ class HiSparseWorker(WorkerViews):
         (``plan.step`` = the previous plan's + 1) and a plan with mirror rows must be
         ``mirror``-ed before the next one is applied. A refused plan raises ``ValueError``
         naming the field and changes nothing.
+
+        With ``split_gather`` at ``split_gather_fraction="auto"``, every
+        ``split_capacity.SPLIT_RETUNE_PLANS``-th plan also retunes the split gather's
+        capacity, agreed over its group (a small ``all_reduce``: every rank applies every
+        plan, in order). The retune runs before the plan is written (it changes a capacity,
+        no table), so the tables' write stays the call's last step.
         """
         self._check_open()
+        if self.split_gather is not None:   # every few plans: retune its capacity
+            self.split_gather.on_plan(plan.step)
         self._tables.apply(plan)
 
     def revert(self, plan: StepPlan) -> None:
@@ -367,6 +380,8 @@ class HiSparseWorker(WorkerViews):
         value = hot_cache.check_programs_per_sm(programs_per_sm)
         for cache in self._index_groups.values():
             cache.set_gather_programs_per_sm(value)
+        if self.split_gather is not None:
+            self.split_gather.set_programs_per_sm(value)
         self.gather_programs_per_sm = value
 
     def check_resolve(self, leader_layer: str, state_rows: object, topk: object, *,
