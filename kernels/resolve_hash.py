@@ -114,8 +114,10 @@ def _at(base, idx, stride, OFF64: tl.constexpr):
 
 @triton.jit
 def _within(x, lo, hi):
-    """``lo <= x < hi`` for int32 ``x`` and ``lo <= hi`` (one unsigned compare)."""
-    return (x - lo).to(tl.uint32, bitcast=True) < (hi - lo).to(tl.uint32, bitcast=True)
+    """``lo <= x < hi`` for int32 ``x`` and ``lo <= hi`` (one unsigned compare; ``lo`` and
+    ``hi`` may be Python ints, as Triton passes an argument equal to 1)."""
+    span = tl.zeros_like(x) + (hi - lo)  # a tensor even when both bounds are constants
+    return (x - lo).to(tl.uint32, bitcast=True) < span.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
