@@ -119,9 +119,32 @@ def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90) -> di
     payload = compile_report(arch, groups=("resolve",), widths=widths, small_host=True)
     keep = ("variant", "kernel", "grid", "num_warps", "registers", "spills", "shared_bytes",
             "sass_instructions", "ctas_per_sm", "error", "model")
-    return {"schema": "hisparse-triton/resolve-model", "schema_version": 1,
+    return {"schema": "hisparse-triton/resolve-model", "schema_version": 2,
             "arch": payload["arch"], "triton": payload["triton"],
-            "variants": [{k: r.get(k) for k in keep} for r in payload["launches"]]}
+            "variants": [{k: r.get(k) for k in keep} for r in payload["launches"]],
+            "per_call": per_call(payload["launches"])}
+
+
+def per_call(launches: list) -> dict:
+    """Per resolve call (one index group): the model's us of every launch the call makes at
+    its own grid, summed (the hash resolve: its hash launch and its fallback launch, each
+    costed on the path it takes in a batch without a flagged row; ``if_a_row_is_flagged_us``:
+    the sum when one row of the batch falls back). Launch latency is not included."""
+    calls: dict = {}
+    for r in launches:
+        model = r.get("model")
+        if not model:
+            continue
+        call = r["variant"].removesuffix(" fallback")
+        entry = calls.setdefault(call, {"launches": [], "us": 0.0,
+                                        "if_a_row_is_flagged_us": 0.0})
+        us = model["us_per_call_this_grid"]
+        flagged = model.get("if_a_row_takes_the_full_path")
+        entry["launches"].append({"kernel": r["kernel"], "us": us, "path": model.get("path")})
+        entry["us"] = round(entry["us"] + us, 2)
+        full = us if flagged is None else flagged["us_per_call_this_grid"]
+        entry["if_a_row_is_flagged_us"] = round(entry["if_a_row_is_flagged_us"] + full, 2)
+    return calls
 
 
 if __name__ == "__main__":  # python bench/bench_resolve.py OUT.json [widths,...]

@@ -194,3 +194,26 @@ def test_compiled_resolve_has_a_model():
     fb = fallback[0]["model"]
     assert "early return" in fb["path"] and fb["barriers"] == 0
     assert fb["cycles_per_row"] < fb["if_a_row_takes_the_full_path"]["cycles_per_row"]
+
+
+def test_bench_resolve_sums_the_launches_of_a_call():
+    """``bench_resolve.per_call``: a call's launches (``"<variant> fallback"`` for the
+    second) summed at their own grid; a flagged row costs the fallback's full path."""
+    from bench_resolve import per_call
+
+    hash_model = {"us_per_call_this_grid": 9.4, "path": "p"}
+    fallback = {"us_per_call_this_grid": 0.25, "path": "early",
+                "if_a_row_takes_the_full_path": {"us_per_call_this_grid": 25.0}}
+    launches = [
+        {"variant": "resolve K=2048 R=64", "kernel": "h", "model": hash_model},
+        {"variant": "resolve K=2048 R=64 fallback", "kernel": "s", "model": fallback},
+        {"variant": "resolve K=8192 R=64", "kernel": "s", "model": {
+            "us_per_call_this_grid": 100.0}},
+        {"variant": "broken", "kernel": "s", "model": None},
+    ]
+    calls = per_call(launches)
+    assert set(calls) == {"resolve K=2048 R=64", "resolve K=8192 R=64"}
+    two = calls["resolve K=2048 R=64"]
+    assert two["us"] == 9.65 and two["if_a_row_is_flagged_us"] == 34.4
+    assert [launch["kernel"] for launch in two["launches"]] == ["h", "s"]
+    assert calls["resolve K=8192 R=64"]["us"] == 100.0

@@ -504,12 +504,13 @@ def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequen
     early = EARLY_EXITS.get(name)
     if early is not None and early(kwargs):  # most programs return at once: model that path
         full = model.as_dict(MODEL_ROWS, ctas_per_sm)
+        full["us_per_call_this_grid"] = round(model.us_per_call(rows, ctas_per_sm), 2)
         model = model_sass(sass, num_warps=num_warps, loop_trips=lines, early_exit=True)
         out = model.as_dict(MODEL_ROWS, ctas_per_sm)
         out["path"] = EARLY_EXIT_PATH
         out["if_a_row_takes_the_full_path"] = {  # the launch then waits for that row
             k: full[k] for k in ("cycles_per_row", "us_per_row", "us_per_call",
-                                 "barriers", "mem_depth")}
+                                 "us_per_call_this_grid", "barriers", "mem_depth")}
     else:
         out = model.as_dict(MODEL_ROWS, ctas_per_sm)
         out["path"] = path(kwargs) if path is not None else FULL_PATH
