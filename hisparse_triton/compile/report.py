@@ -407,7 +407,7 @@ def _named(what: str, made: Any) -> list[tuple[str, Any]]:
     """``(variant, launch)`` of what a ``make()`` returned: one launch (or None), or the
     launches of one call in order (the hash resolve and its fallback launch: the second is
     named ``"<variant> fallback"``)."""
-    if not isinstance(made, tuple):
+    if made is None or hasattr(made, "kernel"):  # one launch (a KernelLaunch is a tuple too)
         return [(what, made)]
     return [(what if i == 0 else f"{what} fallback", launch) for i, launch in enumerate(made)]
 
