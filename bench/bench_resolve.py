@@ -9,7 +9,7 @@ Every call starts from the same warm state (``ResolveWorkload``: full hot buffer
 order of real use, restored before each call, untimed) with a prescribed miss ratio, so the
 figures do not drift as the state would under repeated calls. Calls use the decode form of
 the API: a reusable ``ResolveWorkspace``, a caller-owned ``out`` for the rows and device-side
-``counters`` (one kernel launch on Triton).
+``counters`` (on Triton: the hash resolve and its fallback launch).
 
 CPU: the torch reference (the runtime's CPU backend) at batch 1 / 8 / 64, miss ratio 0.067
 (buffer = 4k in the GLM-5.1 trace) and 1 (cold); the host cost of one ``ops.resolve`` +
@@ -67,10 +67,11 @@ def test_cpu_reference_resolve(benchmark, record, batch, ratio):
 
 def test_cpu_host_cost():
     """Host time of the decode call of one index group with the launches stubbed out; the
-    launch count is the budget's (resolve with its counters, then the gather)."""
+    launch count is the budget's (the hash resolve with its counters, its fallback launch,
+    then the gather)."""
     cost = resolve_host_cost(batch=64, top_k=TOP_K, hot_slots=HOT)
     print(f"\nhost cost of ops.resolve + ops.copy_rows (launches stubbed): {cost}")
-    assert cost["launches_per_call"] == 2 and cost["api"] == "workspace"
+    assert cost["launches_per_call"] == 3 and cost["api"] == "workspace"
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -123,9 +124,32 @@ def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90,
                              progress=progress)
     keep = ("variant", "kernel", "grid", "num_warps", "registers", "spills", "shared_bytes",
             "sass_instructions", "ctas_per_sm", "error", "model")
-    return {"schema": "hisparse-triton/resolve-model", "schema_version": 1,
+    return {"schema": "hisparse-triton/resolve-model", "schema_version": 2,
             "arch": payload["arch"], "triton": payload["triton"],
-            "variants": [{k: r.get(k) for k in keep} for r in payload["launches"]]}
+            "variants": [{k: r.get(k) for k in keep} for r in payload["launches"]],
+            "per_call": per_call(payload["launches"])}
+
+
+def per_call(launches: list) -> dict:
+    """Per resolve call (one index group): the model's us of every launch the call makes at
+    its own grid, summed (the hash resolve: its hash launch and its fallback launch, each
+    costed on the path it takes in a batch without a flagged row; ``if_a_row_is_flagged_us``:
+    the sum when one row of the batch falls back). Launch latency is not included."""
+    calls: dict = {}
+    for r in launches:
+        model = r.get("model")
+        if not model:
+            continue
+        call = r["variant"].removesuffix(" fallback")
+        entry = calls.setdefault(call, {"launches": [], "us": 0.0,
+                                        "if_a_row_is_flagged_us": 0.0})
+        us = model["us_per_call_this_grid"]
+        flagged = model.get("if_a_row_takes_the_full_path")
+        entry["launches"].append({"kernel": r["kernel"], "us": us, "path": model.get("path")})
+        entry["us"] = round(entry["us"] + us, 2)
+        full = us if flagged is None else flagged["us_per_call_this_grid"]
+        entry["if_a_row_is_flagged_us"] = round(entry["if_a_row_is_flagged_us"] + full, 2)
+    return calls
 
 
 def main(argv: list[str]) -> int:

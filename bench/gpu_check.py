@@ -24,10 +24,12 @@ step that cannot start inside the budget is recorded as skipped):
    the devices (SM / CU counts);
 1. ``decode-checks``: issue 20's decode-path points in one subprocess
    (``lab.decode_checks``): host time per eager launch (bound vs checked), resolve
-   variants, a step with and without the side-stream overlap (grid capped vs not), the
-   split gather against the plain gather on the same miss plans (``lab.split_bench``: one
-   GPU, and every GPU when there are 2+, else that run skipped with the reason), the vLLM
-   ops; each section records its own error and is saved as soon as it is done;
+   variants, our hash and sorted resolves against vLLM's compiled one on the same inputs
+   (``lab.resolve_compare``, when vLLM's build is importable), a step with and without the
+   side-stream overlap (grid capped vs not), the split gather against the plain gather on
+   the same miss plans (``lab.split_bench``: one GPU, and every GPU when there are 2+, else
+   that run skipped with the reason), the vLLM ops; each section records its own error and
+   is saved as soon as it is done;
    ``decode-step``: a whole DeepSeek-V3.2 decode step at batch 64 through the runtime (61
    index groups, every request on the host path): the eager step and the graph-replayed
    step (the decode forward from one CUDA graph, a new plan each step), device and host time

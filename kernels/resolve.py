@@ -55,10 +55,11 @@ from hisparse_triton.ops.resolve.contract import (
 )
 from hisparse_triton.kernels.launch_config import KernelLaunch, resolve_launch_warps
 from hisparse_triton.ops.resolve.workspace import (
+    HASH_BUCKET_SLOTS,
     HASH_MAX_SLOTS,
     HASH_MAX_WIDTH,
     ResolveWorkspace,
-    hash_table_width,
+    hash_buckets,
     restore_resolve_state,
     scratch_width,
 )
@@ -77,16 +78,15 @@ MAX_BLOCK_H = 4096
 GATHER_SEARCH = True
 #: The kernels ``_resolve(variant=...)`` can launch.
 VARIANTS = ("hash", "sorted")
-#: Warps of the hash kernel at tiles of 1,024 and more (the compile report: 255 registers per
-#: thread with its sorted fallback and no spills; 16 warps spill; the model: 11.5 us vs 11.8).
+#: Warps of the hash kernel at tiles of 1,024 and more.
 HASH_WARPS = 8
-
-
-# --------------------------------------------------------------------------------- launcher
+#: Element offsets past this need int64 arithmetic in the hash kernel (``OFF64``).
+_I32_OFFSETS = 2**31
 
 
 class _Launch(NamedTuple):
-    """Constexprs and options of one resolve launch (a function of the shapes only)."""
+    """Constexprs and options of one resolve call shape's launch(es) (a function of the
+    shapes only): the sorted kernel's, or the hash kernel's and its fallback launch's."""
 
     block_k: int
     sort: int
@@ -96,6 +96,7 @@ class _Launch(NamedTuple):
     num_warps: int
     constexprs: dict  # the launch's keyword arguments
     variant: str = "sorted"  # "hash" | "sorted"
+    fallback: Optional[dict] = None  # hash: the fallback launch's keyword arguments
 
 
 _LAUNCHES: dict[tuple, _Launch] = {}
@@ -130,8 +131,9 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
         raise ValueError(f"resolve: num_warps must be a power of two <= 32, got {num_warps}")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"resolve: variant must be one of {VARIANTS}, got {variant!r}")
-    if probes is not None and not 1 <= probes <= 64:
-        raise ValueError(f"resolve: probes must be in [1, 64], got {probes}")
+    if probes is not None and not 1 <= probes <= HASH_BUCKET_SLOTS:
+        raise ValueError(f"resolve: probes (key slots per hash bucket) must be in "
+                         f"[1, {HASH_BUCKET_SLOTS}], got {probes}")
     eligible = hash_applies(K, H, block_size, num_host_blocks)
     sorted_knobs = sort_width is not None or block_h is not None or gather_search is not None
     if variant == "hash" and (not eligible or sorted_knobs):
@@ -145,56 +147,110 @@ def _launch(K: int, H: int, block_size: int, num_host_blocks: int, has_counters:
     bh = min(_pow2(max(H, 16)), block_h or MAX_BLOCK_H)
     key64 = (num_host_blocks * block_size + 1) * block_k > 2**31
     tile = max(sort, bh)
-    if use_hash:  # 8 warps: 255 registers with its sorted fallback, no spills (16 spill)
-        warps = resolve_launch_warps(tile, num_warps or (HASH_WARPS if tile >= 1024 else 4))
-    else:
-        warps = resolve_launch_warps(tile, num_warps)  # per warp size; HIP's limits checked
     in_regs = (GATHER_SEARCH if gather_search is None else bool(gather_search)) \
         and sort == block_k
+    # the sorted kernel's constexprs (its own launch, or the hash kernel's fallback launch)
+    sorted_warps = resolve_launch_warps(tile, None if use_hash else num_warps)
     constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, LOG2_K=block_k.bit_length() - 1,
                       SORT=sort, LOG2_SORT=sort.bit_length() - 1, BLOCK_H=bh, BLOCK_R=block_r,
-                      KEY64=key64, HAS_COUNTERS=has_counters, IN_REGS=in_regs)
+                      KEY64=key64, HAS_COUNTERS=has_counters, IN_REGS=in_regs, FLAGGED=False,
+                      num_warps=sorted_warps)
     if use_hash:
-        constexprs.update(LOG2_T=hash_table_width(K, H).bit_length() - 1,
+        warps = resolve_launch_warps(tile, num_warps or (HASH_WARPS if tile >= 1024 else 4))
+        fallback = {**constexprs, "FLAGGED": True}
+        constexprs = dict(BLOCK_SIZE=block_size, BLOCK_K=block_k, BLOCK_H=bh,
+                          BLOCK_R=block_r, HAS_COUNTERS=has_counters,
+                          LOG2_NB=hash_buckets(K).bit_length() - 1,
                           PROBES=probes or _hash.PROBES,
                           HASH_MUL=_hash.HASH_MUL if hash_mul is None else int(hash_mul),
-                          LOOKUP=_hash.LOOKUP, FIRST_ROUNDS=_hash.FIRST_ROUNDS,
-                          FALLBACK=True, CLEAN_FIRST=False)
-    constexprs["num_warps"] = warps
-    launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs,
-                     "hash" if use_hash else "sorted")
+                          FULL_K=K == block_k, FULL_H=H == bh, num_warps=warps)
+        launch = _Launch(block_k, sort, bh, key64, in_regs, warps, constexprs, "hash",
+                         fallback)
+    else:
+        launch = _Launch(block_k, sort, bh, key64, in_regs, sorted_warps, constexprs)
     _LAUNCHES[key] = launch
     return launch
 
 
-def _kernel_of(launch: _Launch) -> Any:
-    """The jit kernel of a launch (looked up at call time: a launch recorder may replace it)."""
-    return _resolve_hash_kernel if launch.variant == "hash" else _resolve_kernel
-
-
-def _kernel_args(launch: _Launch, topk: torch.Tensor, state_rows: torch.Tensor,
-                 state: tuple, rows: torch.Tensor, bufs: Any,
-                 counters: Optional[torch.Tensor], sizes: tuple) -> tuple:
-    """The positional arguments of either kernel (``state``: the six state tensors;
-    ``sizes``: ``(K, S, P, H, num_device_blocks, num_host_blocks)``)."""
+def _hash_call_constexprs(launch: _Launch, topk: torch.Tensor, state: tuple,
+                          rows: torch.Tensor, one_off: bool) -> dict:
+    """The hash launch's constexprs that depend on a call's tensors, not only its shape:
+    ``POS64`` (positions compared as int64: int64 / uint64 / uint32 top-k), ``OFF64`` (an
+    element offset of some tensor reaches 2**31 elements: int64 offsets) and
+    ``CLEAN_FIRST`` (a one-off table, not clean yet)."""
     seq_lens, resident, host, hot, slot_rows, lru = state
+    K, P, HB, H = topk.shape[1], resident.shape[1], hot.shape[1], lru.shape[1]
+    reach = max((K - 1) * max(topk.stride(1), rows.stride(1)),
+                (P - 1) * max(resident.stride(1), host.stride(1)),
+                (HB - 1) * hot.stride(1), (H - 1) * max(slot_rows.stride(1), lru.stride(1)))
+    return {**launch.constexprs,
+            "POS64": topk.dtype in (torch.int64, torch.uint64, torch.uint32),
+            "OFF64": reach >= _I32_OFFSETS, "CLEAN_FIRST": one_off}
+
+
+def _kernel_of(variant: str) -> Any:
+    """The jit kernel of a variant (looked up at call time: a launch recorder may replace
+    it)."""
+    return _resolve_hash_kernel if variant == "hash" else _resolve_kernel
+
+
+def _strides(topk: torch.Tensor, state_rows: torch.Tensor, state: tuple,
+             rows: torch.Tensor) -> tuple:
+    seq_lens, resident, host, hot, slot_rows, lru = state
+    return (*topk.stride(), state_rows.stride(0), seq_lens.stride(0), *resident.stride(),
+            *host.stride(), *hot.stride(), *slot_rows.stride(), *lru.stride(), *rows.stride())
+
+
+def _sorted_args(topk: torch.Tensor, state_rows: torch.Tensor, state: tuple,
+                 rows: torch.Tensor, bufs: Any, counters: Optional[torch.Tensor],
+                 sizes: tuple) -> tuple:
+    """The positional arguments of the sorted kernel (``state``: the six state tensors;
+    ``sizes``: ``(K, S, P, H, num_device_blocks, num_host_blocks)``)."""
     K, S, P, H, num_device_blocks, num_host_blocks = sizes
-    scratch = tuple(bufs[1:15])  # miss_src ... keys2 (the ResolveBuffers order)
     cnt = counters if counters is not None else bufs.stats
-    table = (bufs.table,) if launch.variant == "hash" else ()
-    return (topk, state_rows, seq_lens, resident, host, hot, slot_rows, lru, rows, *scratch,
-            cnt, *table, K, S, P, H, *topk.stride(), state_rows.stride(0), seq_lens.stride(0),
-            *resident.stride(), *host.stride(), *hot.stride(), *slot_rows.stride(),
-            *lru.stride(), *rows.stride(), counters.stride(0) if counters is not None else 0,
+    return (topk, state_rows, *state, rows, bufs.miss_src, bufs.miss_dst, bufs.miss_count,
+            bufs.stats, bufs.touched, bufs.old_slot_rows, bufs.old_lru, bufs.owner, bufs.cls,
+            bufs.run_pos, bufs.colbuf, bufs.colm, bufs.keys, bufs.keys2, cnt, bufs.fallback,
+            K, S, P, H, *_strides(topk, state_rows, state, rows),
+            counters.stride(0) if counters is not None else 0, num_device_blocks,
+            num_host_blocks)
+
+
+def _hash_args(topk: torch.Tensor, state_rows: torch.Tensor, state: tuple,
+               rows: torch.Tensor, bufs: Any, counters: Optional[torch.Tensor],
+               sizes: tuple) -> tuple:
+    """The positional arguments of the hash kernel (as ``_sorted_args``)."""
+    K, S, P, H, num_device_blocks, num_host_blocks = sizes
+    cnt = counters if counters is not None else bufs.stats
+    return (topk, state_rows, *state, rows, bufs.miss_src, bufs.miss_dst, bufs.miss_count,
+            bufs.stats, bufs.touched, bufs.old_slot_rows, bufs.old_lru, bufs.owner,
+            bufs.fallback, cnt, bufs.table, K, S, P, H,
+            *_strides(topk, state_rows, state, rows),
+            counters.stride(0) if counters is not None else 0, bufs.table.stride(0),
             num_device_blocks, num_host_blocks)
+
+
+def _launches(launch: _Launch, topk: torch.Tensor, state_rows: torch.Tensor, state: tuple,
+              rows: torch.Tensor, bufs: Any, counters: Optional[torch.Tensor], sizes: tuple,
+              one_off: bool) -> tuple[tuple[str, tuple, dict], ...]:
+    """``(variant, args, kwargs)`` of every launch of a call, in order: the sorted kernel
+    alone, or the hash kernel and its fallback launch (the sorted kernel, ``FLAGGED``)."""
+    sorted_args = _sorted_args(topk, state_rows, state, rows, bufs, counters, sizes)
+    if launch.variant != "hash":
+        return (("sorted", sorted_args, launch.constexprs),)
+    return (("hash", _hash_args(topk, state_rows, state, rows, bufs, counters, sizes),
+             _hash_call_constexprs(launch, topk, state, rows, one_off)),
+            ("sorted", sorted_args, launch.fallback))
 
 
 class BoundResolve:
     """A resolve whose state tensors never change (a runtime's tables, hot state, counters
     and workspace): what depends only on them and on a call's shape (argument checks, launch
-    shape, strides, buffers, the kernel's arguments) is done once per shape and kept, so a
-    call on the decode path is a dictionary lookup and one ``kernel[grid](...)`` launch
-    (Triton's own launch path; under a CUDA graph capture, the launch the graph records).
+    shape, strides, buffers, the kernels' arguments) is done once per shape and kept, so a
+    call on the decode path is a dictionary lookup and its ``kernel[grid](...)`` launches
+    (Triton's own launch path; under a CUDA graph capture, the launches the graph records):
+    one for the sorted kernel, two for the hash kernel (the hash launch and its fallback
+    launch, both of grid ``(R,)``).
 
     ``bound(topk, state_rows, out)`` has the semantics of ``resolve(topk, state_rows,
     seq_lens, ..., counters=counters, out=out, workspace=workspace)``; a call of a new shape
@@ -226,9 +282,10 @@ class BoundResolve:
         launch = _launch(K, H, block_size, num_host_blocks, True)
         bufs = workspace.buffers(R, K, H)
         result = ResolveResult(out, *bufs[1:5])
-        args = _kernel_args(launch, topk, state_rows, self._state, out, bufs, counters,
-                            (K, S, P, H, num_device_blocks, num_host_blocks))
-        return _BoundCall(R, launch, args[2:], bufs, result)
+        launches = tuple((variant, args[2:], kwargs) for variant, args, kwargs in _launches(
+            launch, topk, state_rows, self._state, out, bufs, counters,
+            (K, S, P, H, num_device_blocks, num_host_blocks), False))
+        return _BoundCall(R, launches, bufs, result)
 
     def __call__(self, topk: torch.Tensor, state_rows: torch.Tensor,
                  out: torch.Tensor) -> ResolveResult:
@@ -242,20 +299,20 @@ class BoundResolve:
             call = self._calls[key] = self._prepare(topk, state_rows, out)
         self._workspace.last = call.bufs
         if call.rows:
-            launch = call.launch
+            grid = (call.rows,)
             with device_guard(topk):
-                _kernel_of(launch)[(call.rows,)](topk, state_rows, *call.args,
-                                                 **launch.constexprs)
+                for variant, args, kwargs in call.launches:
+                    _kernel_of(variant)[grid](topk, state_rows, *args, **kwargs)
         return call.result
 
 
 class _BoundCall(NamedTuple):
-    """A call shape of a ``BoundResolve``: its rows, launch, the kernel's arguments after
-    ``topk`` and ``state_rows``, its workspace buffers and result (views of them)."""
+    """A call shape of a ``BoundResolve``: its rows, launches (``(variant, the kernel's
+    arguments after topk and state_rows, keywords)`` in order), its workspace buffers and
+    result (views of them)."""
 
     rows: int
-    launch: _Launch
-    args: tuple
+    launches: tuple
     bufs: Any
     result: ResolveResult
 
@@ -351,12 +408,14 @@ def _resolve(
                                num_host_blocks, counters, out, workspace)
     if not topk.is_cuda:
         _check_backend(topk.device)
-    launch, result = _describe(dims, topk, state_rows, state, block_size, num_device_blocks,
-                               num_host_blocks, counters, out, workspace, sort_width, block_h,
-                               num_warps, gather_search, block_r, variant, probes, hash_mul)
-    if launch is not None:
+    launches, result = _describe(dims, topk, state_rows, state, block_size, num_device_blocks,
+                                 num_host_blocks, counters, out, workspace, sort_width,
+                                 block_h, num_warps, gather_search, block_r, variant, probes,
+                                 hash_mul)
+    if launches:
         with device_guard(topk):
-            launch()
+            for launch in launches:
+                launch()
     return result
 
 
@@ -366,10 +425,13 @@ def resolve_launch(topk: torch.Tensor, state_rows: torch.Tensor, seq_lens: torch
                    *, block_size: int, num_device_blocks: int, num_host_blocks: int,
                    counters: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    workspace: Optional[ResolveWorkspace] = None, **knobs: Any
-                   ) -> tuple[Optional[KernelLaunch], ResolveResult]:
-    """The launch ``_resolve`` makes for these arguments (checked the same way; the launch
-    knobs of ``_resolve`` as keywords), without making it, and the result it would fill:
-    ``(None, result)`` for zero rows. Needs no GPU (the compile report compiles it)."""
+                   ) -> tuple[tuple[KernelLaunch, ...], ResolveResult]:
+    """The launches ``_resolve`` makes for these arguments, in order (checked the same way;
+    the launch knobs of ``_resolve`` as keywords), without making them, and the result they
+    would fill: one launch for the sorted kernel, two for the hash kernel (the hash launch,
+    then its fallback launch: the sorted kernel with ``FLAGGED=True``, which resolves the
+    rows the first one flagged and returns at once for the others); ``()`` for zero rows.
+    Needs no GPU (the compile report compiles them)."""
     state = (seq_lens, resident_blocks, host_blocks, hot_blocks, slot_host_rows, lru)
     dims = _check_resolve_args(topk, state_rows, *state, block_size, num_device_blocks,
                                num_host_blocks, counters, out, workspace)
@@ -390,7 +452,7 @@ def _describe(dims: tuple, topk: torch.Tensor, state_rows: torch.Tensor, state: 
               workspace: Optional[ResolveWorkspace], sort_width: Optional[int],
               block_h: Optional[int], num_warps: Optional[int], gather_search: Optional[bool],
               block_r: int, variant: Optional[str], probes: Optional[int],
-              hash_mul: Optional[int]) -> tuple[Optional[KernelLaunch], ResolveResult]:
+              hash_mul: Optional[int]) -> tuple[tuple[KernelLaunch, ...], ResolveResult]:
     """``resolve_launch`` once the arguments are checked (``dims``: what the checks
     returned)."""
     R, K, S, P, _, H = dims
@@ -405,10 +467,9 @@ def _describe(dims: tuple, topk: torch.Tensor, state_rows: torch.Tensor, state: 
     rows = out if out is not None else bufs.rows
     result = ResolveResult(rows, *bufs[1:5])
     if R == 0:
-        return None, result
-    args = _kernel_args(launch, topk, state_rows, state, rows, bufs, counters,
-                        (K, S, P, H, num_device_blocks, num_host_blocks))
-    constexprs = launch.constexprs
-    if workspace is None and launch.variant == "hash":  # a one-off table: the kernel clears it
-        constexprs = {**constexprs, "CLEAN_FIRST": True}
-    return KernelLaunch(_kernel_of(launch), (R,), args, constexprs), result
+        return (), result
+    return tuple(KernelLaunch(_kernel_of(variant), (R,), args, kwargs)
+                 for variant, args, kwargs in _launches(
+                     launch, topk, state_rows, state, rows, bufs, counters,
+                     (K, S, P, H, num_device_blocks, num_host_blocks),
+                     workspace is None)), result

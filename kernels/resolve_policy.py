@@ -29,11 +29,14 @@ __all__ = ["lru_replacement"]
 
 
 @triton.jit
-def _lru_replacement(cls, p, n_evict, n_serving, n_fill, ev_carry, hit_carry):
+def _lru_replacement(cls, p, n_evict, n_serving, n_fill, ev_carry, hit_carry,
+                     CARRIES: tl.constexpr):
     """LRU. ``cls``, ``p``: ``[BLOCK] int32`` classes and positions of a tile (positions in
     increasing order, the tiles in order); scalars as in the module docstring. Returns
     ``(new_pos, filled, erank, ev_carry, hit_carry)`` (``[BLOCK] int32``, ``[BLOCK] bool``,
-    ``[BLOCK] int32`` and the carries for the next tile). ``BLOCK < 2**16``."""
+    ``[BLOCK] int32`` and the carries for the next tile; with ``CARRIES=False``, a caller
+    whose row is one tile, the carries come back unchanged: their two reductions, which a
+    compiler cannot drop, are not made). ``BLOCK < 2**16``."""
     ev = cls == 0
     hit = cls == 1
     # One scan packs both ranks (the tile totals are two sums: ptxas schedules the sorted
@@ -45,8 +48,10 @@ def _lru_replacement(cls, p, n_evict, n_serving, n_fill, ev_carry, hit_carry):
     filled = ev & (erank < n_fill)
     new_pos = tl.where(ev, tl.where(filled, n_evict - n_fill + erank, erank - n_fill),
                        tl.where(hit, n_evict + hrank, n_evict + n_serving + irank))
-    return (new_pos, filled, erank, ev_carry + tl.sum(ev.to(tl.int32), axis=0),
-            hit_carry + tl.sum(hit.to(tl.int32), axis=0))
+    if CARRIES:
+        ev_carry += tl.sum(ev.to(tl.int32), axis=0)
+        hit_carry += tl.sum(hit.to(tl.int32), axis=0)
+    return new_pos, filled, erank, ev_carry, hit_carry
 
 
 @triton.jit
@@ -69,7 +74,7 @@ def _lru_replacement_kernel(cls_ptr, n_fill_ptr, new_pos_ptr, filled_ptr, erank_
         pm = p < H
         c = tl.load(cls_ptr + r * stride_r + p, mask=pm, other=3)
         new_pos, filled, erank, ev_carry, hit_carry = _lru_replacement(
-            c, p, n_evict, n_serving, n_fill, ev_carry, hit_carry)
+            c, p, n_evict, n_serving, n_fill, ev_carry, hit_carry, True)
         tl.store(new_pos_ptr + r * stride_r + p, new_pos, mask=pm)
         tl.store(filled_ptr + r * stride_r + p, filled.to(tl.int32), mask=pm)
         tl.store(erank_ptr + r * stride_r + p, erank, mask=pm)

@@ -372,7 +372,7 @@ def _sorted_row(
         cls = tl.load(cls_ptr + scr_h + p, mask=pm, other=3)
         slot = tl.load(old_lru_ptr + scr_h + p, mask=pm, other=-1)
         new_pos, filled, erank, ev_carry, hit_carry = _lru_replacement(
-            cls, p, n_evict, n_serving, n_fill, ev_carry, hit_carry)
+            cls, p, n_evict, n_serving, n_fill, ev_carry, hit_carry, True)
         ok = pm & _lanes(active, p) & (new_pos >= 0) & (new_pos < H)
         tl.store(lru_row + new_pos.to(tl.int64) * stride_lru_h, slot, mask=ok)
         src = tl.load(miss_src_ptr + plan + erank, mask=filled, other=-1)
@@ -419,7 +419,7 @@ def _resolve_kernel(
     lru_ptr,
     rows_ptr, miss_src_ptr, miss_dst_ptr, miss_count_ptr, stats_ptr,
     touched_ptr, old_rows_ptr, old_lru_ptr, owner_ptr, cls_ptr, run_pos_ptr, colbuf_ptr,
-    colm_ptr, keys_ptr, keys2_ptr, counters_ptr,
+    colm_ptr, keys_ptr, keys2_ptr, counters_ptr, fallback_ptr,
     K, S, P, H,
     stride_tk_r, stride_tk_c, stride_sr, stride_seq, stride_res_s, stride_res_p,
     stride_host_s, stride_host_p, stride_hot_s, stride_hot_b, stride_shr_s, stride_shr_h,
@@ -428,15 +428,19 @@ def _resolve_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_K: tl.constexpr,
     SORT: tl.constexpr, LOG2_SORT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     KEY64: tl.constexpr, HAS_COUNTERS: tl.constexpr, IN_REGS: tl.constexpr,
+    FLAGGED: tl.constexpr,
 ):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
     st = tl.load(state_rows_ptr + r64 * stride_sr)
-    row_ok = _first_of_state(state_rows_ptr, stride_sr, r, st, S, BLOCK_R)
     rows_row = rows_ptr + r64 * stride_out_r
     plan = r64 * K
+    if FLAGGED:  # the hash kernel's fallback launch: only the rows it flagged, nothing else
+        row_ok = tl.load(fallback_ptr + r64) != 0
+    else:
+        row_ok = _first_of_state(state_rows_ptr, stride_sr, r, st, S, BLOCK_R)
     if row_ok:
         _sorted_row(r, r64, st, rows_row, plan, topk_ptr, state_rows_ptr, seq_lens_ptr, resident_ptr, host_ptr, hot_ptr, slot_rows_ptr, lru_ptr, rows_ptr, miss_src_ptr, miss_dst_ptr, miss_count_ptr, stats_ptr, touched_ptr, old_rows_ptr, old_lru_ptr, owner_ptr, cls_ptr, run_pos_ptr, colbuf_ptr, colm_ptr, keys_ptr, keys2_ptr, counters_ptr, K, S, P, H, stride_tk_r, stride_tk_c, stride_sr, stride_seq, stride_res_s, stride_res_p, stride_host_s, stride_host_p, stride_hot_s, stride_hot_b, stride_shr_s, stride_shr_h, stride_lru_s, stride_lru_h, stride_out_r, stride_out_c, stride_cnt, num_device_blocks, num_host_blocks, BLOCK_SIZE, BLOCK_K, LOG2_K, SORT, LOG2_SORT, BLOCK_H, BLOCK_R, KEY64, HAS_COUNTERS, IN_REGS)
-    else:
+    elif not FLAGGED:
         _padding_row(r64, rows_row, stride_out_c, miss_src_ptr, miss_dst_ptr, miss_count_ptr,
                      stats_ptr, touched_ptr, plan, K, SORT)

@@ -21,8 +21,9 @@ def test_launch_path_host_cost_runs_the_real_launch_path():
     full = launch_path_host_cost(4, 2, **small)
     bare = launch_path_host_cost(4, 2, read_addresses=False, **small)
     assert "left out" in bare["launch_path"] and "left out" not in full["launch_path"]
-    assert full["step_launches"] == bare["step_launches"] == 2 * 2 + 1
-    assert full["resolve_rows_launches"] == 2
+    # per index group: the hash resolve, its fallback launch, the gather; then the mirror
+    assert full["step_launches"] == bare["step_launches"] == 2 * 3 + 1
+    assert full["resolve_rows_launches"] == 3
     assert full["step_ms"] > 0 and bare["step_ms"] > 0
 
 

@@ -14,7 +14,7 @@ import torch
 
 from hisparse_triton.kernels import resolve as kres
 from hisparse_triton.ops import ResolveWorkspace
-from hisparse_triton.ops.resolve.workspace import HASH_EMPTY, hash_table_width
+from hisparse_triton.ops.resolve.workspace import HASH_EMPTY, hash_table_words
 from test_resolve_kernel import pair, run_both
 from test_resolve_reference import (
     INT32_MAX,
@@ -126,16 +126,16 @@ def _table_clean(ws: ResolveWorkspace) -> bool:
     return bool(ws._table.eq(HASH_EMPTY).all())
 
 
-@pytest.mark.parametrize("case", ["collisions", "overflow", "overflow_all_rounds"])
+@pytest.mark.parametrize("case", ["collisions", "overflow", "overflow_full_bucket"])
 def test_forced_collisions_and_overflow_stay_exact(case: str, kernel_device: torch.device
                                                    ) -> None:
-    """``hash_mul=0`` sends every host row to entry 0: with few distinct rows they collide and
-    probe (no overflow); with more distinct rows than ``probes`` the row overflows and is
-    resolved by the sorted fallback in the same launch. Exact either way, counters included,
-    and the table is left clean."""
+    """``hash_mul=0`` sends every host row to bucket 0: with few distinct rows they share it;
+    with more distinct rows than the bucket's ``probes`` slots the row overflows, is flagged
+    and resolved by the fallback launch (the sorted kernel, ``FLAGGED``). Exact either way,
+    counters included, and the table is left clean."""
     knobs = {"collisions": dict(hash_mul=0),                 # <= 6 distinct rows per row
              "overflow": dict(hash_mul=0, probes=2),
-             "overflow_all_rounds": dict(hash_mul=0, probes=16)}[case]
+             "overflow_full_bucket": dict(hash_mul=0)}[case]
     K = 24
     state = make_state(num_states=3, pages=12, hot_slots=40, block_size=4, seed=17,
                        resident_frac=0.1, null_frac=0.05, prefill=True)
@@ -163,6 +163,8 @@ def test_forced_collisions_and_overflow_stay_exact(case: str, kernel_device: tor
         assert torch.equal(k.lru.cpu(), r.lru) and torch.equal(k.slot_host_rows.cpu(),
                                                                r.slot_host_rows)
         assert _table_clean(ws), f"{case} step {step}: table left dirty"
+        if case != "collisions":  # > 8 distinct host rows in one bucket: every row flagged
+            assert ws.last.fallback.tolist() == [1, 1, 1], f"{case} step {step}"
         total += want.stats.sum(0).to(torch.int64)
         topk = drift_topk(topk, state, state_rows, 70 + step, keep=0.5)
     assert torch.equal(counters.cpu(), total)
@@ -184,8 +186,9 @@ def test_table_stays_clean_across_call_shapes(kernel_device: torch.device) -> No
         want = run_reference(topk, srows, r)
         for name, a, b in zip(got._fields, got, want):
             assert torch.equal(a.cpu(), b), f"K={K} H={H}: {name}"
-        assert ws.buffers(R, K, H).table.shape == (R, 3 * hash_table_width(K, H))
+        assert ws.buffers(R, K, H).table.shape == (R, hash_table_words(K, H))
         assert _table_clean(ws)
+        assert ws.last.fallback.tolist() == [0] * R  # the hash path resolved every row
 
 
 def test_all_masked_and_all_resident_rows(kernel_device: torch.device) -> None:

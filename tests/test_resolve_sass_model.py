@@ -126,6 +126,29 @@ def test_loop_trips_by_source_line():
     assert many.alu_cycles == many.counts["alu"] * 1 * sm.ALU_CYCLES
 
 
+def test_early_exit_ends_the_path_at_a_predicated_exit():
+    """``early_exit``: a program that returns at once (``@P0 EXIT``) costs the instructions
+    before it, not the loop after it."""
+    full = sm.model_sass(LOOP, num_warps=4, loop_trips={7: 16})
+    early = sm.model_sass(LOOP, num_warps=4, loop_trips={7: 16}, early_exit=True)
+    assert full.counts["alu"] == 1 + 2 * 16
+    early_exit = """
+        /*0000*/                   LDG.E R2, desc[UR4][R2.64] ;
+        /*0010*/                   ISETP.NE.AND P0, PT, R2, RZ, PT ;
+        /*0020*/              @!P0 EXIT ;
+        /*0030*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   EXIT ;
+"""
+    short = sm.model_sass(early_exit, num_warps=4, early_exit=True)
+    long = sm.model_sass(early_exit, num_warps=4)
+    assert short.counts["alu"] == 1 and short.barriers == 0 and short.mem_depth == 1
+    assert long.counts["alu"] == 2 and long.barriers == 1
+    # LOOP's first EXIT (``@P0 EXIT``) is after its loop: the same work, one EXIT fewer
+    assert early.counts["alu"] == full.counts["alu"]
+    assert early.counts["branch"] == full.counts["branch"] - 1
+
+
 def test_loop_lines_maps_for_statements():
     src = ["def k(x):\n", "    for i in range(0, K, S):\n", "        pass\n",
            "    for j in range(0, H, B):\n"]
@@ -155,8 +178,42 @@ def test_compiled_resolve_has_a_model():
     from hisparse_triton.compile.report import report_in_subprocess
 
     doc = report_in_subprocess(90, groups=("resolve",), widths=(2048,), small_host=False)
+    errors = [(r["variant"], r["error"]) for r in doc["launches"] if r["error"]]
+    assert not errors  # every launch compiles (every size 1 included: Python-int bounds)
     rows = [r for r in doc["launches"] if r["variant"] == "resolve K=2048 H=4096 R=64"]
     assert rows and not rows[0]["error"]
     model = rows[0]["model"]
     assert model["cycles_per_row"] > 0 and set(model["us_per_call"]) == {"1", "8", "64", "132"}
     assert "unmapped_loops" not in model  # every runtime loop of the kernel has its trips
+    assert rows[0]["kernel"] == "_resolve_hash_kernel" and "unflagged row" in model["path"]
+    # The fallback launch: costed on the early return every unflagged row takes, the full
+    # sorted path beside it (what the launch costs when a row is flagged).
+    fallback = [r for r in doc["launches"]
+                if r["variant"] == "resolve K=2048 H=4096 R=64 fallback"]
+    assert fallback and fallback[0]["kernel"] == "_resolve_kernel"
+    fb = fallback[0]["model"]
+    assert "early return" in fb["path"] and fb["barriers"] == 0
+    assert fb["cycles_per_row"] < fb["if_a_row_takes_the_full_path"]["cycles_per_row"]
+
+
+def test_bench_resolve_sums_the_launches_of_a_call():
+    """``bench_resolve.per_call``: a call's launches (``"<variant> fallback"`` for the
+    second) summed at their own grid; a flagged row costs the fallback's full path."""
+    from bench_resolve import per_call
+
+    hash_model = {"us_per_call_this_grid": 9.4, "path": "p"}
+    fallback = {"us_per_call_this_grid": 0.25, "path": "early",
+                "if_a_row_takes_the_full_path": {"us_per_call_this_grid": 25.0}}
+    launches = [
+        {"variant": "resolve K=2048 R=64", "kernel": "h", "model": hash_model},
+        {"variant": "resolve K=2048 R=64 fallback", "kernel": "s", "model": fallback},
+        {"variant": "resolve K=8192 R=64", "kernel": "s", "model": {
+            "us_per_call_this_grid": 100.0}},
+        {"variant": "broken", "kernel": "s", "model": None},
+    ]
+    calls = per_call(launches)
+    assert set(calls) == {"resolve K=2048 R=64", "resolve K=8192 R=64"}
+    two = calls["resolve K=2048 R=64"]
+    assert two["us"] == 9.65 and two["if_a_row_is_flagged_us"] == 34.4
+    assert [launch["kernel"] for launch in two["launches"]] == ["h", "s"]
+    assert calls["resolve K=8192 R=64"]["us"] == 100.0

@@ -592,6 +592,6 @@ def test_resolve_rows_is_at_most_three_launches_and_no_torch_op(q):
             Ops.count = 0
             with Ops():
                 rows = rt.worker.resolve_rows(L0, state_rows, topk)
-        assert len(launches) <= 3 and len(launches) == 2
+        assert len(launches) <= 3 and len(launches) == 3  # hash resolve, its fallback, gather
         assert Ops.count == 0
         assert rows.shape == shape

@@ -11,6 +11,10 @@ Sections (``SECTIONS``; each ``fn(device, quick) -> dict``):
 - ``resolve_variants``: device microseconds of one resolve at R = 1, 8, 64 x K = 2048 x
   H = 4096 at two miss rates, for every variant ``kernels.resolve.resolve_variants`` lists
   (the shape's dispatch, hash, sorted), each checked against the reference first;
+- ``resolve_vs_vllm``: our hash resolve, our sorted one, vLLM's compiled
+  ``hisparse_resolve_residency`` (when vLLM's build provides it, else skipped with the
+  reason) and our Triton form of it, on the same 64 x 2048 x 4096 step
+  (``lab.resolve_compare``: do_bench, the state restored before every call);
 - ``overlap_step``: a DeepSeek-V3.2 decode step at batch 64 with a stand-in compute kernel
   per layer (a bf16 matmul), without and with the side-stream mode (``resolve_rows(...,
   stream=)``), and with the gather grid uncapped vs capped (``gather_programs_per_sm``);
@@ -152,6 +156,17 @@ def resolve_variants(device: torch.device, quick: bool) -> dict[str, Any]:
     return results
 
 
+def resolve_vs_vllm(device: torch.device, quick: bool) -> dict[str, Any]:
+    """``lab.resolve_compare.device_time`` (CUDA): hash, sorted and vLLM's compiled resolve
+    on the same inputs."""
+    if device.type != "cuda":
+        return {"skipped": "device timing needs CUDA"}
+    from lab import resolve_compare
+
+    return resolve_compare.device_time(device, rep_ms=40 if quick else 100,
+                                       miss_ratios=(0.134,) if quick else (0.134, 1.0))
+
+
 # ----------------------------------------------------------------------------- overlap
 def overlap_step(device: torch.device, quick: bool, **kwargs: Any) -> dict[str, Any]:
     """``hisparse_triton.benchmarks.decode_step.overlap_step`` (``bench --decode-step``'s
@@ -200,6 +215,7 @@ def vllm_ops(device: torch.device, quick: bool) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
     "launch_path": launch_path, "resolve_variants": resolve_variants,
+    "resolve_vs_vllm": resolve_vs_vllm,
     "overlap_step": overlap_step, "split_gather": split_gather, "vllm_ops": vllm_ops}
 
 

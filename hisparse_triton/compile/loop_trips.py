@@ -1,24 +1,23 @@
-"""The cost model's inputs per kernel: loop trip counts and model twins (``sass_model``).
+"""The cost model's inputs per kernel: loop trip counts (``sass_model``).
 
 Static SASS counts a loop body once; the model repeats it ``trips`` times, with the trips
 stated here per kernel (by its ``@triton.jit`` function name) as a function of one launch:
 ``LOOP_TRIPS[name](kernel, args, kwargs, grid) -> {for-statement text: trips}``, matched
-against the kernel's source lines (``sass_model.loop_lines``). A kernel whose rare path (a
-fallback) is compiled out for the model has a *twin*: ``MODEL_TWINS[name](kwargs)``, the
-launch keywords the model compiles instead of the launch's own. Kernels without an entry
-have no runtime loops worth counting (their hot loops are ``tl.static_range``) or no twin.
+against the kernel's source lines (``sass_model.loop_lines``). Kernels without an entry have
+no runtime loops worth counting (their hot loops are ``tl.static_range``). The model
+compiles every launch as the runtime makes it (no twin with a path compiled out). Two more
+tables say which path a launch's figures count (the model dict's ``path``):
+``EARLY_EXITS[name](kwargs)`` is true for a launch whose programs, in a realistic batch, all
+take the kernel's early return (the hash resolve's fallback launch: no row flagged), costed
+to its first ``EXIT`` with the full path beside it; ``MODEL_PATHS[name](kwargs)`` describes
+the path of the other launches where it needs saying.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["LOOP_TRIPS", "MODEL_ROUNDS", "MODEL_TWINS"]
-
-#: Insertion rounds the model assumes for the hash resolve (``kernels/resolve_hash.py``): a
-#: Python simulation of the parallel rounds on 2,048 random or block-contiguous host rows
-#: at load 1/16 gives a median of 3 (p95 4, max 5 of 200 rows).
-MODEL_ROUNDS = 3
+__all__ = ["EARLY_EXITS", "LOOP_TRIPS", "MODEL_PATHS"]
 
 
 def _values(kernel: Any, args: tuple, kwargs: dict) -> dict:
@@ -44,16 +43,13 @@ def sorted_resolve_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any) -> d
 
 def hash_resolve_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any) -> dict[str, int]:
     """``_resolve_hash_kernel`` (``kernels/resolve_hash.py``): the last row's scan of earlier
-    state rows, ``MODEL_ROUNDS`` insertion rounds, one pass of lookup probes (the sorted
-    fallback's loops do not run: the model twin has none)."""
+    state rows. Its only other data-dependent work, the insertion, is one ``atomic_add`` per
+    column and its lookups a fixed ``PROBES`` loads (``tl.static_range``): the same for every
+    row, the slowest of a batch included (``compile/insertion.py`` simulates how full the
+    buckets get)."""
     values = _values(kernel, args, kwargs)
     rows = int(grid[0]) if grid else 1
-    return {
-        "for r0 in range(0, r, BLOCK_R)": -(-(rows - 1) // values["BLOCK_R"]),
-        "while (n_pend > 0) & (rounds < PROBES)": max(1, MODEL_ROUNDS
-                                                      - values["FIRST_ROUNDS"]),
-        "for d0 in range(0, rounds, LOOKUP)": -(-MODEL_ROUNDS // values["LOOKUP"]),
-    }
+    return {"for r0 in range(0, r, BLOCK_R)": -(-(rows - 1) // values["BLOCK_R"])}
 
 
 def upconvert_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any) -> dict[str, int]:
@@ -83,12 +79,6 @@ def sglang_copy_trips(kernel: Any, args: tuple, kwargs: dict, grid: Any) -> dict
     }
 
 
-def hash_resolve_twin(kwargs: dict) -> dict:
-    """The hash resolve's model twin: the hash path alone (``FALLBACK=False``; the fallback
-    runs only on overflow and costs the sorted figure)."""
-    return {**kwargs, "FALLBACK": False}
-
-
 #: Loop trips per kernel function name (see the module docstring).
 LOOP_TRIPS: dict[str, Callable[[Any, tuple, dict, Any], dict[str, int]]] = {
     "_resolve_kernel": sorted_resolve_trips,
@@ -97,7 +87,22 @@ LOOP_TRIPS: dict[str, Callable[[Any, tuple, dict, Any], dict[str, int]]] = {
     "_swap_in_resolve_kernel": sglang_resolve_trips,
     "_copy_planned_kernel": sglang_copy_trips,
 }
-#: Model twins per kernel function name (see the module docstring).
-MODEL_TWINS: dict[str, Callable[[dict], dict]] = {
-    "_resolve_hash_kernel": hash_resolve_twin,
+
+
+def hash_resolve_path(kwargs: dict) -> str:
+    """What the hash resolve's model counts."""
+    return ("an unflagged row, the slowest of the grid: one insertion round per column (an "
+            f"atomic_add on its bucket, whatever the keys), {kwargs.get('PROBES')} lookup "
+            "probes (static), the last row's scan of earlier state rows, every forward "
+            "branch counted")
+
+
+#: Launches whose programs all take the early return in a realistic batch (see the module
+#: docstring): the sorted kernel as the hash resolve's fallback launch.
+EARLY_EXITS: dict[str, Callable[[dict], bool]] = {
+    "_resolve_kernel": lambda kwargs: bool(kwargs.get("FLAGGED", False)),
+}
+#: The path a launch's model counts, where the default ("every branch taken") needs saying.
+MODEL_PATHS: dict[str, Callable[[dict], str]] = {
+    "_resolve_hash_kernel": hash_resolve_path,
 }

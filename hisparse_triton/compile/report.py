@@ -114,8 +114,9 @@ def _i32(*shape: int):
 
 def _resolve_calls(widths: Sequence[int], small_host: bool = True
                    ) -> list[tuple[str, Callable[[], Any]]]:
-    """``(variant, make)`` of every resolve variant: ``make()`` returns the launch the
-    runtime's resolve makes (``kernels.resolve.resolve_launch``: counters, a workspace)."""
+    """``(variant, make)`` of every resolve variant: ``make()`` returns the launches the
+    runtime's resolve makes (``kernels.resolve.resolve_launch``: counters, a workspace): the
+    sorted kernel's, or the hash kernel's and its fallback launch's."""
     import torch
 
     from hisparse_triton.kernels import resolve as kres
@@ -127,12 +128,12 @@ def _resolve_calls(widths: Sequence[int], small_host: bool = True
              B: int = _BLOCK, device_blocks: int = 100_000) -> Callable[[], Any]:
         def make() -> Any:
             states = S or R + 8
-            launch, _ = kres.resolve_launch(
+            launches, _ = kres.resolve_launch(
                 _i32(R, K), _i32(R), _i32(states), _i32(states, P), _i32(states, P),
                 _i32(states, -(-H // B)), _i32(states, H), _i32(states, H), block_size=B,
                 num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                 counters=torch.zeros(3, dtype=torch.int64), workspace=ResolveWorkspace("cpu"))
-            return launch
+            return launches
         return make
 
     for K in widths:
@@ -381,7 +382,7 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
         + (_vllm_calls() if "vllm" in groups else []) \
         + (_sglang_calls() if "sglang" in groups else [])
     with _planned_for(compiler):   # the launchers plan for the target (warp size, limits)
-        launches = [(what, make()) for what, make in calls]
+        launches = [item for what, make in calls for item in _named(what, make())]
     records: list[dict[str, Any]] = []
     for what, launch in launches:
         if launch is None:
@@ -393,16 +394,22 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
         record = {"variant": what, "kernel": name, "grid": _grid(launch.grid),
                   **{k: v for k, v in info.items() if k != "_sass"}}
         if info.get("_sass"):  # the issue-cycle model (compile/sass_model.py; NVIDIA only)
-            twin = sass_model.model_twin(launch.kernel, dict(launch.kwargs))
-            sass = info["_sass"] if twin is None else \
-                compiler.compile(launch.kernel, launch.args, twin).get("_sass", info["_sass"])
             record["model"] = sass_model.launch_model(
-                launch.kernel, sass, launch.args, dict(launch.kwargs),
+                launch.kernel, info["_sass"], launch.args, dict(launch.kwargs),
                 record["grid"], info["num_warps"], info["ctas_per_sm"])
         records.append(record)
     target = compiler.payload() if amd else {"arch": f"sm_{arch}", "vendor": "nvidia",
                                               "warp_size": 32}
     return {**target, "triton": triton.__version__, "launches": records}
+
+
+def _named(what: str, made: Any) -> list[tuple[str, Any]]:
+    """``(variant, launch)`` of what a ``make()`` returned: one launch (or None), or the
+    launches of one call in order (the hash resolve and its fallback launch: the second is
+    named ``"<variant> fallback"``)."""
+    if made is None or hasattr(made, "kernel"):  # one launch (a KernelLaunch is a tuple too)
+        return [(what, made)]
+    return [(what if i == 0 else f"{what} fallback", launch) for i, launch in enumerate(made)]
 
 
 def _planned_for(compiler: Any):

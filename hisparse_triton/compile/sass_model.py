@@ -7,7 +7,10 @@
 1. **Path.** The instructions from the entry to the first unconditional ``EXIT``. Code that
    ptxas places after it (cold paths reached only by a branch: the padding row of resolve) is
    not counted. Every forward branch before it is assumed to run both sides (conservative:
-   an ``if`` costs its body).
+   an ``if`` costs its body). A launch whose programs all take an early return in a
+   realistic batch (``loop_trips.EARLY_EXITS``: the hash resolve's fallback launch, no row
+   flagged) is costed to its first ``EXIT``, predicated or not, with the full path beside
+   it; every launch model says which path it counts (``path``).
 2. **Loops.** A branch to an address at or before its own is a back edge; the instructions of
    ``[target, branch]`` run ``trips`` times. ``loop_trips`` maps the *source line* (``"path:line"``, or the line
    number alone) of the back-edge branch (``nvdisasm -gi`` line info; of an inlined ``@triton.jit``
@@ -53,10 +56,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from hisparse_triton.compile.loop_trips import LOOP_TRIPS, MODEL_TWINS
+from hisparse_triton.compile.loop_trips import EARLY_EXITS, LOOP_TRIPS, MODEL_PATHS
 
 __all__ = ["BAR_CYCLES", "CLOCK_HZ", "Instr", "MEM_LATENCY", "SMS", "classify", "loop_lines",
-           "launch_model", "model_sass", "model_twin", "parse_sass", "sass_of_cubin"]
+           "launch_model", "model_sass", "parse_sass", "sass_of_cubin"]
 
 CLOCK_HZ = 1.98e9
 SMS = 132
@@ -209,12 +212,14 @@ def loop_lines(source_lines: Sequence[str], first_line: int,
     return out
 
 
-def _trace(instrs: list[Instr], loop_trips: Mapping[Any, int]) -> tuple[list[int], list]:
-    """Indices of the dynamic trace (loops expanded) and the loops ``(addr, line, trips)``."""
+def _trace(instrs: list[Instr], loop_trips: Mapping[Any, int], early_exit: bool = False
+           ) -> tuple[list[int], list]:
+    """Indices of the dynamic trace (loops expanded) and the loops ``(addr, line, trips)``;
+    with ``early_exit`` the path ends at the first ``EXIT``, predicated or not."""
     index = {ins.addr: i for i, ins in enumerate(instrs)}
     end = len(instrs)
     for i, ins in enumerate(instrs):
-        if ins.base == "EXIT" and not ins.pred:
+        if ins.base == "EXIT" and (early_exit or not ins.pred):
             end = i + 1
             break
     loops, trips_at = [], {}
@@ -352,16 +357,18 @@ class Model:
         return out
 
 
-def model_sass(text: str, *, num_warps: int, loop_trips: Optional[Mapping[Any, int]] = None
-               ) -> Model:
+def model_sass(text: str, *, num_warps: int, loop_trips: Optional[Mapping[Any, int]] = None,
+               early_exit: bool = False) -> Model:
     """The issue-cycle model of one CTA (see the module docstring) of the kernel in ``text``.
-    ``loop_trips``: ``{"path:line" or line of a back edge: trips}``."""
+    ``loop_trips``: ``{"path:line" or line of a back edge: trips}``. ``early_exit``: the path
+    ends at the first ``EXIT``, predicated or not (a program that takes its early return:
+    the hash resolve's fallback launch on a row the hash launch did not flag)."""
     if num_warps < 1:
         raise ValueError(f"sass_model: num_warps must be >= 1, got {num_warps}")
     instrs = parse_sass(text)
     if not instrs:
         raise ValueError("sass_model: no SASS instructions in the text")
-    trace, loops = _trace(instrs, loop_trips or {})
+    trace, loops = _trace(instrs, loop_trips or {}, early_exit)
     model = Model(num_warps=num_warps)
     model.loops = [{"addr": hex(a), "line": line, "trips": n} for a, line, n in loops]
     model.unmapped_loops = [x for x in model.loops if x["trips"] is None]
@@ -449,6 +456,11 @@ def sass_of_cubin(cubin: bytes, line_info: bool = True) -> str:
 
 #: Batch sizes every model entry reports ``us_per_call`` for.
 MODEL_ROWS = (1, 8, 64, 132)
+#: The ``path`` of a launch model (which path of the kernel the figures count).
+FULL_PATH = "every branch taken (the slowest program's path), loop trips as stated"
+EARLY_EXIT_PATH = ("the early return (to the first EXIT): every program of a batch takes it "
+                   "(the hash resolve's fallback launch, no row flagged); "
+                   "if_a_row_takes_the_full_path: the launch when one row is flagged")
 
 
 def _module_of(kernel: Any) -> Any:
@@ -460,15 +472,6 @@ def _module_of(kernel: Any) -> Any:
 
 def _name_of(kernel: Any) -> str:
     return getattr(getattr(kernel, "fn", kernel), "__name__", "")
-
-
-def model_twin(kernel: Any, kwargs: dict) -> Optional[dict]:
-    """The launch keywords to compile for the model instead of the launch's own, when the
-    kernel has a twin in ``loop_trips.MODEL_TWINS`` (a kernel whose rare path, e.g. a
-    fallback, is compiled out for the model: the model counts the common path); else
-    None."""
-    twin = MODEL_TWINS.get(_name_of(kernel))
-    return None if twin is None else twin(kwargs)
 
 
 def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequence[int],
@@ -494,8 +497,22 @@ def launch_model(kernel: Any, sass: str, args: tuple, kwargs: dict, grid: Sequen
                 continue
             for line, n in loop_lines(source, 1, trips).items():
                 lines[f"{path}:{line}"] = n
-    model = model_sass(sass, num_warps=num_warps, loop_trips=lines)
-    out = model.as_dict(MODEL_ROWS, ctas_per_sm)
     rows = int(grid[0]) if grid else 1
+    model = model_sass(sass, num_warps=num_warps, loop_trips=lines)
+    name = _name_of(kernel)
+    path = MODEL_PATHS.get(name)
+    early = EARLY_EXITS.get(name)
+    if early is not None and early(kwargs):  # most programs return at once: model that path
+        full = model.as_dict(MODEL_ROWS, ctas_per_sm)
+        full["us_per_call_this_grid"] = round(model.us_per_call(rows, ctas_per_sm), 2)
+        model = model_sass(sass, num_warps=num_warps, loop_trips=lines, early_exit=True)
+        out = model.as_dict(MODEL_ROWS, ctas_per_sm)
+        out["path"] = EARLY_EXIT_PATH
+        out["if_a_row_takes_the_full_path"] = {  # the launch then waits for that row
+            k: full[k] for k in ("cycles_per_row", "us_per_row", "us_per_call",
+                                 "us_per_call_this_grid", "barriers", "mem_depth")}
+    else:
+        out = model.as_dict(MODEL_ROWS, ctas_per_sm)
+        out["path"] = path(kwargs) if path is not None else FULL_PATH
     out["us_per_call_this_grid"] = round(model.us_per_call(rows, ctas_per_sm), 2)
     return out

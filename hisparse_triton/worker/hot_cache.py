@@ -4,11 +4,12 @@ Per index group (``HotCache``): ``slot_host_rows [S, H]`` (host row held by each
 empty), ``lru [S, H]`` (slot ids, least recently used first) and ``counters [3] int64``
 (hits, misses, masked): views of the stacked ``HotState`` (``[G, S, H]``, ``[G, 3]``), so a
 plan's resets clear every group's rows with one write. ``HotCache.resolve`` is the decode
-call: ONE resolve launch (rows, the miss plan, the counters) and ONE gather launch of the
-misses into the hot rows of all of the group's layers; on the Triton backend both are bound
-to the group's fixed tensors (``BoundResolve`` / ``BoundCopy``: checks and launch arguments
-once per shape), so a call is its shape checks, two lookups and two ``kernel[grid](...)``
-launches, and the same two launches are what a CUDA graph captures. When the gather raises,
+call: the resolve (rows, the miss plan, the counters: one launch, or the hash launch and
+its fallback launch) and ONE gather launch of the misses into the hot rows of all of the
+group's layers; on the Triton backend both are bound to the group's fixed tensors
+(``BoundResolve`` / ``BoundCopy``: checks and launch arguments once per shape), so a call is
+its shape checks, two lookups and its ``kernel[grid](...)`` launches, and the same launches
+are what a CUDA graph captures. When the gather raises,
 the resolve is undone (hot state and counters).
 
 Every call the worker makes into ``hisparse_triton.ops`` or ``hisparse_triton.kernels`` is in
@@ -478,7 +479,7 @@ class HotCache:
         self.rows_out, self.rows_view = out, view
         ops = self._ops
         # The reference resolve writes the hot state with several ops: its rows are saved
-        # first. The Triton resolve is one launch and keeps the pre-call state in the
+        # first. The Triton resolve (its launches) keeps the pre-call state in the
         # workspace, which undoes it when the gather raises.
         saved = self._save_rows(state_rows) if self._reference else None
         result = None

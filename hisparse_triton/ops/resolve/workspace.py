@@ -13,8 +13,9 @@ fixed addresses matter. A workspace holds, per call shape ``(R rows, K columns, 
   ``lru`` as they were) and ``touched [R] int32`` (1 = the call resolved this batch row and
   may have changed its state row; 0 = padding or a repeated state row);
 - the kernel's scratch tables (sort keys, slot owners, run winners, miss numbering) and the
-  hash kernel's per-row table (``table [R, 3 T]``, allocated clean, ``INT32_MIN`` in every
-  word, and left clean by every call: each call resets the entries it used).
+  hash kernel's per-row table (``table [R, hash_table_words]``, allocated clean,
+  ``INT32_MIN`` in every word, and left clean by every call: each call resets the words it
+  used) and its ``fallback [R] int32`` flags (the rows its fallback launch resolves).
 
 Results that live in the workspace are valid until the next call with the same workspace
 (every call overwrites them); keep ``rows`` in a caller-owned ``out=`` tensor when they must
@@ -30,8 +31,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["HASH_MAX_SLOTS", "HASH_MAX_WIDTH", "HASH_TABLE_FACTOR", "ResolveBuffers",
-           "ResolveWorkspace", "hash_table_width", "restore_resolve_state", "scratch_width"]
+__all__ = ["HASH_BUCKET_SLOTS", "HASH_MAX_SLOTS", "HASH_MAX_WIDTH", "ResolveBuffers",
+           "ResolveWorkspace", "hash_buckets", "hash_table_words", "restore_resolve_state",
+           "scratch_width"]
 
 _ALIGN = 16  # elements: every view starts 64-byte aligned (Triton specialises on 16 bytes)
 
@@ -39,18 +41,27 @@ _ALIGN = 16  # elements: every view starts 64-byte aligned (Triton specialises o
 #: Widest top-k and most hot slots the hash kernel (``kernels/resolve_hash.py``) takes.
 HASH_MAX_WIDTH = 2048
 HASH_MAX_SLOTS = 4096
-#: Hash-table entries per (power-of-two rounded) top-k column: load factor <= 1/16.
-HASH_TABLE_FACTOR = 16
+#: Key slots per bucket of the hash table (``kernels/resolve_hash.PROBES``): the most keys a
+#: bucket holds, and the probes of every lookup.
+HASH_BUCKET_SLOTS = 8
+#: Buckets per (power-of-two rounded) top-k column: load <= 1 / (2 x 8) = 1/16 per slot.
+HASH_BUCKETS_PER_COLUMN = 2
 #: A clean hash-table word (``kernels/resolve_hash.py``: every call leaves its words so).
 HASH_EMPTY = -(2**31)
 
 
-def hash_table_width(top_k: int, slots: int) -> int:
-    """Entries ``T`` of the per-row hash table of a call shape (the table holds ``3 x T``
-    int32 words per row), 0 when the shape is not the hash kernel's."""
+def hash_buckets(top_k: int) -> int:
+    """Buckets ``NB`` of the per-row hash table at a top-k width (a power of two)."""
+    return HASH_BUCKETS_PER_COLUMN * scratch_width(top_k)
+
+
+def hash_table_words(top_k: int, slots: int) -> int:
+    """int32 words of the per-row hash table of a call shape (per bucket ``HASH_BUCKET_SLOTS``
+    keys and as many aux words, then one counter per bucket), 0 when the shape is not the
+    hash kernel's."""
     if top_k > HASH_MAX_WIDTH or slots > HASH_MAX_SLOTS:
         return 0
-    return HASH_TABLE_FACTOR * scratch_width(top_k)
+    return (2 * HASH_BUCKET_SLOTS + 1) * hash_buckets(top_k)
 
 
 def scratch_width(top_k: int) -> int:
@@ -74,13 +85,15 @@ class ResolveBuffers(NamedTuple):
     run_pos: torch.Tensor        # [R, W] int32 scratch: serving LRU position per key run
     colbuf: torch.Tensor         # [R, W] int32 scratch: miss numbering in column order
     colm: torch.Tensor           # [R, W] int32 scratch: miss number per column
+    fallback: torch.Tensor       # [R] int32: 1 = the hash kernel left the row to its fallback
     keys: torch.Tensor           # [R, W] int64 scratch: sorted keys
     keys2: torch.Tensor          # [R, W] int64 scratch: merge buffer (wide top-k)
-    table: torch.Tensor          # [R, 3 T] int32 hash table (T = hash_table_width; kept clean)
+    table: torch.Tensor          # [R, hash_table_words] int32 hash table (kept clean)
 
 
 _INT32_FIELDS = ("rows", "miss_src", "miss_dst", "miss_count", "stats", "touched",
-                 "old_slot_rows", "old_lru", "owner", "cls", "run_pos", "colbuf", "colm")
+                 "old_slot_rows", "old_lru", "owner", "cls", "run_pos", "colbuf", "colm",
+                 "fallback")
 _INT64_FIELDS = ("keys", "keys2")
 
 
@@ -89,8 +102,8 @@ def _shapes(R: int, K: int, H: int) -> dict[str, tuple[int, ...]]:
     return {"rows": (R, K), "miss_src": (R, K), "miss_dst": (R, K), "miss_count": (R,),
             "stats": (R, 3), "touched": (R,), "old_slot_rows": (R, H), "old_lru": (R, H),
             "owner": (R, H), "cls": (R, H), "run_pos": (R, W), "colbuf": (R, W),
-            "colm": (R, W), "keys": (R, W), "keys2": (R, W),
-            "table": (R, 3 * hash_table_width(K, H))}
+            "colm": (R, W), "fallback": (R,), "keys": (R, W), "keys2": (R, W),
+            "table": (R, hash_table_words(K, H))}
 
 
 def _size(shape: tuple[int, ...]) -> int:
