@@ -128,6 +128,14 @@ class DenseOracle:
         self._row.pop(request_id, None)
         self._len.pop(request_id, None)
 
+    def truncate(self, request_id: Hashable, new_len: int) -> None:
+        """Keep the request's first ``new_len`` tokens (after the runtime's ``truncate`` or
+        a ``verify_drafts`` that rejected some); a later ``write`` continues from there."""
+        if not 0 <= new_len <= self._len[request_id]:
+            raise ValueError(f"request {request_id!r}: truncate to {new_len} tokens, it holds "
+                             f"{self._len[request_id]}.")
+        self._len[request_id] = new_len
+
     def dense_rows(self, request_id: Hashable, layer: str) -> torch.Tensor:
         """``[seq_len, row_bytes] uint8``: what the request's layer holds, position by position."""
         return self._dense[layer][self._row[request_id], :self._len[request_id]]

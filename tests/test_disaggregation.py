@@ -409,3 +409,47 @@ def test_bad_calls_are_refused_and_change_nothing():
         od.write("i", D.append_slots("i", 1))
         topk = torch.arange(TOPK, dtype=torch.int32)[None] * 3
         od.check_resolve(L0, ["i"], topk, D.resolve(L0, ["i"], topk))
+
+
+# ----------------------------------------------------------------------------- with drafts
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_imported_request_drafts_and_rolls_back_exactly(backend):
+    """Once imported, a request appends drafts and has them verified like any other: each
+    step appends one token and two drafts, resolves against the dense oracle, verifies
+    0, 1 or 2 of the drafts (a rejected position is written again with new bytes the next
+    step) and commits; the accepted tokens reach the host pool, the pools come back whole."""
+    P, D, tokens, op, od = sides(backend)
+    with P, D:
+        gen = torch.Generator().manual_seed(5)
+        initial = pools(D)
+        prompt = 21
+        tokens.ids["a"] = [int(t) for t in torch.randint(0, 1000, (prompt,), generator=gen)]
+        export = prefill(P, op, "a", list(tokens.ids["a"]))
+        imp = D.import_request("a", prompt, 12, token_ids=tokens.ids["a"])
+        transport(P, D, imp, export)
+        D.finish_import("a")
+        od.add("a", prompt)
+        for step in range(4):
+            new = [int(t) for t in torch.randint(0, 1000, (3,), generator=gen)]
+            tokens.ids["a"].extend(new)
+            od.write("a", D.append_slots("a", 3, token_ids=new, num_draft_tokens=2))
+            assert D.pending_drafts("a") == [(D.seq_len("a") - 2, 2)]
+            accepted = step % 3
+            D.verify_drafts("a", accepted)
+            assert D.pending_drafts("a") == []
+            del tokens.ids["a"][len(tokens.ids["a"]) - (2 - accepted):]
+            od.truncate("a", D.seq_len("a"))
+            assert D.seq_len("a") == len(tokens.ids["a"])
+            for leader in D.leaders:
+                topk = torch.randint(-1, D.seq_len("a") + 1, (1, TOPK), dtype=torch.int32,
+                                     generator=gen)
+                od.check_resolve(leader, ["a"], topk, D.resolve(leader, ["a"], topk))
+            D.commit()
+            D.scheduler.check_invariants()
+        D.commit()
+        od.check_pages("a")
+        od.check_host("a", D.seq_len("a"))
+        assert od.rows_checked > 0
+        D.free_request("a")
+        D.scheduler.check_invariants()
+        assert pools(D) == initial
