@@ -57,7 +57,8 @@ def _samples(text: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
-def test_serve_and_scrape_over_loopback(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_and_scrape_over_loopback(tmp_path, stop):
     out_json = tmp_path / "metrics.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hisparse_triton", "metrics", "--serve", "0", *DEMO, *MODEL,
@@ -73,7 +74,7 @@ def test_serve_and_scrape_over_loopback(tmp_path):
         verdict_line, _ = _get(url.replace("/metrics", "/verdict"))
         assert proc.poll() is None                       # still serving
     finally:
-        proc.send_signal(signal.SIGINT)                  # how a server is stopped
+        proc.send_signal(stop)                           # how a server is stopped
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:

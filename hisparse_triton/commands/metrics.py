@@ -6,15 +6,18 @@ default, seconds on a CPU); a ``hisparse_triton.metrics.HiSparseMetrics`` sample
 runtime's counters after every decode step without a host sync. With ``--serve PORT`` a
 ``MetricsServer`` answers ``/metrics`` (Prometheus text format) and ``/verdict`` (one line)
 from before the first request until ``--duration`` seconds after the workload finished, or
-until interrupted. Without ``--serve`` the command prints the last scrape and exits. The
-``metrics`` extra (``prometheus_client``) is needed for both. Imports torch only in ``run``.
+until interrupted (SIGINT or SIGTERM: a clean stop, exit status 0). Without ``--serve`` the
+command prints the last scrape and exits. The ``metrics`` extra (``prometheus_client``) is
+needed for both. Imports torch only in ``run``.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -200,20 +203,45 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             until = ("until interrupted" if args.duration is None else
                      f"for {args.duration:g} s")
-            print(f"hisparse-triton metrics: workload done; serving {server.url} {until}",
-                  file=sys.stderr, flush=True)
-            try:
-                _wait(args.duration)
-            except KeyboardInterrupt:  # the way to stop an endless server: not an error
-                print("hisparse-triton metrics: stopped", file=sys.stderr)
+            # From here an interrupt (SIGINT, SIGTERM) only ends the wait: a KeyboardInterrupt
+            # raised wherever the main thread happens to be could skip the clean stop.
+            with _StopOnSignal() as stop:
+                print(f"hisparse-triton metrics: workload done; serving {server.url} {until}",
+                      file=sys.stderr, flush=True)
+                if stop.wait(args.duration):
+                    print("hisparse-triton metrics: stopped", file=sys.stderr, flush=True)
     finally:
         if held.get("server") is not None:
             held["server"].close()
     return 0
 
 
-def _wait(duration: Optional[float]) -> None:
-    """Sleep ``duration`` seconds, or until interrupted (None)."""
-    end = None if duration is None else time.monotonic() + duration
-    while end is None or time.monotonic() < end:
-        time.sleep(0.2 if end is None else max(0.0, min(0.2, end - time.monotonic())))
+class _StopOnSignal:
+    """While entered, SIGINT and SIGTERM set an event instead of raising: ``wait(duration)``
+    sleeps ``duration`` seconds or until one arrives (None: until one arrives) and says
+    whether one did. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def wait(self, duration: Optional[float]) -> bool:
+        end = None if duration is None else time.monotonic() + duration
+        while not self._stop.is_set():
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            # Short waits: the handler runs on the main thread between them.
+            self._stop.wait(0.2 if left is None else min(0.2, left))
+        return True
