@@ -22,30 +22,14 @@ sglang_version=0.5.23
 venv=${HISPARSE_SGLANG_VENV:-.venv-sglang}
 cache=${HISPARSE_SGLANG_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hisparse-triton}
 
-mkdir -p "$cache"
-wheel=$(ls "$cache"/sglang-"$sglang_version"-*.whl 2>/dev/null | head -n 1 || true)
-if [ -z "$wheel" ]; then
-    python3 -m pip download --quiet --no-deps "sglang==$sglang_version" -d "$cache"
-    wheel=$(ls "$cache"/sglang-"$sglang_version"-*.whl | head -n 1)
-fi
-echo "sglang venv: wheel $wheel ($((SECONDS - start)) s)"
-
-rm -rf "$venv"
-python3 -m venv "$venv"
-# Keep the whole folder out of git without touching the repository's .gitignore.
-echo '*' > "$venv/.gitignore"
-"$venv/bin/pip" install --quiet torch==2.13.0 triton==3.7.1 -r .ci/sglang-cpu-requirements.txt
-bash .ci/install_package.sh "$venv"
-# Hugging Face's `kernels` package (which SGLang declares, and transformers imports when it is
-# installed) has the import name of this repository's kernels/ folder, which `python -m pytest`
-# puts on sys.path: keep it out. SGLang's CPU imports do not need it.
-"$venv/bin/pip" uninstall --quiet --yes kernels 2>/dev/null || true
-echo "sglang venv: packages installed ($((SECONDS - start)) s)"
-
-src="$venv/sglang-$sglang_version"
-unzip -q -o "$wheel" -x '*.so' -d "$src"
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-realpath "$src" > "$site/sglang_cpu_sources.pth"
+stack_venv_after_install() {
+    # Hugging Face's `kernels` package (which SGLang declares, and transformers imports when
+    # it is installed) has the import name of this repository's kernels/ folder, which
+    # `python -m pytest` puts on sys.path: keep it out. SGLang's CPU imports do not need it.
+    "$1/bin/pip" uninstall --quiet --yes kernels 2>/dev/null || true
+}
+source .ci/stack_venv.sh
+make_stack_venv sglang "$sglang_version" "$venv" "$cache"
 
 # The modules the tests drive, with the test stubs in place; a missing package fails here,
 # with its name.

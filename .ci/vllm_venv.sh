@@ -20,26 +20,8 @@ vllm_version=0.33.0
 venv=${HISPARSE_VLLM_VENV:-.venv-vllm}
 cache=${HISPARSE_VLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hisparse-triton}
 
-mkdir -p "$cache"
-wheel=$(ls "$cache"/vllm-"$vllm_version"-*.whl 2>/dev/null | head -n 1 || true)
-if [ -z "$wheel" ]; then
-    python3 -m pip download --quiet --no-deps "vllm==$vllm_version" -d "$cache"
-    wheel=$(ls "$cache"/vllm-"$vllm_version"-*.whl | head -n 1)
-fi
-echo "vllm venv: wheel $wheel ($((SECONDS - start)) s)"
-
-rm -rf "$venv"
-python3 -m venv "$venv"
-# Keep the whole folder out of git without touching the repository's .gitignore.
-echo '*' > "$venv/.gitignore"
-"$venv/bin/pip" install --quiet torch==2.13.0 triton==3.7.1 -r .ci/vllm-cpu-requirements.txt
-bash .ci/install_package.sh "$venv"
-echo "vllm venv: packages installed ($((SECONDS - start)) s)"
-
-src="$venv/vllm-$vllm_version"
-unzip -q -o "$wheel" -x '*.so' -d "$src"
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-realpath "$src" > "$site/vllm_cpu_sources.pth"
+source .ci/stack_venv.sh
+make_stack_venv vllm "$vllm_version" "$venv" "$cache"
 
 # The modules the tests drive; a missing package fails here, with its name.
 "$venv/bin/python" - <<'PY'
