@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+from hisparse_triton.compile.report import launch_rows
 from hisparse_triton.compile.target_compiler import TargetCompiler
 
 __all__ = ["AMD_ARCH_LIMITS", "AmdCompiler", "amd_occupancy", "asm_usage", "format_amd_report",
@@ -181,15 +182,10 @@ def format_amd_report(payload: dict[str, Any], title: Optional[str] = None) -> s
              f"{lim.get('max_waves_per_simd')} waves per SIMD, {lim.get('simds_per_cu')} SIMDs "
              f"per CU, {lim.get('lds_per_cu')} B LDS per CU, "
              f"{lim.get('max_workgroup_lanes')} lanes per workgroup", head]
-    for r in payload["launches"]:
-        grid = "x".join(map(str, r["grid"]))
-        if r.get("error"):
-            lines.append(f"{r['variant']:<40} {r['kernel']:<28} {grid:<14} ERROR {r['error']}")
-            continue
-        lines.append(f"{r['variant']:<40} {r['kernel']:<28} {grid:<14} {r['num_warps']:>5} "
-                     f"{r['vgprs']:>4} {r['sgprs']:>4} {r['sgpr_spills']:>4} "
-                     f"{r['scratch_bytes']:>4} {r['lds_bytes']:>6} {r['instructions']:>6} "
-                     f"{r['waves_per_simd']:>6} {r['workgroups_per_cu']:>5} {r['limited_by']:<6}")
+    lines += launch_rows(payload["launches"], lambda r: (
+        f"{r['num_warps']:>5} {r['vgprs']:>4} {r['sgprs']:>4} {r['sgpr_spills']:>4} "
+        f"{r['scratch_bytes']:>4} {r['lds_bytes']:>6} {r['instructions']:>6} "
+        f"{r['waves_per_simd']:>6} {r['workgroups_per_cu']:>5} {r['limited_by']:<6}"))
     return "\n".join(lines + AMD_LEGEND)
 
 

@@ -449,17 +449,24 @@ def format_report(payload: dict[str, Any]) -> str:
     head = (f"{'variant':<40} {'kernel':<28} {'grid':<14} {'warps':>5} {'regs':>4} "
             f"{'spill':>5} {'smem':>7} {'sass':>6} {'cta/SM':>6}")
     lines = [f"compile report for {payload['arch']} (triton {payload['triton']})", head]
-    for r in payload["launches"]:
-        grid = "x".join(map(str, r["grid"]))
-        if r.get("error"):
-            lines.append(f"{r['variant']:<40} {r['kernel']:<28} {grid:<14} ERROR {r['error']}")
-            continue
-        lines.append(f"{r['variant']:<40} {r['kernel']:<28} {grid:<14} {r['num_warps']:>5} "
-                     f"{r.get('registers', '?'):>4} "
-                     f"{r.get('stack_bytes', 0) + r.get('local_bytes', 0):>5} "
-                     f"{r['shared_bytes']:>7} {r.get('sass_instructions', '?'):>6} "
-                     f"{r['ctas_per_sm']:>6}")
+    lines += launch_rows(payload["launches"], lambda r: (
+        f"{r['num_warps']:>5} {r.get('registers', '?'):>4} "
+        f"{r.get('stack_bytes', 0) + r.get('local_bytes', 0):>5} "
+        f"{r['shared_bytes']:>7} {r.get('sass_instructions', '?'):>6} {r['ctas_per_sm']:>6}"))
     return "\n".join(lines + NVIDIA_LEGEND)
+
+
+def launch_rows(launches: Sequence[dict[str, Any]],
+                columns: Callable[[dict[str, Any]], str]) -> list[str]:
+    """One table line per launch record: variant, kernel and grid, then ``columns(record)``
+    (a target's own columns), or ``ERROR`` and the message for a launch that failed."""
+    lines = []
+    for r in launches:
+        grid = "x".join(map(str, r["grid"]))
+        start = f"{r['variant']:<40} {r['kernel']:<28} {grid:<14}"
+        lines.append(f"{start} ERROR {r['error']}" if r.get("error") else
+                     f"{start} {columns(r)}")
+    return lines
 
 
 #: What each column of the NVIDIA table means (printed under it).
