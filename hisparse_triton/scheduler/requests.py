@@ -660,12 +660,14 @@ class RequestTable:
         an id named twice, ``UnknownRequestError`` for an unknown one."""
         check_id_list(request_ids)
         rows, seen = [], set()
+        importing = self.num_importing > 0   # none in the common case: no per-row read
         for request_id in request_ids:
             if request_id is None:
                 rows.append(-1)
                 continue
             req = self.get(request_id, "resolve")
-            req.check_not_importing("resolve")
+            if importing:
+                req.check_not_importing("resolve")
             row = req.row
             if row in seen:
                 raise DuplicateRequestError(f"request {request_id!r} appears twice in one "
