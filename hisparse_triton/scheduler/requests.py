@@ -179,6 +179,11 @@ class Request:
                                  f"prompt's.")
         return new
 
+    def host_rows(self, start: int, end: int, block_size: int) -> np.ndarray:
+        """``[end - start] int64`` host rows of positions ``[start, end)``."""
+        positions = np.arange(start, end, dtype=np.int64)
+        return self.host_array[positions // block_size] * block_size + positions % block_size
+
     def host_row_ranges(self, start: int, end: int, block_size: int) -> list[tuple[int, int]]:
         """The host rows of positions ``[start, end)`` as ``(lo, hi)`` ranges, one per page."""
         B, out = block_size, []

@@ -450,20 +450,17 @@ class HiSparseScheduler(SchedulerQueries):
                 self.durability.offload(req)
             # Pages before the tail are host-only (a cached page's GPU copy stays readable).
             self.devices.unpin(req, 0, tail, drop=self.policy.always_offload)
-            resident = self.devices.resident_positions
             for m in self.devices.paged:
-                first = tail if m.position in resident else m.group.pages(cached)
+                first = m.group.pages(self._import_start(m, tail * B, cached))
                 m.allocate_pages(req, first, m.group.pages(prompt_len) - first)
             self._requests.start_import(req, prompt_len, cached)
             self.plan_builder.write_seq_len(req.row, prompt_len)
             self.durability.track_peaks()
         tail_start = tail * B
-        positions = np.arange(cached, tail_start, dtype=np.int64)
-        host_rows = req.host_array[positions // B] * B + positions % B
+        host_rows = req.host_rows(cached, tail_start, B)
         device_rows = {}
         for m, names in zip(self.devices.paged, self.devices.row_names):
-            start = tail_start if m.position in resident else cached
-            rows = m.rows(req, start, prompt_len)
+            rows = m.rows(req, self._import_start(m, tail_start, cached), prompt_len)
             device_rows.update(dict.fromkeys(names, rows))
         return KVImport(request_id=request_id, state_row=req.row, cached_len=cached,
                         tail_start=tail_start, prompt_len=prompt_len, host_rows=host_rows,
@@ -482,13 +479,18 @@ class HiSparseScheduler(SchedulerQueries):
         (the resident tail; the cached prefix's pages come before it)."""
         return max(pages - ACTIVE_TAIL_PAGES, cached_pages)
 
+    def _import_start(self, m, tail_start: int, cached: int) -> int:
+        """The first prompt position of an imported request that paged group ``m`` holds on
+        the device: the resident tail's in a resident group, the first past the cached
+        prefix in the other paged groups."""
+        return tail_start if m.position in self.devices.resident_positions else cached
+
     def _import_blocks(self, prompt_len: int, cached_pages: int) -> int:
-        """Device blocks an imported prompt's pages take: the resident tail in every
-        resident group, every page past the cached prefix in the other paged groups."""
-        B, resident = self.block_size, self.devices.resident_positions
-        tail = self._import_tail(cdiv(prompt_len, B), cached_pages)
-        return sum(m.group.pages(prompt_len) - (tail if m.position in resident
-                                                 else m.group.pages(cached_pages * B))
+        """Device blocks an imported prompt's pages take (``_import_start`` on)."""
+        B = self.block_size
+        tail_start = self._import_tail(cdiv(prompt_len, B), cached_pages) * B
+        return sum(m.group.pages(prompt_len)
+                   - m.group.pages(self._import_start(m, tail_start, cached_pages * B))
                    for m in self.devices.paged)
 
     def finish_import(self, request_id: Hashable) -> None:
@@ -536,16 +538,14 @@ class HiSparseScheduler(SchedulerQueries):
                              f"are not durable yet (their host copies come with the mirror of "
                              f"the plan that carries them): step() or commit_mirrors() after "
                              f"that mirror first (the facade: commit()).")
-        B = self.block_size
-        positions = np.arange(n, dtype=np.int64)
-        host_rows = req.host_array[positions // B] * B + positions % B
+        host_rows = req.host_rows(0, n, self.block_size)
         device_rows = {}
         resident = self.devices.resident_positions
         for m, names in zip(self.devices.paged, self.devices.row_names):
             if m.position in resident:
                 continue
-            blocks = m.blocks[req.row, positions // m.block_size].astype(np.int64)
-            rows = np.where(blocks > 0, blocks * m.block_size + positions % m.block_size, -1)
+            rows = m.rows(req, 0, n)
+            rows[rows < m.block_size] = -1   # block 0, the null block: a released page
             device_rows.update(dict.fromkeys(names, rows))
         return KVExport(request_id=request_id, num_tokens=n, host_rows=host_rows,
                         device_rows=device_rows, source_layers=tuple(self.source_layers))

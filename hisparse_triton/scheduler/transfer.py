@@ -106,7 +106,7 @@ class KVImport:
             if self.prompt_len > self.tail_start:
                 out.append(RowCopy(layer, True, export.host_rows[tail], False,
                                    self.device_rows[layer]))
-        for layer in sorted(others, key=list(self.device_rows).index):
+        for layer in (name for name in self.device_rows if name in others):
             src = export.device_rows[layer][self.cached_len:self.prompt_len]
             keep = src >= 0
             out.append(RowCopy(layer, False, src[keep], False, self.device_rows[layer][keep]))
