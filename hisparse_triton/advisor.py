@@ -66,7 +66,7 @@ from hisparse_triton.link import DEFAULT_LINK_GBPS
 from hisparse_triton.presets import ModelGeometry, build_kv_cache_spec, get_preset
 from hisparse_triton.specs import cdiv
 from hisparse_triton.worker.split_capacity import (SPLIT_CHUNKS, SPLIT_HEADROOM,
-                                                   capacity_fraction)
+                                                   capacity_fraction, capacity_rows)
 
 #: Swept by default: hot-buffer rows (x Q x top-k) and KV block sizes (tokens) of a preset
 #: whose attention kernel takes any block size.
@@ -186,7 +186,7 @@ def split_bytes(miss_columns: float, columns: int, bytes_per_column: float, rank
     rank: everything over PCIe, no exchange."""
     if ranks <= 1:
         return miss_columns * bytes_per_column, 0.0
-    cap = max(1, math.ceil(fraction * columns / ranks - 1e-9))
+    cap = capacity_rows(1, columns, ranks, fraction)
     split = min(miss_columns, ranks * cap)
     pcie = (split / ranks + max(0.0, miss_columns - ranks * cap)) * bytes_per_column
     return pcie, (ranks - 1) * cap * bytes_per_column
@@ -540,6 +540,7 @@ def run_advise(settings: AdviseSettings,
                      "chunks": settings.split_chunks, "headroom": SPLIT_HEADROOM,
                      "recommended_fraction": None if best is None
                      else capacity_fraction(best["miss_rate"]),
+                     "recommended_miss_rate": None if best is None else best["miss_rate"],
                      "formula": SPLIT_FORMULA}
         if settings.tp_split > 1 else None,
         "link_gbps": settings.link_gbps, "link_source": settings.link_source,

@@ -312,6 +312,8 @@ def test_tp_split_sizes_the_exchange_by_the_miss_rate(capsys):
         assert c["link_ms_per_step"] > a["link_ms_per_step"]   # pipelining hides some
     best = auto["recommended"]
     assert split["recommended_fraction"] == capacity_fraction(best["miss_rate"])
+    assert split["recommended_miss_rate"] == best["miss_rate"]
+    assert f"(miss rate {100 * best['miss_rate']:.1f}% + 25% headroom" in table
     assert f"split_gather_fraction {split['recommended_fraction']:g}" in table
     assert main([*SMALL, "--tp-split", "2", "--split-fraction", "0"]) == 2
     assert main([*SMALL, "--tp-split", "2", "--split-chunks", "0"]) == 2

@@ -235,11 +235,7 @@ def _split_recommendation(p: dict[str, Any]) -> list[str]:
     where = (f"block_size {best['block_size']}, device_buffer_size "
              f"{best['device_buffer_size']}" if best.get("mode") == "hisparse"
              else "the best HiSparse setting")
-    rows = [r for r in p["settings"] if "error" not in r and r.get("batch")]
-    row = next((r for r in rows if best.get("mode") == "hisparse"
-                and (r["block_size"], r["device_buffer_size"]) ==
-                (best["block_size"], best["device_buffer_size"])), None)
-    miss = row["miss_rate"] if row else best.get("miss_rate") or 0.0
+    miss = split["recommended_miss_rate"]
     return [f"split gather capacity: split_gather_fraction {fraction:g} for {where} (miss "
             f"rate {100 * miss:.1f}% + {100 * split['headroom']:g}% headroom, rounded up to "
             f"a level; 'auto', the default, settles there from the observed misses)"]
