@@ -45,6 +45,7 @@ from hisparse_triton.commands.output import (
 )
 from hisparse_triton.link import DEFAULT_LINK_GBPS, DEFAULT_LINK_SOURCE
 from hisparse_triton.presets import DEFAULT_PRESET, list_presets
+from hisparse_triton.units import format_duration_us
 
 #: ``policies.POLICIES`` and ``workload.WORKLOADS``, spelled here so that building the parser
 #: does not import numpy (a test checks they agree).
@@ -208,14 +209,6 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def _seconds(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -351,7 +344,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"bytes moved: host->device {_bytes(r['h2d_bytes'])} (misses), device->host "
         f"{_bytes(r['d2h_bytes'])} (write-through of every new row)",
         f"at {r['link_gbps']:g} GB/s{link}: host->device "
-        f"{_seconds(r['h2d_seconds_per_step_model'])} per decode step{scale}, "
+        f"{format_duration_us(r['h2d_seconds_per_step_model'] * 1e6)} per decode step{scale}, "
         f"{_bytes(r['h2d_bytes_per_step_model'])}",
         _memory_line(r),
     ]
