@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(json_document("compile-report", 1, payload), args.json)
     status = _check(payload) if args.check else 0
     failed, line = verdict(payload)
-    if failed and not args.check:
+    if (failed or not payload["launches"]) and not args.check:
         line += " (--check would exit 1)"
     print(line, file=stream)
     return status
