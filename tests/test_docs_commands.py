@@ -119,16 +119,23 @@ def _outputs() -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                    reason="needs git and a git checkout")
+needs_git = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                               reason="needs git and a git checkout")
+
+
+def _ignored(path: str) -> bool:
+    """Whether git ignores ``path`` (relative to the checkout; it need not exist)."""
+    return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
+                          capture_output=True).returncode == 0
+
+
+@needs_git
 def test_documented_output_files_are_ignored():
     outputs = _outputs()
     assert len(outputs) >= 5
     for where, path in outputs:
-        rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
-                            capture_output=True).returncode
-        assert rc == 0, f"{where}: `{path}`, written by a documented command, is not in " \
-                        f".gitignore"
+        assert _ignored(path), f"{where}: `{path}`, written by a documented command, is not " \
+                               f"in .gitignore"
 
 
 MARKED = [(f"{path.relative_to(ROOT)}:{line}", commands)
@@ -171,26 +178,22 @@ def _documented_python_outputs() -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                    reason="needs git and a git checkout")
+@needs_git
 @pytest.mark.parametrize("path", ["hisparse_triton-0.1.0-py3-none-any.whl",
                                   "dist/hisparse_triton-0.1.0.tar.gz", "build/lib/x.py",
                                   "hisparse_triton.egg-info/PKG-INFO"])
 def test_what_pip_wheel_and_build_write_is_ignored(path):
-    rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
-                        capture_output=True).returncode
-    assert rc == 0, f"`{path}` (written by pip wheel . / python -m build) is not in .gitignore"
+    assert _ignored(path), f"`{path}` (written by pip wheel . / python -m build) is not in " \
+                           f".gitignore"
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                    reason="needs git and a git checkout")
+@needs_git
 def test_what_documented_scripts_write_is_ignored():
     outputs = _documented_python_outputs()
     assert outputs, "the docs no longer show bench/bench_resolve.py"
     for where, path in outputs:
-        rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT,
-                            capture_output=True).returncode
-        assert rc == 0, f"{where}: `{path}`, written by a documented command, is not ignored"
+        assert _ignored(path), f"{where}: `{path}`, written by a documented command, is not " \
+                               f"ignored"
 
 
 def test_bench_resolve_reports_progress(monkeypatch, tmp_path, capsys):
