@@ -548,19 +548,18 @@ class RequestTable:
         if count:
             self._set_drafts(req, [*req.drafts, (req.seq_len - count, count)])
 
-    def verify(self, req: Request, num_accepted: int, block_size: int) -> tuple[int, int]:
+    def verify(self, req: Request, num_accepted: int, block_size: int) -> None:
         """The oldest pending run of ``req`` was verified (``check_verify`` passed):
         ``num_accepted`` of its drafts stay, the rest leave the sequence and every later
         token moves down by their count (its KV was written at the moved position: the
-        stack corrects the positions of steps scheduled before the verification). Returns
-        ``(first, rejected)``: the first position whose bytes changed and the count
-        removed. Tokens from ``first`` on are mirrored again (``scheduled_len``); their ids
-        and the page hashes from ``first``'s page on are spliced and hashed again."""
+        stack corrects the positions of steps scheduled before the verification). Tokens
+        from the first rejected position on are mirrored again (``scheduled_len``); their ids
+        and the page hashes from that position's page on are spliced and hashed again."""
         (start, count), *later = req.drafts
         first, rejected = start + num_accepted, count - num_accepted
         self._set_drafts(req, [(s - rejected, c) for s, c in later])
         if not rejected:
-            return first, 0
+            return
         j = self._journal
         new_len = req.seq_len - rejected
         j.setattr(req, "seq_len", new_len)
@@ -579,7 +578,6 @@ class RequestTable:
             j.setattr(req, "page_hashes", hashes)
             if len(tokens) >= new_len:
                 j.setattr(req, "chain_open", True)
-        return first, rejected
 
     # -- imports ---------------------------------------------------------------------------
     def start_import(self, req: Request, length: int, durable: int) -> None:
