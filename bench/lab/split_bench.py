@@ -164,14 +164,14 @@ def _rank(rank: int, world: int, init: str, result: str, spec: dict[str, Any]) -
     misses = [sum(c) for c in counts_all]
     miss_rate = sum(misses) / (steps * R * K)
     model_fraction = capacity_fraction(miss_rate)
+    model_pcie, model_exchange = split_bytes(miss_rate * K, K, rb, world, model_fraction)
     report: dict[str, Any] = {
         "ranks": world, "rows": R, "top_k": K, "row_bytes": rb, "steps": steps,
         "misses_per_step": misses, "miss_rate": round(miss_rate, 5),
         "plain_us": _summary(plain_us),
-        "model": {"fraction": model_fraction, "exchange_bytes_per_step": round(
-            R * split_bytes(miss_rate * K, K, rb, world, model_fraction)[1]),
-            "pcie_bytes_per_step": round(
-                R * split_bytes(miss_rate * K, K, rb, world, model_fraction)[0]),
+        "model": {"fraction": model_fraction,
+                  "exchange_bytes_per_step": round(R * model_exchange),
+                  "pcie_bytes_per_step": round(R * model_pcie),
             "note": "advise's model (advisor.split_bytes) at the run's mean miss rate and "
                     "the auto rule's capacity (split_capacity.capacity_fraction)"},
         "variants": {}}
@@ -185,16 +185,18 @@ def _rank(rank: int, world: int, init: str, result: str, spec: dict[str, Any]) -
             split.gather(device_table, host, src, dst, counts)
         dev_pool.zero_()
         us, per_step = [], []
+        before = split.stats()      # each step's stats are the next one's "before"
         for src, dst, counts in plans:
             plan_no += 1
             split.on_plan(plan_no)
-            before = split.stats()
+            fraction_in_force = split.fraction
             us.append(timed(lambda: split.gather(device_table, host, src, dst, counts)))
             after = split.stats()
             per_step.append([after.misses - before.misses,
                              after.exchange_bytes - before.exchange_bytes,
-                             after.overflow_rows - before.overflow_rows, before.fraction])
-        total = split.stats()
+                             after.overflow_rows - before.overflow_rows, fraction_in_force])
+            before = after
+        total = before
         ex = sum(s[1] for s in per_step)
         miss_bytes = sum(s[0] for s in per_step) * rb
         report["variants"][name] = {
