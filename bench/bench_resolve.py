@@ -131,17 +131,17 @@ def model_summary(widths=(2048, 4096, 8192, 16384, 32768), arch: int = 90,
 
 
 def per_call(launches: list) -> dict:
-    """Per resolve call (one index group): the model's us of every launch the call makes at
-    its own grid, summed (the hash resolve: its hash launch and its fallback launch, each
-    costed on the path it takes in a batch without a flagged row; ``if_a_row_is_flagged_us``:
-    the sum when one row of the batch falls back). Launch latency is not included."""
+    """Per resolve call (one index group; the report's records of one call share ``call``):
+    the model's us of every launch the call makes at its own grid, summed (the hash resolve:
+    its hash launch and its fallback launch, each costed on the path it takes in a batch
+    without a flagged row; ``if_a_row_is_flagged_us``: the sum when one row of the batch
+    falls back). Launch latency is not included."""
     calls: dict = {}
     for r in launches:
         model = r.get("model")
         if not model:
             continue
-        call = r["variant"].removesuffix(" fallback")
-        entry = calls.setdefault(call, {"launches": [], "us": 0.0,
+        entry = calls.setdefault(r["call"], {"launches": [], "us": 0.0,
                                         "if_a_row_is_flagged_us": 0.0})
         us = model["us_per_call_this_grid"]
         flagged = model.get("if_a_row_takes_the_full_path")

@@ -191,25 +191,29 @@ def test_compiled_resolve_has_a_model():
     fallback = [r for r in doc["launches"]
                 if r["variant"] == "resolve K=2048 H=4096 R=64 fallback"]
     assert fallback and fallback[0]["kernel"] == "_resolve_kernel"
+    assert fallback[0]["call"] == rows[0]["call"] == "resolve K=2048 H=4096 R=64"
     fb = fallback[0]["model"]
     assert "early return" in fb["path"] and fb["barriers"] == 0
     assert fb["cycles_per_row"] < fb["if_a_row_takes_the_full_path"]["cycles_per_row"]
 
 
 def test_bench_resolve_sums_the_launches_of_a_call():
-    """``bench_resolve.per_call``: a call's launches (``"<variant> fallback"`` for the
-    second) summed at their own grid; a flagged row costs the fallback's full path."""
+    """``bench_resolve.per_call``: a call's launches (the records sharing ``call``; the
+    second is ``"<variant> fallback"``) summed at their own grid; a flagged row costs the
+    fallback's full path."""
     from bench_resolve import per_call
 
     hash_model = {"us_per_call_this_grid": 9.4, "path": "p"}
     fallback = {"us_per_call_this_grid": 0.25, "path": "early",
                 "if_a_row_takes_the_full_path": {"us_per_call_this_grid": 25.0}}
     launches = [
-        {"variant": "resolve K=2048 R=64", "kernel": "h", "model": hash_model},
-        {"variant": "resolve K=2048 R=64 fallback", "kernel": "s", "model": fallback},
-        {"variant": "resolve K=8192 R=64", "kernel": "s", "model": {
-            "us_per_call_this_grid": 100.0}},
-        {"variant": "broken", "kernel": "s", "model": None},
+        {"variant": "resolve K=2048 R=64", "call": "resolve K=2048 R=64", "kernel": "h",
+         "model": hash_model},
+        {"variant": "resolve K=2048 R=64 fallback", "call": "resolve K=2048 R=64",
+         "kernel": "s", "model": fallback},
+        {"variant": "resolve K=8192 R=64", "call": "resolve K=8192 R=64", "kernel": "s",
+         "model": {"us_per_call_this_grid": 100.0}},
+        {"variant": "broken", "call": "broken", "kernel": "s", "model": None},
     ]
     calls = per_call(launches)
     assert set(calls) == {"resolve K=2048 R=64", "resolve K=8192 R=64"}

@@ -384,14 +384,14 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
     with _planned_for(compiler):   # the launchers plan for the target (warp size, limits)
         launches = [item for what, make in calls for item in _named(what, make())]
     records: list[dict[str, Any]] = []
-    for what, launch in launches:
+    for call, what, launch in launches:
         if launch is None:
             continue
         name = launch.kernel.fn.__name__
         if progress is not None:
             progress(f"{what}: {name}")
         info = compiler.compile(launch.kernel, launch.args, dict(launch.kwargs))
-        record = {"variant": what, "kernel": name, "grid": _grid(launch.grid),
+        record = {"variant": what, "call": call, "kernel": name, "grid": _grid(launch.grid),
                   **{k: v for k, v in info.items() if k != "_sass"}}
         if info.get("_sass"):  # the issue-cycle model (compile/sass_model.py; NVIDIA only)
             record["model"] = sass_model.launch_model(
@@ -403,13 +403,14 @@ def compile_report(arch: int | str = 90, *, groups: Sequence[str] = GROUPS,
     return {**target, "triton": triton.__version__, "launches": records}
 
 
-def _named(what: str, made: Any) -> list[tuple[str, Any]]:
-    """``(variant, launch)`` of what a ``make()`` returned: one launch (or None), or the
-    launches of one call in order (the hash resolve and its fallback launch: the second is
-    named ``"<variant> fallback"``)."""
+def _named(what: str, made: Any) -> list[tuple[str, str, Any]]:
+    """``(call, variant, launch)`` of what a ``make()`` returned (``call`` = ``what``): one
+    launch (or None), or the launches of one call in order (the hash resolve and its
+    fallback launch: the second is named ``"<variant> fallback"``)."""
     if made is None or hasattr(made, "kernel"):  # one launch (a KernelLaunch is a tuple too)
-        return [(what, made)]
-    return [(what if i == 0 else f"{what} fallback", launch) for i, launch in enumerate(made)]
+        return [(what, what, made)]
+    return [(what, what if i == 0 else f"{what} fallback", launch)
+            for i, launch in enumerate(made)]
 
 
 def _planned_for(compiler: Any):
