@@ -1300,6 +1300,12 @@ class DecodeResult:
     rejected_tokens: int = 0
 
 
+def draft_lookahead(spec_tokens: int, async_scheduling: bool) -> int:
+    """Tokens a request reserves past its own: under async scheduling, the unverified drafts
+    of the step before (``spec_tokens - 1``); none otherwise."""
+    return spec_tokens - 1 if async_scheduling else 0
+
+
 def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_size: int = 32,
                   max_running: Optional[int] = None, spec_tokens: int = 1,
                   drafts: Optional[dict[str, list[int]]] = None,
@@ -1343,7 +1349,7 @@ def greedy_decode(model: TinyDSA, store: KVStore, workload: Workload, *, chunk_s
     running: list[GenRequest] = []
     done: list[GenRequest] = []
     steps = cached_total = computed_total = rejected_total = 0
-    lookahead = spec_tokens - 1 if async_scheduling else 0
+    lookahead = draft_lookahead(spec_tokens, async_scheduling)
     #: Async: per request, the drafts its last step verified and how many it accepted (the
     #: store hears it after the next step's forward).
     unverified: dict[str, tuple[int, int]] = {}
@@ -1475,9 +1481,8 @@ class RunSpec:
 
     @property
     def lookahead(self) -> int:
-        """Tokens a request reserves past its own: the unverified drafts of the step before
-        under async scheduling."""
-        return self.spec_tokens - 1 if self.async_scheduling else 0
+        """Tokens a request reserves past its own (``draft_lookahead``)."""
+        return draft_lookahead(self.spec_tokens, self.async_scheduling)
 
     def runtime_options(self) -> dict[str, Any]:
         """Scheduler keyword arguments of this run."""
