@@ -108,9 +108,9 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     ops_ = sorted({f["op"] for f in figs}, key=TRANSFER_OPS.index)
     sizes = sorted({f["row_bytes"] for f in figs})
     width = max(4.6 * len(sizes), 8.0)
-    legend_in = 1.5   # re-sized below, once the legend's entries are known
-    height = 3.2 * len(ops_) + legend_in
-    fig, axes = plt.subplots(len(ops_), len(sizes), figsize=(width, height), squeeze=False)
+    # The height is set below, once the legend's entries are known.
+    fig, axes = plt.subplots(len(ops_), len(sizes), figsize=(width, 3.2 * len(ops_) + 1.5),
+                             squeeze=False)
     env = result.get("environment", {})
     kernel_methods = KERNEL_METHODS + ("triton_graph",)
     ratios = sorted({f["miss_ratio"] for f in figs if f.get("miss_ratio") is not None})
@@ -120,7 +120,6 @@ def write_plot(result: dict[str, Any], path: str) -> None:
              f"{what_was_timed(result, figs)}."
              + (f" Kernel methods at miss ratio {max(ratios):g} (the valid share of each "
                 f"plan row)." if ratios else ""))
-    top = _title(fig, title, width)
     untrusted = 0
     used: set[tuple[str, int]] = set()
     for i, op in enumerate(ops_):
